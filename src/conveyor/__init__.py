@@ -1,0 +1,1 @@
+"""conveyor: train PyTorch models across processes, GPUs and machines."""

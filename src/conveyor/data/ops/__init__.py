@@ -1,0 +1,1 @@
+"""Dataset transformations: one op per module, each a Node (recipe) and an Iter (resumable iterator)."""

@@ -1,0 +1,443 @@
+"""`interleave(map_func, cycle_length, block_length, num_parallel_calls, deterministic)`.
+
+Opens `map_func(x)` for up to `cycle_length` input elements and takes `block_length` consecutive
+elements from each in turn (TFDATA.md §6). The order is tf.data's sequential kernel, exactly:
+slots are opened lazily when the cycle reaches them, and a slot whose dataset ended is refilled
+only when the cycle comes back to it.
+
+    Dataset.range(1, 6).interleave(lambda x: Dataset.from_tensor_slices([x] * 6),
+                                   cycle_length=2, block_length=4)
+    # 1,1,1,1, 2,2,2,2, 1,1, 2,2, 3,3,3,3, 4,4,4,4, 3,3, 4,4, 5,5,5,5, 5,5
+
+With `num_parallel_calls` a small pool of threads reads ahead from every open slot into a bounded
+per-slot buffer. The consumer still runs the sequential algorithm over those buffers, so the
+output is the same as without parallelism; with `deterministic=False` it takes from whichever slot
+has an element ready when the one whose turn it is has none (nothing lost, nothing repeated).
+
+State: the input's state, the cycle position, and per open slot the input element that opened it
+(to rebuild its dataset with `map_func`), the inner iterator's state and, in the parallel version,
+the elements read ahead but not yet returned. A rebuilt inner iterator gets the same `Context`
+path (`input slot 1, opening number n`), so random ops inside inner datasets redraw the same
+numbers.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from conveyor.data.base import AUTOTUNE, Context, Iter, Node, call, cpu_budget, describe_fn
+from conveyor.data.elements import from_json, to_json
+from conveyor.data.errors import InvalidArgumentError
+
+_WAIT = 0.05  # seconds between checks of the stop flag in every blocking wait
+_JOIN_TIMEOUT = 5.0  # how long close() waits for a reader stuck inside an inner dataset's next()
+
+_MIN_READ_AHEAD = 16  # elements a slot may hold read ahead (at least two blocks)
+_READ_BATCH = 16  # most elements a reader takes from one slot before handing it back
+
+_ITEM, _END, _ERROR = 0, 1, 2
+_ANY_SLOT = object()
+
+
+class InterleaveNode(Node):
+    name = "interleave"
+
+    def __init__(self, input: Node, map_func: Callable[..., Node], cycle_length: int | None,
+                 block_length: int, num_parallel_calls: int | None, deterministic: bool | None):
+        super().__init__(input)
+        if cycle_length is not None and cycle_length != AUTOTUNE:
+            _check_positive("cycle_length", cycle_length, "or AUTOTUNE")
+        _check_positive("block_length", block_length)
+        if num_parallel_calls is not None and num_parallel_calls != AUTOTUNE:
+            _check_positive("num_parallel_calls", num_parallel_calls, "or AUTOTUNE")
+        if deterministic is not None and not isinstance(deterministic, bool):
+            raise InvalidArgumentError(f"deterministic must be True, False or None, got {deterministic!r}")
+        self.map_func = map_func
+        self.cycle_length = cycle_length
+        self.block_length = int(block_length)
+        self.num_parallel_calls = num_parallel_calls
+        self.deterministic = deterministic
+
+    def params(self) -> dict[str, Any]:
+        return {"map_func": describe_fn(self.map_func), "cycle_length": self.cycle_length,
+                "block_length": self.block_length, "num_parallel_calls": self.num_parallel_calls,
+                "deterministic": self.deterministic}
+
+    def iterator(self, ctx: Context) -> Iter:
+        if self.num_parallel_calls is None:
+            return SequentialInterleaveIter(self, ctx)
+        return ParallelInterleaveIter(self, ctx)
+
+
+def _check_positive(what: str, value: Any, alternative: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        extra = f" {alternative}" if alternative else ""
+        raise InvalidArgumentError(f"interleave {what} must be a positive integer{extra}, got {value!r}")
+
+
+def _resolve(n: int | None) -> int:
+    """None and AUTOTUNE mean "as many as there are cores" (tf.data: based on available CPU)."""
+    return cpu_budget() if n is None or n == AUTOTUNE else int(n)
+
+
+class _Slot:
+    """One cycle element: the inner iterator and, when parallel, what was read ahead from it."""
+
+    __slots__ = ("element", "index", "inner", "buffer", "busy", "done", "error_pending", "orphaned")
+
+    def __init__(self, element: Any, index: int, inner: Iter | None):
+        self.element = element  # the input element map_func turned into this dataset
+        self.index = index  # how many input elements were opened before this one
+        self.inner = inner
+        self.buffer: collections.deque = collections.deque()  # (kind, value), parallel only
+        self.busy = False  # a reader thread is inside next(inner)
+        self.done = False  # the inner iterator ended (an _END entry is queued)
+        self.error_pending = False  # an _ERROR entry is queued; reading resumes once it is returned
+        self.orphaned = False  # the interleave closed while a reader was busy: the reader closes inner
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "element": to_json(self.element),
+            "index": self.index,
+            "inner": None if self.done else self.inner.get_state(),
+            # A queued error is not saved: the resumed inner iterator retries the failing call.
+            "buffer": [to_json(v) for kind, v in self.buffer if kind == _ITEM],
+            "done": self.done,
+        }
+
+    def close(self) -> None:
+        inner, self.inner = self.inner, None
+        if inner is not None:
+            inner.close()
+
+
+class _InterleaveBase(Iter):
+    def __init__(self, node: InterleaveNode, ctx: Context):
+        super().__init__(node.name, ctx, node.inputs[0].iterator(ctx.child(0)))
+        self._input = self.inputs[0]
+        self._ctx = ctx
+        self._map_func = node.map_func
+        self._cycle = _resolve(node.cycle_length)
+        self._block = node.block_length
+        self._slots: list[_Slot | None] = [None] * self._cycle
+        self._ci = 0  # slot whose turn it is
+        self._bi = 0  # elements taken from it in the current block
+        self._num_open = 0
+        self._num_opened = 0  # input elements consumed so far (names each inner iterator's context)
+        self._end_of_input = False
+        self.stats.extra["cycle_length"] = self._cycle
+
+    # ---- opening slots
+
+    def _make_inner(self, element: Any, index: int) -> Iter:
+        node = call(self._map_func, element)
+        if not isinstance(node, Node):
+            raise TypeError(
+                f"interleave's map_func must return a dataset, {describe_fn(self._map_func)} returned "
+                f"{type(node).__name__}"
+            )
+        # Inner iterators come and go (one per input element): give each its own statistics list
+        # so that a long run over many files does not grow the pipeline's list without bound.
+        ctx = dataclasses.replace(self._ctx.child(1).child(index), stats=[])
+        return node.iterator(ctx)
+
+    def _open_next(self) -> _Slot | None:
+        """Consume one input element and open its dataset; None at the end of the input."""
+        try:
+            element = next(self._input)
+        except StopIteration:
+            self._end_of_input = True
+            return None
+        index = self._num_opened
+        self._num_opened += 1
+        return _Slot(element, index, self._make_inner(element, index))
+
+    def _advance(self) -> None:
+        self._bi = 0
+        self._ci = (self._ci + 1) % self._cycle
+
+    def _after_emit(self) -> None:
+        self._bi += 1
+        if self._bi == self._block:
+            self._advance()
+
+    # ---- state
+
+    def _common_state(self, slots: list[dict | None]) -> dict[str, Any]:
+        return {
+            "input": None if self._end_of_input else self._input.get_state(),
+            "cycle_length": self._cycle,
+            "ci": self._ci,
+            "bi": self._bi,
+            "num_opened": self._num_opened,
+            "slots": slots,
+        }
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        # The saved cycle length wins over this machine's core count (AUTOTUNE), so the resumed
+        # stream continues in the same order.
+        self._cycle = int(state["cycle_length"])
+        self.stats.extra["cycle_length"] = self._cycle
+        if state["input"] is None:
+            self._end_of_input = True
+        else:
+            self._input.set_state(state["input"])
+        self._ci, self._bi = int(state["ci"]), int(state["bi"])
+        self._num_opened = int(state["num_opened"])
+        self._slots = [None if s is None else self._restore_slot(s) for s in state["slots"]]
+        if len(self._slots) != self._cycle:
+            raise InvalidArgumentError(
+                f"interleave state has {len(self._slots)} slots for cycle_length {self._cycle}"
+            )
+        self._num_open = sum(s is not None for s in self._slots)
+
+    def _restore_slot(self, s: dict[str, Any]) -> _Slot:
+        element = from_json(s["element"])
+        index = int(s["index"])
+        slot = _Slot(element, index, None)
+        if not s["done"]:
+            slot.inner = self._make_inner(element, index)
+            slot.inner.set_state(s["inner"])
+        slot.buffer.extend((_ITEM, from_json(v)) for v in s["buffer"])
+        if s["done"]:
+            slot.done = True
+            slot.buffer.append((_END, None))
+        return slot
+
+    def close(self) -> None:
+        slots, self._slots = self._slots, [None] * self._cycle
+        for slot in slots:
+            if slot is not None:
+                slot.close()
+        super().close()
+
+
+class SequentialInterleaveIter(_InterleaveBase):
+    """tf.data's sequential interleave kernel, line for line (TFDATA.md §6)."""
+
+    def _next(self):
+        slots = self._slots
+        while not self._end_of_input or self._num_open > 0:
+            slot = slots[self._ci]
+            if slot is not None:
+                try:
+                    x = next(slot.inner)
+                except StopIteration:
+                    pass
+                else:
+                    self._after_emit()
+                    return x
+                slot.close()
+                slots[self._ci] = None
+                self._num_open -= 1
+                self._advance()  # move on; the slot is refilled when the cycle comes back
+            elif not self._end_of_input:
+                slot = self._open_next()
+                if slot is not None:
+                    slots[self._ci] = slot
+                    self._num_open += 1
+            else:
+                self._advance()
+        raise StopIteration
+
+    def get_state(self) -> dict[str, Any]:
+        return self._common_state([None if s is None else s.state() for s in self._slots])
+
+
+class ParallelInterleaveIter(_InterleaveBase):
+    """Reader threads fill per-slot buffers; the consumer runs the sequential algorithm on them.
+
+    Locking: one lock guards every slot's `buffer`/`busy`/`done`/`error_pending` and the slot
+    list. A reader claims a slot (`busy`) under the lock and calls `next(inner)` outside it, so no
+    two threads ever touch one inner iterator. Every wait is a timed wait that re-checks the stop
+    flag, so `close()` never hangs on a reader that is idle.
+    """
+
+    def __init__(self, node: InterleaveNode, ctx: Context):
+        super().__init__(node, ctx)
+        self._deterministic = node.deterministic is not False
+        self._threads_wanted = max(1, min(_resolve(node.num_parallel_calls), self._cycle))
+        self._capacity = max(2 * self._block, _MIN_READ_AHEAD)  # per slot, in elements
+        self._lock = threading.Lock()
+        self._data_ready = threading.Condition(self._lock)  # consumer / snapshot wait here
+        self._space_ready = threading.Condition(self._lock)  # readers wait here
+        self._threads: list[threading.Thread] = []
+        self._stopping = False
+        self._paused = False
+        self._fatal: BaseException | None = None
+        self._consumer_waits_for: object = None  # a slot, _ANY_SLOT, or None
+        self.stats.extra["num_parallel_calls"] = self._threads_wanted
+
+    # ---- reader threads
+
+    def _start(self) -> None:
+        for i in range(self._threads_wanted):
+            t = threading.Thread(target=self._reader, name=f"conveyor-interleave-{id(self):x}-{i}", daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def _pick(self) -> _Slot | None:
+        """The slot most in need of reading: the one whose turn it is first, then in cycle order."""
+        slots, n, cap = self._slots, self._cycle, self._capacity
+        for k in range(n):
+            slot = slots[(self._ci + k) % n]
+            if (slot is not None and not slot.busy and not slot.done and not slot.error_pending
+                    and slot.inner is not None and len(slot.buffer) < cap):
+                return slot
+        return None
+
+    def _reader(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while True:
+                        if self._stopping:
+                            return
+                        slot = None if self._paused else self._pick()
+                        if slot is not None:
+                            break
+                        self._space_ready.wait(_WAIT)
+                    slot.busy = True
+                    room = self._capacity - len(slot.buffer)
+                # Read a few elements per claim (not one): fewer lock round trips and thread switches.
+                inner = slot.inner
+                got: list = []
+                kind = _ITEM
+                try:
+                    for _ in range(min(room, _READ_BATCH)):
+                        got.append((_ITEM, next(inner)))
+                        # Hand over early when someone waits: the consumer (for this slot, or
+                        # for any slot when not deterministic), get_state, or close.
+                        waiting = self._consumer_waits_for
+                        if (waiting is slot or waiting is _ANY_SLOT or self._paused
+                                or self._stopping):
+                            break
+                except StopIteration:
+                    kind = _END
+                    got.append((_END, None))
+                    inner.close()  # release files as soon as a dataset ends
+                except Exception as e:
+                    kind = _ERROR
+                    got.append((_ERROR, e))
+                with self._lock:
+                    slot.busy = False
+                    if slot.orphaned:
+                        slot.close()
+                        return
+                    slot.buffer.extend(got)
+                    if kind == _END:
+                        slot.done = True
+                        slot.inner = None
+                    elif kind == _ERROR:
+                        slot.error_pending = True
+                    self._data_ready.notify_all()
+        except BaseException as e:  # a bug here must not leave the consumer waiting forever
+            with self._lock:
+                self._fatal = e
+                self._data_ready.notify_all()
+
+    # ---- consumer
+
+    def _take(self) -> tuple[int, Any]:
+        """Wait for the next entry of the slot whose turn it is (or, when not deterministic, of any
+        slot with one ready, making it the current slot)."""
+        while True:
+            need_open = -1
+            with self._lock:
+                if self._fatal is not None:
+                    raise RuntimeError("interleave reader thread failed") from self._fatal
+                slot = self._slots[self._ci]
+                if slot.buffer:
+                    return self._pop(slot)
+                if not self._deterministic:
+                    n = self._cycle
+                    for k in range(1, n):
+                        j = (self._ci + k) % n
+                        other = self._slots[j]
+                        if other is not None and other.buffer:
+                            self._ci, self._bi = j, 0
+                            return self._pop(other)
+                    if not self._end_of_input:  # open empty slots early so they start reading
+                        need_open = next((j for j in range(n) if self._slots[j] is None), -1)
+                if need_open < 0:
+                    self._consumer_waits_for = slot if self._deterministic else _ANY_SLOT
+                    self._data_ready.wait(_WAIT)
+                    self._consumer_waits_for = None
+                    continue
+            new = self._open_next()  # outside the lock: the input and map_func may be slow
+            if new is not None:
+                self._install(need_open, new)
+
+    def _pop(self, slot: _Slot) -> tuple[int, Any]:
+        kind, value = slot.buffer.popleft()
+        if kind == _ERROR:
+            slot.error_pending = False  # the reader may retry the failing call, as sequential would
+            self._space_ready.notify()
+        elif len(slot.buffer) == self._capacity // 2:  # wake a reader once the buffer is half empty
+            self._space_ready.notify()
+        return kind, value
+
+    def _install(self, j: int, slot: _Slot) -> None:
+        with self._lock:
+            self._slots[j] = slot
+            self._num_open += 1
+            self._space_ready.notify()
+
+    def _next(self):
+        if self._stopping:
+            raise StopIteration  # closed
+        if not self._threads:
+            self._start()
+        while not self._end_of_input or self._num_open > 0:
+            slot = self._slots[self._ci]
+            if slot is not None:
+                kind, value = self._take()
+                if kind == _ITEM:
+                    self._after_emit()
+                    return value
+                if kind == _ERROR:
+                    raise value  # the inner dataset's own exception, with its traceback
+                with self._lock:
+                    self._slots[self._ci] = None
+                self._num_open -= 1
+                self._advance()
+            elif not self._end_of_input:
+                new = self._open_next()
+                if new is not None:
+                    self._install(self._ci, new)
+            else:
+                self._advance()
+        raise StopIteration
+
+    def get_state(self) -> dict[str, Any]:
+        with self._lock:
+            self._paused = True
+            try:
+                while any(s is not None and s.busy for s in self._slots):
+                    if self._fatal is not None:
+                        raise RuntimeError("interleave reader thread failed") from self._fatal
+                    self._data_ready.wait(_WAIT)
+                slots = [None if s is None else s.state() for s in self._slots]
+            finally:
+                self._paused = False
+                self._space_ready.notify_all()
+        return self._common_state(slots)
+
+    def close(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._space_ready.notify_all()
+            self._data_ready.notify_all()
+        for t in self._threads:
+            t.join(_JOIN_TIMEOUT)
+        self._threads = []
+        with self._lock:
+            for slot in self._slots:
+                if slot is not None and slot.busy:  # stuck in next(): its reader closes it on return
+                    slot.orphaned = True
+            self._slots = [None if s is None or s.busy else s for s in self._slots]
+        super().close()

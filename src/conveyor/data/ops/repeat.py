@@ -1,0 +1,127 @@
+"""`repeat(count=None)`: the input, `count` times over; forever when `count` is None or -1.
+
+tf.data semantics (TFDATA.md §5): "Repeats this dataset so each original value is seen `count`
+times". Every repetition starts a fresh input iterator, built with `Context.with_epoch(epoch)`, so
+a random op upstream with `reshuffle_each_iteration=True` draws a new order each epoch while a
+rebuilt (resumed) iterator draws the same one again.
+
+    Dataset.range(3).repeat(2)    # 0, 1, 2, 0, 1, 2
+    Dataset.range(3).repeat(0)    # nothing
+    Dataset.range(3).repeat()     # 0, 1, 2, 0, 1, 2, ... forever
+
+As in tf.data every negative count means forever, and repeating forever stops when an epoch
+yields no element at all (otherwise an empty input would spin forever); a finite count runs all
+its epochs even when some are empty.
+
+State: the epoch number, whether it has produced an element yet, and the input's state.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+from conveyor.data.base import Context, Iter, Node
+from conveyor.data.errors import InvalidArgumentError
+
+
+class RepeatNode(Node):
+    name = "repeat"
+
+    def __init__(self, input: Node, count: int | None = None):
+        super().__init__(input)
+        if count is not None and (isinstance(count, bool) or not isinstance(count, numbers.Integral)):
+            raise InvalidArgumentError(f"repeat count must be an integer or None (forever), got {count!r}")
+        self.count = -1 if count is None or count < 0 else int(count)
+
+    def params(self) -> dict[str, Any]:
+        return {"count": self.count}
+
+    def iterator(self, ctx: Context) -> Iter:
+        return RepeatIter(self, ctx)
+
+
+class RepeatIter(Iter):
+    def __init__(self, node: RepeatNode, ctx: Context):
+        super().__init__(node.name, ctx)
+        self._node = node
+        self._ctx = ctx
+        self._input: Iter | None = None
+        self._epoch = 0
+        self._fresh = True  # the current epoch has not produced an element yet
+        if node.count != 0:
+            self._open(0)
+
+    def _open(self, epoch: int) -> None:
+        old = self._input
+        if old is not None:
+            old.close()
+        self._epoch = epoch
+        self._fresh = True
+        self._input = self._node.inputs[0].iterator(self._ctx.child(0).with_epoch(epoch))
+        self.inputs = [self._input]
+        if old is not None:
+            _carry_stats(old, self._input, self._ctx.stats)
+
+    def _finish(self) -> None:
+        if self._input is not None:
+            self._input.close()  # stays in `inputs` (closing twice is safe), for `_carry_stats`
+            self._input = None
+
+    def _next(self) -> Any:
+        count = self._node.count
+        while self._input is not None:
+            try:
+                x = next(self._input)
+            except StopIteration:
+                if (self._fresh and count < 0) or (count >= 0 and self._epoch + 1 >= count):
+                    self._finish()
+                else:
+                    self._open(self._epoch + 1)
+                continue
+            self._fresh = False
+            return x
+        raise StopIteration
+
+    def get_state(self) -> dict[str, Any]:
+        if self._input is None:
+            return {"epoch": self._epoch, "fresh": True, "input": None}
+        return {"epoch": self._epoch, "fresh": self._fresh, "input": self._input.get_state()}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        epoch = int(state["epoch"])
+        count = self._node.count
+        if epoch < 0 or (count >= 0 and epoch >= max(count, 1)):
+            raise InvalidArgumentError(f"repeat state is in epoch {epoch}, but this repeat has count {count}")
+        if state["input"] is None:
+            self._epoch = epoch
+            self._finish()
+            return
+        if epoch != self._epoch or self._input is None:
+            self._open(epoch)
+        self._fresh = bool(state["fresh"])
+        self._input.set_state(state["input"])
+
+
+def _carry_stats(old: Iter, new: Iter, registry: list) -> None:
+    """Let the new epoch's stages keep counting in the old epoch's statistics.
+
+    Each epoch builds a new iterator tree, and every `Iter` registers a `StageStats` with the
+    pipeline; without this, `stats()` would list every stage once per epoch and grow without bound.
+    Stages are matched by name and position in the tree.
+    """
+    previous = {key: it.stats for key, it in _walk(old, ())}
+    for key, it in _walk(new, ()):
+        kept = previous.get(key)
+        if kept is not None and kept is not it.stats:
+            fresh, it.stats = it.stats, kept
+            for i in range(len(registry) - 1, -1, -1):  # it was registered last: search from the end
+                if registry[i] is fresh:
+                    del registry[i]
+                    break
+
+
+def _walk(it: Iter, path: tuple):
+    yield (path, it.stats.name), it
+    for i, child in enumerate(it.inputs):
+        yield from _walk(child, path + (i,))

@@ -1,0 +1,117 @@
+"""`shuffle(buffer_size, seed, reshuffle_each_iteration)`: sample uniformly from a sliding buffer.
+
+tf.data's kernel (TFDATA.md §4): before each output, fill the buffer up to `buffer_size` elements
+from the input; pick one slot uniformly at random, emit it and move the last slot into the hole.
+When the input ends the buffer drains in random order. Output k (0-based) therefore comes from
+inputs [0, k + buffer_size), and `buffer_size >= len(input)` gives a uniform permutation.
+
+    Dataset.range(10).shuffle(4, seed=0)   # a permutation of 0..9; the first output is one of 0..3
+
+The random numbers come from `Context.rng`, so a rebuilt iterator draws the same sequence and,
+with `reshuffle_each_iteration`, every `iter()` and every epoch of an enclosing `repeat` draws a
+new one. Draws are made in blocks (one numpy call per `_BLOCK` outputs); the state stores the
+generator's state *before* the current block and the position inside it, so resuming regenerates
+the block instead of saving it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from conveyor.data.base import AUTOTUNE, Context, Iter, Node
+from conveyor.data.elements import from_json, to_json
+from conveyor.data.errors import InvalidArgumentError
+
+_BLOCK = 1024  # random numbers drawn per numpy call
+_RANGE = 1 << 62  # draws are uniform in [0, _RANGE); modulo bias for a buffer of n is < n / 2**62
+
+
+class ShuffleNode(Node):
+    name = "shuffle"
+
+    def __init__(self, input: Node, buffer_size: int, seed: int | None, reshuffle_each_iteration: bool):
+        super().__init__(input)
+        if buffer_size == AUTOTUNE:
+            raise InvalidArgumentError(
+                "shuffle does not accept AUTOTUNE as buffer_size: pick the number of elements to mix "
+                "(memory grows with it; len(dataset) gives a full shuffle)"
+            )
+        if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < 1:
+            raise InvalidArgumentError(f"shuffle buffer_size must be a positive integer, got {buffer_size!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise InvalidArgumentError(f"shuffle seed must be an int or None, got {seed!r}")
+        self.buffer_size = int(buffer_size)
+        self.seed = seed
+        self.reshuffle_each_iteration = bool(reshuffle_each_iteration)
+
+    def params(self) -> dict[str, Any]:
+        return {"buffer_size": self.buffer_size, "seed": self.seed,
+                "reshuffle_each_iteration": self.reshuffle_each_iteration}
+
+    def iterator(self, ctx: Context) -> Iter:
+        return ShuffleIter(self, ctx)
+
+
+class ShuffleIter(Iter):
+    def __init__(self, node: ShuffleNode, ctx: Context):
+        super().__init__(node.name, ctx, node.inputs[0].iterator(ctx.child(0)))
+        self._input = self.inputs[0]
+        self._size = node.buffer_size
+        self._rng = ctx.rng(node.seed, node.reshuffle_each_iteration)
+        self._buffer: list = []
+        self._input_done = False
+        self._block: list[int] = []
+        self._block_rng_state: dict | None = None  # generator state before `_block` was drawn
+        self._pos = 0  # next unused draw in `_block`
+
+    def _draw(self) -> int:
+        if self._pos == len(self._block):
+            self._block_rng_state = self._rng.bit_generator.state
+            self._block = self._rng.integers(0, _RANGE, size=_BLOCK, dtype="int64").tolist()
+            self._pos = 0
+        r = self._block[self._pos]
+        self._pos += 1
+        return r
+
+    def _next(self):
+        buf = self._buffer
+        if not self._input_done and len(buf) < self._size:
+            it = self._input
+            try:
+                while len(buf) < self._size:
+                    buf.append(next(it))
+            except StopIteration:
+                self._input_done = True
+        if not buf:
+            raise StopIteration
+        i = self._draw() % len(buf)
+        x = buf[i]
+        last = buf.pop()
+        if i < len(buf):
+            buf[i] = last
+        return x
+
+    def get_state(self) -> dict[str, Any]:
+        return {
+            "input": None if self._input_done else self._input.get_state(),
+            "buffer": [to_json(x) for x in self._buffer],
+            "rng": self._block_rng_state if self._block else self._rng.bit_generator.state,
+            "draws_used": self._pos if self._block else 0,
+        }
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if state["input"] is None:
+            self._input_done = True
+        else:
+            self._input.set_state(state["input"])
+        self._buffer = [from_json(x) for x in state["buffer"]]
+        if len(self._buffer) > self._size:
+            raise InvalidArgumentError(
+                f"shuffle state holds {len(self._buffer)} elements but buffer_size is {self._size}"
+            )
+        self._rng.bit_generator.state = state["rng"]
+        self._block, self._pos = [], 0
+        used = int(state["draws_used"])
+        if used:
+            self._draw()
+            self._pos = used

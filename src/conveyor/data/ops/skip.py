@@ -1,0 +1,82 @@
+"""`skip(count)`: the input without its first `count` elements.
+
+tf.data semantics (TFDATA.md §10): a count larger than the input yields nothing; `-1` (tf.data:
+any negative count) skips everything, and then the input is not even read (so `skip(-1)` of an
+endless dataset is empty, not a hang).
+
+    Dataset.range(10).skip(7)     # 7, 8, 9
+    Dataset.range(10).skip(-1)    # nothing
+
+The skipping happens on the first `next`, by reading and dropping `count` elements.
+
+State: whether the skip has been done, plus the input's state (None once finished).
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+from conveyor.data.base import Context, Iter, Node
+from conveyor.data.errors import InvalidArgumentError
+
+
+class SkipNode(Node):
+    name = "skip"
+
+    def __init__(self, input: Node, count: int):
+        super().__init__(input)
+        if isinstance(count, bool) or not isinstance(count, numbers.Integral):
+            raise InvalidArgumentError(f"skip count must be an integer (-1 for all), got {count!r}")
+        self.count = -1 if count < 0 else int(count)
+
+    def params(self) -> dict[str, Any]:
+        return {"count": self.count}
+
+    def iterator(self, ctx: Context) -> Iter:
+        return SkipIter(self, ctx)
+
+
+class SkipIter(Iter):
+    def __init__(self, node: SkipNode, ctx: Context):
+        super().__init__(node.name, ctx)
+        self._count = node.count
+        self._skipped = node.count == 0
+        self._input: Iter | None = None
+        if node.count >= 0:
+            self._input = node.inputs[0].iterator(ctx.child(0))
+            self.inputs = [self._input]
+
+    def _next(self) -> Any:
+        it = self._input
+        if it is None:
+            raise StopIteration
+        try:
+            if not self._skipped:
+                for _ in range(self._count):
+                    next(it)
+                self._skipped = True
+            return next(it)
+        except StopIteration:
+            self._finish()
+            raise
+
+    def _finish(self) -> None:
+        self._skipped = True
+        if self._input is not None:
+            self._input.close()
+            self._input = None
+
+    def get_state(self) -> dict[str, Any]:
+        return {"skipped": self._skipped, "input": None if self._input is None else self._input.get_state()}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if state["input"] is None:
+            self._finish()
+            return
+        if self._input is None:
+            raise InvalidArgumentError(
+                "skip state has an input position, but this skip(-1) never reads its input"
+            )
+        self._skipped = bool(state["skipped"])
+        self._input.set_state(state["input"])

@@ -1,0 +1,79 @@
+"""`take(count)`: at most the first `count` elements of the input.
+
+tf.data semantics (TFDATA.md §10): `-1` (tf.data: any negative count) or a count larger than the
+input yields everything; `0` yields nothing and never reads the input.
+
+    Dataset.range(10).take(3)     # 0, 1, 2
+    Dataset.range(10).take(-1)    # 0 .. 9
+
+The input is closed as soon as the `count`-th element has been returned, so background work
+upstream (prefetch, parallel map) stops even if the consumer never asks again.
+
+State: how many elements have been taken, plus the input's state (None once finished).
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+from conveyor.data.base import Context, Iter, Node
+from conveyor.data.errors import InvalidArgumentError
+
+
+class TakeNode(Node):
+    name = "take"
+
+    def __init__(self, input: Node, count: int):
+        super().__init__(input)
+        if isinstance(count, bool) or not isinstance(count, numbers.Integral):
+            raise InvalidArgumentError(f"take count must be an integer (-1 for all), got {count!r}")
+        self.count = -1 if count < 0 else int(count)
+
+    def params(self) -> dict[str, Any]:
+        return {"count": self.count}
+
+    def iterator(self, ctx: Context) -> Iter:
+        return TakeIter(self, ctx)
+
+
+class TakeIter(Iter):
+    def __init__(self, node: TakeNode, ctx: Context):
+        super().__init__(node.name, ctx)
+        self._count = node.count
+        self._taken = 0
+        self._input: Iter | None = None
+        if node.count != 0:
+            self._input = node.inputs[0].iterator(ctx.child(0))
+            self.inputs = [self._input]
+
+    def _next(self) -> Any:
+        if self._input is None:
+            raise StopIteration
+        try:
+            x = next(self._input)
+        except StopIteration:
+            self._finish()
+            raise
+        self._taken += 1
+        if self._taken == self._count:
+            self._finish()
+        return x
+
+    def _finish(self) -> None:
+        if self._input is not None:
+            self._input.close()
+            self._input = None
+
+    def get_state(self) -> dict[str, Any]:
+        return {"taken": self._taken, "input": None if self._input is None else self._input.get_state()}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        taken = int(state["taken"])
+        if taken < 0 or (self._count >= 0 and taken > self._count):
+            raise InvalidArgumentError(f"take state has taken {taken} elements, but count is {self._count}")
+        self._taken = taken
+        if state["input"] is None or taken == self._count:
+            self._finish()
+        else:
+            self._input.set_state(state["input"])

@@ -1,0 +1,83 @@
+"""`unbatch()`: split every input element along its leading axis, one element per row.
+
+tf.data semantics: the inverse of `batch` — `ds.batch(n).unbatch()` yields the elements of `ds`
+(a batch of `str`/`bytes` becomes its items, numbers become numpy scalars). Every component of a
+batch must have the same leading dimension; a batch with zero rows contributes nothing.
+
+    Dataset.range(5).batch(2).unbatch()      # 0, 1, 2, 3, 4 (as numpy int64 scalars)
+
+State: the input's state *after* the current batch plus the rows of that batch not yet returned,
+encoded with `elements.to_json` (the input cannot be asked where it was before the batch, so the
+rest of the batch travels in the state; at most one batch).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from conveyor.data.base import Context, Iter, Node
+from conveyor.data.elements import flatten, from_json, to_json, unflatten, unstack
+
+
+class UnbatchNode(Node):
+    name = "unbatch"
+
+    def iterator(self, ctx: Context) -> Iter:
+        return UnbatchIter(self, ctx)
+
+
+class UnbatchIter(Iter):
+    def __init__(self, node: UnbatchNode, ctx: Context):
+        super().__init__(node.name, ctx, node.inputs[0].iterator(ctx.child(0)))
+        self._input: Iter | None = self.inputs[0]
+        self._batch: Any = None  # the current batch, and its rows
+        self._rows: list = []
+        self._pos = 0  # next row of `_rows` to return
+
+    def _next(self) -> Any:
+        while self._pos >= len(self._rows):
+            if self._input is None:
+                raise StopIteration
+            try:
+                batch = next(self._input)
+            except StopIteration:
+                self._finish()
+                raise
+            self._set_batch(batch)
+        x = self._rows[self._pos]
+        self._pos += 1
+        return x
+
+    def _set_batch(self, batch: Any) -> None:
+        try:
+            self._rows = unstack(batch)
+        except ValueError as e:
+            raise ValueError(f"unbatch: {e} (got {_shapes(batch)})") from None
+        self._batch, self._pos = batch, 0
+
+    def _finish(self) -> None:
+        if self._input is not None:
+            self._input.close()
+            self._input = None
+
+    def get_state(self) -> dict[str, Any]:
+        rest = None
+        if self._pos < len(self._rows):
+            spec, leaves = flatten(self._batch)
+            rest = to_json(unflatten(spec, [np.asarray(leaf)[self._pos:] for leaf in leaves]))
+        return {"rest": rest, "input": None if self._input is None else self._input.get_state()}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if state["rest"] is not None:
+            self._set_batch(from_json(state["rest"]))
+        if state["input"] is None:
+            self._finish()
+        else:
+            self._input.set_state(state["input"])
+
+
+def _shapes(batch: Any) -> str:
+    _, leaves = flatten(batch)
+    return "component shapes " + ", ".join(str(np.shape(leaf)) for leaf in leaves)

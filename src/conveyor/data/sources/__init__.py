@@ -1,0 +1,1 @@
+"""Dataset sources: where elements come from (ranges, in-memory arrays, generators, files)."""

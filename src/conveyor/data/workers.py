@@ -1,0 +1,324 @@
+"""Worker processes for parallel map: Python code on every core, results through shared memory.
+
+Threads cannot run a Python map function on two cores at once (the GIL). So `map` with
+`num_parallel_calls` forks worker processes. The function reaches them by fork — lambdas and
+closures work, nothing is pickled. Work goes down a pipe as chunks of elements in the
+`elements.pack` form; each result (a list of mapped elements, or a whole stacked batch when map
+and batch are fused) is written by the worker into a shared-memory file of its own, and only a
+small JSON note travels back through the pipe. The consumer copies the result out, so the
+worker can reuse its buffer at once.
+
+Lifetime rules, so that nothing hangs and nothing is orphaned:
+- workers ignore SIGINT (the consumer's process handles Ctrl-C and stops them);
+- a worker exits when its pipe closes, or when its parent process is gone (checked every second);
+- the pool stops its workers on `close()`, on garbage collection, and at interpreter exit;
+- a worker that dies is reported by pid and exit status, never waited for forever.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import multiprocessing as mp
+import os
+import signal
+import sys
+import tempfile
+import time
+import traceback
+import weakref
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import numpy as np
+
+from conveyor.data import elements
+from conveyor.data.base import call
+
+_SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+# Tasks in flight per worker: one running, one queued, so a worker never waits for the consumer.
+TASKS_PER_WORKER = 2
+# How long the consumer waits for any word from a worker before checking the workers' health.
+_POLL_SECONDS = 1.0
+
+
+class WorkerDied(RuntimeError):
+    """A map worker process exited without finishing its work (killed, or crashed)."""
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised inside a worker process, chained to the re-raised one."""
+
+    def __init__(self, tb: str):
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return f"\n\nTraceback in the map worker process:\n{self.tb}"
+
+
+# ------------------------------------------------------------------------------------------ worker
+
+
+def _seed_everything(seed_material: list[int]) -> None:
+    """Reseed the global RNGs a map function may use, from the chunk's identity.
+
+    Random augmentations then depend only on which chunk an element is in, not on which worker
+    ran it or whether the iterator was resumed: the stream is reproducible and resumable.
+    """
+    ss = np.random.SeedSequence([m & 0xFFFFFFFF for m in seed_material])
+    words = ss.generate_state(2)
+    np.random.seed(int(words[0]))
+    import random
+
+    random.seed(int(words[1]))
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.manual_seed(int(words[0]))
+
+
+class _Slot:
+    """One shared-memory result buffer of a worker; replaced by a bigger one when a result outgrows it."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.path: str | None = None
+        self.mm: mmap.mmap | None = None
+        self.size = 0
+        self.generation = 0
+
+    def ensure(self, nbytes: int) -> None:
+        if self.mm is not None and nbytes <= self.size:
+            return
+        if self.mm is not None:
+            self.mm.close()
+        self.size = max(nbytes, 2 * self.size, 1 << 16)
+        self.generation += 1
+        name = f"conveyor-{os.getppid()}-{os.getpid()}-{self.index}-{self.generation}"
+        self.path = os.path.join(_SHM_DIR, name)
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, self.size)
+            self.mm = mmap.mmap(fd, self.size)
+        finally:
+            os.close(fd)
+
+    def remove(self) -> None:
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+def _worker_main(fn: Callable, conn: Connection, batch_mode: bool, seed: list[int],
+                 inherited: list[Connection]) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for other in inherited:  # the consumer's pipe ends: holding them would hide the consumer's exit
+        other.close()
+    torch = sys.modules.get("torch")
+    if torch is not None:  # one thread per worker: the workers already fill the cores
+        torch.set_num_threads(1)
+    parent = os.getppid()
+    # The k-th task's result goes to slot k % TASKS_PER_WORKER: the consumer never has more than
+    # that many tasks in flight on one worker and copies each result out on arrival, so a slot is
+    # free again by the time its number comes round.
+    slots = [_Slot(i) for i in range(TASKS_PER_WORKER)]
+    done = 0
+    try:
+        while True:
+            if not conn.poll(_POLL_SECONDS):
+                if os.getppid() != parent:
+                    return
+                continue
+            try:
+                msg = conn.recv_bytes()
+            except (EOFError, OSError):
+                return
+            task_id = int.from_bytes(msg[:8], "little")
+            chunk = elements.unpack(memoryview(msg)[8:], copy=False)
+            t0 = time.perf_counter()
+            try:
+                _seed_everything(seed + [task_id])
+                out = [call(fn, x) for x in chunk]
+                if batch_mode:
+                    out = elements.stack(out)
+                header, bufs = elements.pack(out)
+            except BaseException as exc:  # report every failure of the user's code to the consumer
+                note = {"id": task_id, "error": type(exc).__name__, "module": type(exc).__module__,
+                        "message": str(exc), "traceback": traceback.format_exc()}
+                conn.send_bytes(json.dumps(note).encode())
+                done += 1
+                continue
+            nbytes = elements.packed_size(header, bufs)
+            slot = slots[done % len(slots)]
+            done += 1
+            slot.ensure(nbytes)
+            elements.pack_into(memoryview(slot.mm), header, bufs)
+            busy = time.perf_counter() - t0
+            conn.send_bytes(json.dumps({"id": task_id, "path": slot.path, "nbytes": nbytes,
+                                        "busy": busy, "n": len(chunk)}).encode())
+    except (BrokenPipeError, EOFError, KeyboardInterrupt):
+        return
+    finally:
+        for slot in slots:
+            slot.remove()
+
+
+# ------------------------------------------------------------------------------------------ pool
+
+
+class WorkerPool:
+    """N forked workers applying `fn` to chunks; results come back in submission order or as ready.
+
+    `submit(task_id, chunk)` hands a chunk to the least busy worker (only while `has_room()`);
+    `receive(timeout)` returns `(task_id, result, busy_seconds)` for the next finished chunk,
+    raising the user's exception (with the worker's traceback) or `WorkerDied`.
+    """
+
+    def __init__(self, fn: Callable, num_workers: int, batch_mode: bool, seed: list[int], name: str):
+        ctx = mp.get_context("fork")
+        self.name = name
+        self.conns: list[Connection] = []
+        self.procs: list[mp.Process] = []
+        self._maps: dict[str, mmap.mmap] = {}
+        self._in_flight: list[int] = []
+        for i in range(num_workers):
+            parent_end, child_end = ctx.Pipe(duplex=True)
+            inherited = [*self.conns, parent_end]
+            proc = ctx.Process(target=_worker_main, args=(fn, child_end, batch_mode, seed, inherited),
+                               name=f"conveyor-{name}-{i}", daemon=True)
+            proc.start()
+            child_end.close()
+            self.conns.append(parent_end)
+            self.procs.append(proc)
+            self._in_flight.append(0)
+        self._finalizer = weakref.finalize(self, _shutdown, list(self.procs), list(self.conns))
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.procs)
+
+    def has_room(self) -> bool:
+        return min(self._in_flight) < TASKS_PER_WORKER
+
+    def submit(self, task_id: int, chunk: list) -> None:
+        worker = self._in_flight.index(min(self._in_flight))
+        if self._in_flight[worker] >= TASKS_PER_WORKER:
+            raise RuntimeError("WorkerPool.submit called while every worker is full; check has_room()")
+        header, bufs = elements.pack(chunk)
+        buf = bytearray(8 + elements.packed_size(header, bufs))
+        buf[:8] = task_id.to_bytes(8, "little")
+        elements.pack_into(memoryview(buf)[8:], header, bufs)
+        try:
+            self.conns[worker].send_bytes(buf)
+            self._in_flight[worker] += 1
+        except (BrokenPipeError, OSError):
+            self._raise_if_dead()
+            raise
+
+    def receive(self, timeout: float) -> tuple[int, Any, float] | None:
+        """The next finished chunk from any worker, or None when nothing arrived within `timeout`."""
+        ready = wait(self.conns, timeout=min(timeout, _POLL_SECONDS))
+        if not ready:
+            self._raise_if_dead()
+            return None
+        conn = ready[0]
+        try:
+            note = json.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            self._raise_if_dead(wait_seconds=1.0)
+            raise WorkerDied(f"a {self.name} worker closed its pipe unexpectedly") from None
+        self._in_flight[self.conns.index(conn)] -= 1
+        if "error" in note:
+            raise _rebuild_error(note)
+        view = self._view(note["path"])
+        result = elements.unpack(view[:note["nbytes"]], copy=True)
+        return note["id"], result, note["busy"]
+
+    def _view(self, path: str) -> memoryview:
+        mm = self._maps.get(path)
+        if mm is None:
+            # The worker replaced its buffer: map the new one, drop the old, and unlink the file
+            # at once — both mappings stay valid and nothing is left behind in /dev/shm.
+            prefix = path.rsplit("-", 1)[0] + "-"
+            for old in [p for p in self._maps if p.startswith(prefix)]:
+                self._maps.pop(old).close()
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            self._maps[path] = mm
+        return memoryview(mm)
+
+    def _raise_if_dead(self, wait_seconds: float = 0.0) -> None:
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            for i, proc in enumerate(self.procs):
+                if proc.exitcode is not None:
+                    code = proc.exitcode
+                    how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+                    raise WorkerDied(
+                        f"{self.name} worker process {i} (pid {proc.pid}) {how} while work was in flight. "
+                        f"If the system ran out of memory, lower num_parallel_calls or the batch size."
+                    )
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        for mm in self._maps.values():
+            try:
+                mm.close()
+            except BufferError:  # a consumer still holds a view; the mapping goes with it
+                pass
+        self._maps.clear()
+        self._finalizer()
+
+
+def _shutdown(procs: list, conns: list) -> None:
+    for conn in conns:
+        try:
+            conn.close()
+        except OSError:
+            pass
+    deadline = time.monotonic() + 2.0
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join(timeout=2.0)
+    for proc in procs:  # files a killed worker could not remove
+        prefix = os.path.join(_SHM_DIR, f"conveyor-{os.getpid()}-{proc.pid}-")
+        for name in os.listdir(_SHM_DIR):
+            path = os.path.join(_SHM_DIR, name)
+            if path.startswith(prefix):
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+
+
+def _rebuild_error(note: dict) -> BaseException:
+    """Re-raise the user's exception in the consumer: same type where it is a builtin one, with
+    the worker's traceback chained (as concurrent.futures does)."""
+    import builtins
+
+    cls = getattr(builtins, note["error"], None) if note.get("module") == "builtins" else None
+    message = note["message"]
+    exc: BaseException
+    try:
+        exc = cls(message) if isinstance(cls, type) and issubclass(cls, Exception) else None
+    except Exception:
+        exc = None
+    if exc is None:
+        exc = RuntimeError(f"{note['module']}.{note['error']}: {message}")
+    exc.__cause__ = RemoteTraceback(note["traceback"])
+    return exc
