@@ -73,7 +73,9 @@ class Context:
         With `reshuffle_each_iteration` the stream also depends on which iteration of the dataset
         and which epoch of every enclosing `repeat` this is, as in tf.data.
         """
-        entropy = [seed if seed is not None else self.root_seed, len(self.path), *self.path]
+        # An op seed stands alone (as in tf.data, equal seeds give equal streams); without one the
+        # stream comes from the dataset's seed and the op's position in the pipeline.
+        entropy = [seed, 0] if seed is not None else [self.root_seed, len(self.path), *self.path]
         if reshuffle_each_iteration:
             entropy += [self.iteration, len(self.epochs), *self.epochs]
         return np.random.Generator(np.random.PCG64(np.random.SeedSequence([e & 0xFFFFFFFF for e in entropy])))

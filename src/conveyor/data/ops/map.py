@@ -97,7 +97,9 @@ class MapBatchNode(Node):
 
     def iterator(self, ctx: Context) -> Iter:
         m = self.map_node
-        return ProcessMapIter(ctx, self.inputs[0].iterator(ctx.child(0)), m.map_func, m.parallelism,
+        # ctx.child(0).child(0): the input sits where it would under batch(map(...)), so random ops
+        # upstream draw the same numbers whether or not the pipeline was fused.
+        return ProcessMapIter(ctx, self.inputs[0].iterator(ctx.child(0).child(0)), m.map_func, m.parallelism,
                               m.deterministic, chunk_size=self.batch_size, batch_mode=True,
                               drop_remainder=self.drop_remainder)
 
