@@ -12,7 +12,6 @@ import time
 import numpy as np
 import psutil
 import pytest
-from resume_check import assert_resumes, canon
 
 from conveyor.data import (
     AUTOTUNE,
@@ -23,6 +22,7 @@ from conveyor.data import (
     encode_example,
     parse_single_example,
 )
+from resume_check import assert_resumes, canon
 
 FEATURES = {"x": FixedLenFeature([3], "float32"), "label": FixedLenFeature([], "int64")}
 

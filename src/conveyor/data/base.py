@@ -59,7 +59,7 @@ class Context:
     iteration: int
     path: tuple[int, ...] = ()
     epochs: tuple[int, ...] = ()
-    stats: list = field(default_factory=list, compare=False, repr=False)
+    stats: dict = field(default_factory=dict, compare=False, repr=False)
 
     def child(self, index: int = 0) -> Context:
         return Context(self.root_seed, self.iteration, self.path + (index,), self.epochs, self.stats)
@@ -106,8 +106,11 @@ class Iter:
     """The stateful half of an op. Subclasses implement `_next`, `get_state`, `set_state`."""
 
     def __init__(self, name: str, ctx: Context, *inputs: Iter):
-        self.stats = StageStats(name)
-        ctx.stats.append(self.stats)
+        # One entry per stage and position: the iterators a repeat rebuilds every epoch keep
+        # counting where the previous epoch's left off.
+        self.stats = ctx.stats.get((name, ctx.path))
+        if self.stats is None:
+            self.stats = ctx.stats[(name, ctx.path)] = StageStats(name)
         self.inputs: list[Iter] = list(inputs)
 
     def __iter__(self):
@@ -244,7 +247,7 @@ class DatasetIterator:
             "elapsed_seconds": elapsed,
             "wait_seconds": self._wait_seconds,
             "wait_fraction": min(1.0, self._wait_seconds / elapsed),
-            "stages": [s.as_dict() for s in self._ctx.stats],
+            "stages": [s.as_dict() for s in self._ctx.stats.values()],
         }
 
     # ---- lifetime

@@ -176,9 +176,11 @@ def unstack(batch: Element) -> list[Element]:
     if not leaves:
         return []
     arrays = [np.asarray(leaf) if not isinstance(leaf, np.ndarray) else leaf for leaf in leaves]
+    if any(a.ndim == 0 for a in arrays):
+        raise ValueError("unbatch needs every component to have a leading (batch) dimension")
     n = len(arrays[0])
     for a in arrays:
-        if a.ndim == 0 or len(a) != n:
+        if len(a) != n:
             raise ValueError("unbatch needs every component to have the same leading dimension")
     out = []
     for i in range(n):

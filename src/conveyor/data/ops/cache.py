@@ -19,13 +19,17 @@ exactly the same elements on every pass, so shuffle *after* it.
   tf.data the file persists across runs and is replayed even if the upstream pipeline changed:
   delete it to rebuild. Give every worker its own `filename` when the workers' inputs differ.
 
-State: while replaying, the position (memory) or the byte offset (file). While recording, the
-input's state: a resumed recording pass passes elements through but no longer records — only
-passes that ran from their start are candidates, and the next pass records instead. A memory
-replay resumed in a new process, where the recording is gone, rebuilds it by re-running the
-recording pass (same seeds, iteration and epochs, which the state keeps) and reading up to the
-saved position; that reproduces the recording exactly when the input is deterministic given its
-seeds, as every conveyor op is. A file replay refuses to resume if the file changed size.
+State: while replaying, the position (memory) or the byte offset (file); while reading the
+input, the input's state and the context (seeds, iteration, epochs) the input was built with.
+- A resumed input pass picks up from the input's state, so resuming is cheap, but it cannot record
+  (the elements before the resume point are gone): when it completes it leaves only its context
+  behind, and the next pass rebuilds the input from that context and records — the same elements
+  an uninterrupted run would have replayed, even below a reshuffling `shuffle`.
+- A memory replay resumed in a new process, where the recording is gone, rebuilds it by re-running
+  the pass that recorded it from its saved context, recording up to the saved position.
+Both reproduce the stream exactly when the input is deterministic given its seeds, as conveyor's
+ops are (except parallel ones run with `deterministic=False`); a rebuilt pass that comes out
+shorter raises `StateMismatchError`. A file replay refuses to resume if the file changed size.
 """
 
 from __future__ import annotations
@@ -44,7 +48,12 @@ from conveyor.data.records.tfrecord import TFRecordReader, TFRecordWriter
 
 
 class _Recording:
-    """The finished memory cache: the elements and the context of the pass that produced them."""
+    """What the first complete pass left: its context and, for a memory cache, its elements.
+
+    `source` (root seed, iteration, path and epochs of the `Context` the input was built with) is
+    set even by a complete pass that could not record (one resumed half-way): a later pass then
+    rebuilds its input from that context, so it sees the same elements the completed pass did.
+    """
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -76,12 +85,12 @@ class CacheIter(Iter):
     def __init__(self, node: CacheNode, ctx: Context):
         super().__init__(node.name, ctx)
         self._node, self._ctx = node, ctx
-        self._mode = "done"  # record | pass | memory | file | done
+        self._mode = "done"  # input | memory | file | done
         self._input: Iter | None = None
-        self._pos = 0  # elements returned (memory replay and recording)
-        self._source: dict | None = None  # the context of the recording pass (memory)
-        self._regenerating = False  # rebuilding a lost memory recording after a resume
-        self._fast_forward = 0  # elements to read and record before returning any
+        self._source: dict = {}  # the context the input pass was built with (see `_Recording`)
+        self._recording = False  # this input pass started at its beginning: it records
+        self._fast_forward = 0  # rebuilding a lost memory recording: elements to record, not return
+        self._pos = 0  # elements returned
         self._recorded: list = []  # memory: the elements of this recording pass
         self._elements: list = []  # memory: the finished recording being replayed
         self._writer: TFRecordWriter | None = None
@@ -91,20 +100,20 @@ class CacheIter(Iter):
         if node.path and os.path.exists(node.path):
             self._mode, self._size = "file", os.path.getsize(node.path)
             return
-        if not node.path:
-            with node.recording.lock:
-                elements, source = node.recording.elements, node.recording.source
-            if elements is not None:
-                self._mode, self._elements, self._source = "memory", elements, source
-                return
-        self._open_input(ctx.child(0), "record")
+        rec = node.recording
+        with rec.lock:
+            elements, source = rec.elements, rec.source
+        if elements is not None and not node.path:
+            self._mode, self._elements, self._source = "memory", elements, source
+            return
+        self._open_input(source or _describe(ctx.child(0)), recording=True)
 
-    def _open_input(self, ctx: Context, mode: str) -> None:
-        self._mode = mode
+    def _open_input(self, source: dict, recording: bool) -> None:
+        ctx = Context(int(source["root_seed"]), int(source["iteration"]), tuple(source["path"]),
+                      tuple(source["epochs"]), self._ctx.stats)
+        self._mode, self._source, self._recording = "input", source, recording
         self._input = self._node.inputs[0].iterator(ctx)
         self.inputs = [self._input]
-        self._source = {"root_seed": ctx.root_seed, "iteration": ctx.iteration, "path": list(ctx.path),
-                        "epochs": list(ctx.epochs)}
 
     # ---- elements
 
@@ -139,11 +148,10 @@ class CacheIter(Iter):
                     f"elements before the saved position {self._pos}; an op upstream of cache() is not "
                     f"deterministic, so this state cannot be resumed in a new process (use cache(filename))"
                 ) from None
-            if mode == "record":
-                self._commit()
+            self._complete()
             self._finish()
             raise
-        if mode == "record":
+        if self._recording:
             self._record(x)
         self._pos += 1
         return x
@@ -164,25 +172,29 @@ class CacheIter(Iter):
         os.makedirs(os.path.dirname(self._tmp) or ".", exist_ok=True)
         self._writer = TFRecordWriter(self._tmp)
 
-    def _commit(self) -> None:
-        """The pass is complete: publish the recording unless another pass got there first."""
-        if not self._node.path:
-            rec = self._node.recording
-            with rec.lock:
-                if rec.elements is None:
-                    rec.elements, rec.source = self._recorded, self._source
+    def _complete(self) -> None:
+        """The input pass is complete: publish it, unless a different pass completed first."""
+        rec = self._node.recording
+        with rec.lock:
+            first = rec.source is None or rec.source == self._source
+            if rec.source is None:
+                rec.source = self._source
+            if first and self._recording and not self._node.path and rec.elements is None:
+                rec.elements = self._recorded
+        if not self._node.path or not self._recording:
             return
         if self._writer is None:  # an empty input: the cache is an empty file
             self._open_writer()
         self._writer.close()
         self._writer = None
-        try:
-            os.link(self._tmp, self._node.path)  # atomic and never overwrites
-        except FileExistsError:
-            pass
-        except OSError:  # file systems without hard links
-            if not os.path.exists(self._node.path):
-                os.replace(self._tmp, self._node.path)
+        if first:
+            try:
+                os.link(self._tmp, self._node.path)  # atomic, and never overwrites
+            except FileExistsError:
+                pass
+            except OSError:  # file systems without hard links
+                if not os.path.exists(self._node.path):
+                    os.replace(self._tmp, self._node.path)
         _remove(self._tmp)
 
     def _finish(self) -> None:
@@ -199,26 +211,21 @@ class CacheIter(Iter):
 
     def get_state(self) -> dict[str, Any]:
         mode = self._mode
-        if mode == "memory" or self._regenerating:
-            if mode == "done":
-                return {"mode": "done"}
+        if mode == "memory" or (mode == "input" and self._fast_forward):
             return {"mode": "memory", "pos": self._pos, "source": self._source}
+        if mode == "input":
+            return {"mode": "pass", "pos": self._pos, "source": self._source, "input": self._input.get_state()}
         if mode == "file":
             offset = self._reader.offset if self._reader is not None else self._offset
             return {"mode": "file", "offset": offset, "size": self._size}
-        if mode == "record" and self._pos == 0:
-            return {"mode": "start"}  # nothing returned yet: a resumed iterator may start recording
-        if mode in ("record", "pass"):
-            return {"mode": "pass", "input": self._input.get_state()}
         return {"mode": "done"}
 
     def set_state(self, state: dict[str, Any]) -> None:
         mode = state["mode"]
-        if mode == "start":
-            return
         self._finish()
-        if mode == "pass":
-            self._open_input(self._ctx.child(0), "pass")
+        if mode == "pass":  # an input pass: it records only if nothing had been returned yet
+            self._pos = int(state["pos"])
+            self._open_input(state["source"], recording=self._pos == 0)
             self._input.set_state(state["input"])
         elif mode == "memory":
             self._resume_memory(int(state["pos"]), state["source"])
@@ -238,10 +245,9 @@ class CacheIter(Iter):
         if elements is not None and current == source:
             self._mode, self._elements, self._source, self._pos = "memory", elements, source, pos
             return
-        ctx = Context(int(source["root_seed"]), int(source["iteration"]), tuple(source["path"]),
-                      tuple(source["epochs"]), self._ctx.stats)
-        self._open_input(ctx, "record")
-        self._regenerating, self._pos, self._fast_forward = True, pos, pos
+        # the recording is gone (a new process): rebuild it by re-running the pass that made it
+        self._open_input(source, recording=True)
+        self._pos = self._fast_forward = pos
 
     def _resume_file(self, offset: int, size: int) -> None:
         path = self._node.path
@@ -262,6 +268,12 @@ class CacheIter(Iter):
             _remove(self._tmp)
         self._finish()
         super().close()
+
+
+def _describe(ctx: Context) -> dict:
+    """The JSON form of the context an input pass is built with."""
+    return {"root_seed": ctx.root_seed, "iteration": ctx.iteration, "path": list(ctx.path),
+            "epochs": list(ctx.epochs)}
 
 
 def _remove(path: str) -> None:

@@ -9,22 +9,32 @@ only when the cycle comes back to it.
                                    cycle_length=2, block_length=4)
     # 1,1,1,1, 2,2,2,2, 1,1, 2,2, 3,3,3,3, 4,4,4,4, 3,3, 4,4, 5,5,5,5, 5,5
 
-With `num_parallel_calls` a small pool of threads reads ahead from every open slot into a bounded
-per-slot buffer. The consumer still runs the sequential algorithm over those buffers, so the
-output is the same as without parallelism; with `deterministic=False` it takes from whichever slot
-has an element ready when the one whose turn it is has none (nothing lost, nothing repeated).
+`cycle_length` None or AUTOTUNE means one slot per core (`base.cpu_budget()`); a resumed
+iterator keeps the cycle length it was saved with, so the order continues even on another machine.
+
+With `num_parallel_calls` (an int, or AUTOTUNE = one per core; never more than `cycle_length`)
+a pool of reader threads reads ahead from every open slot into a per-slot buffer of
+max(2 * block_length, 16) elements. The consumer still runs the sequential algorithm over those
+buffers, so the output is the same as without parallelism; with `deterministic=False` it takes
+from whichever slot has an element ready when the one whose turn it is has none, and opens empty
+slots early (nothing lost, nothing repeated). An exception raised by an inner dataset reaches the
+consumer as the same object, at the same position in the stream as without parallelism. Python
+code in inner datasets still takes turns on the GIL: the threads pay off for I/O and for C code
+that releases it (file reads, decompression).
 
 State: the input's state, the cycle position, and per open slot the input element that opened it
 (to rebuild its dataset with `map_func`), the inner iterator's state and, in the parallel version,
-the elements read ahead but not yet returned. A rebuilt inner iterator gets the same `Context`
-path (`input slot 1, opening number n`), so random ops inside inner datasets redraw the same
-numbers.
+the elements read ahead but not yet returned (readers are paused while the state is taken). A
+rebuilt inner iterator gets the same `Context` path (`ctx.child(1).child(n)` for the n-th input
+element opened), so random ops inside inner datasets redraw the same numbers. An error that a
+reader has met but the consumer has not yet seen is not saved: the resumed inner iterator retries.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import operator
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -50,15 +60,15 @@ class InterleaveNode(Node):
                  block_length: int, num_parallel_calls: int | None, deterministic: bool | None):
         super().__init__(input)
         if cycle_length is not None and cycle_length != AUTOTUNE:
-            _check_positive("cycle_length", cycle_length, "or AUTOTUNE")
-        _check_positive("block_length", block_length)
+            cycle_length = _check_positive("cycle_length", cycle_length, "or AUTOTUNE")
+        block_length = _check_positive("block_length", block_length)
         if num_parallel_calls is not None and num_parallel_calls != AUTOTUNE:
-            _check_positive("num_parallel_calls", num_parallel_calls, "or AUTOTUNE")
+            num_parallel_calls = _check_positive("num_parallel_calls", num_parallel_calls, "or AUTOTUNE")
         if deterministic is not None and not isinstance(deterministic, bool):
             raise InvalidArgumentError(f"deterministic must be True, False or None, got {deterministic!r}")
         self.map_func = map_func
         self.cycle_length = cycle_length
-        self.block_length = int(block_length)
+        self.block_length = block_length
         self.num_parallel_calls = num_parallel_calls
         self.deterministic = deterministic
 
@@ -73,10 +83,15 @@ class InterleaveNode(Node):
         return ParallelInterleaveIter(self, ctx)
 
 
-def _check_positive(what: str, value: Any, alternative: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+def _check_positive(what: str, value: Any, alternative: str = "") -> int:
+    try:
+        n = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        n = None
+    if n is None or n < 1:
         extra = f" {alternative}" if alternative else ""
         raise InvalidArgumentError(f"interleave {what} must be a positive integer{extra}, got {value!r}")
+    return n
 
 
 def _resolve(n: int | None) -> int:
@@ -142,7 +157,7 @@ class _InterleaveBase(Iter):
             )
         # Inner iterators come and go (one per input element): give each its own statistics list
         # so that a long run over many files does not grow the pipeline's list without bound.
-        ctx = dataclasses.replace(self._ctx.child(1).child(index), stats=[])
+        ctx = dataclasses.replace(self._ctx.child(1).child(index), stats={})
         return node.iterator(ctx)
 
     def _open_next(self) -> _Slot | None:

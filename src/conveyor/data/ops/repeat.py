@@ -53,19 +53,16 @@ class RepeatIter(Iter):
             self._open(0)
 
     def _open(self, epoch: int) -> None:
-        old = self._input
-        if old is not None:
-            old.close()
+        if self._input is not None:
+            self._input.close()
         self._epoch = epoch
         self._fresh = True
         self._input = self._node.inputs[0].iterator(self._ctx.child(0).with_epoch(epoch))
         self.inputs = [self._input]
-        if old is not None:
-            _carry_stats(old, self._input, self._ctx.stats)
 
     def _finish(self) -> None:
         if self._input is not None:
-            self._input.close()  # stays in `inputs` (closing twice is safe), for `_carry_stats`
+            self._input.close()  # stays in `inputs`: closing twice is safe
             self._input = None
 
     def _next(self) -> Any:
@@ -102,26 +99,3 @@ class RepeatIter(Iter):
         self._fresh = bool(state["fresh"])
         self._input.set_state(state["input"])
 
-
-def _carry_stats(old: Iter, new: Iter, registry: list) -> None:
-    """Let the new epoch's stages keep counting in the old epoch's statistics.
-
-    Each epoch builds a new iterator tree, and every `Iter` registers a `StageStats` with the
-    pipeline; without this, `stats()` would list every stage once per epoch and grow without bound.
-    Stages are matched by name and position in the tree.
-    """
-    previous = {key: it.stats for key, it in _walk(old, ())}
-    for key, it in _walk(new, ()):
-        kept = previous.get(key)
-        if kept is not None and kept is not it.stats:
-            fresh, it.stats = it.stats, kept
-            for i in range(len(registry) - 1, -1, -1):  # it was registered last: search from the end
-                if registry[i] is fresh:
-                    del registry[i]
-                    break
-
-
-def _walk(it: Iter, path: tuple):
-    yield (path, it.stats.name), it
-    for i, child in enumerate(it.inputs):
-        yield from _walk(child, path + (i,))

@@ -16,6 +16,7 @@ the block instead of saving it.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 from conveyor.data.base import AUTOTUNE, Context, Iter, Node
@@ -36,12 +37,13 @@ class ShuffleNode(Node):
                 "shuffle does not accept AUTOTUNE as buffer_size: pick the number of elements to mix "
                 "(memory grows with it; len(dataset) gives a full shuffle)"
             )
-        if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < 1:
+        size = _as_int(buffer_size)
+        if size is None or size < 1:
             raise InvalidArgumentError(f"shuffle buffer_size must be a positive integer, got {buffer_size!r}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise InvalidArgumentError(f"shuffle seed must be an int or None, got {seed!r}")
-        self.buffer_size = int(buffer_size)
-        self.seed = seed
+        if seed is not None and _as_int(seed) is None:
+            raise InvalidArgumentError(f"shuffle seed must be an integer or None, got {seed!r}")
+        self.buffer_size = size
+        self.seed = None if seed is None else _as_int(seed)
         self.reshuffle_each_iteration = bool(reshuffle_each_iteration)
 
     def params(self) -> dict[str, Any]:
@@ -50,6 +52,16 @@ class ShuffleNode(Node):
 
     def iterator(self, ctx: Context) -> Iter:
         return ShuffleIter(self, ctx)
+
+
+def _as_int(x: Any) -> int | None:
+    """`x` as a Python int if it is an integer (numpy ones included, bool excluded), else None."""
+    if isinstance(x, bool):
+        return None
+    try:
+        return operator.index(x)
+    except TypeError:
+        return None
 
 
 class ShuffleIter(Iter):

@@ -52,6 +52,8 @@ class UnbatchIter(Iter):
 
     def _set_batch(self, batch: Any) -> None:
         try:
+            if any(np.ndim(leaf) == 0 for leaf in flatten(batch)[1]):
+                raise ValueError("unbatch needs every component to have a leading (batch) dimension")
             self._rows = unstack(batch)
         except ValueError as e:
             raise ValueError(f"unbatch: {e} (got {_shapes(batch)})") from None
