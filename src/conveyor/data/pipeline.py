@@ -52,9 +52,21 @@ class Dataset:
         self._iterations = 0
 
     def __iter__(self) -> DatasetIterator:
-        it = DatasetIterator(_optimize(self._node), self._root_seed, self._iterations)
-        self._iterations += 1
-        return it
+        return self.iterator()
+
+    @property
+    def root_seed(self) -> int:
+        """The seed unseeded random ops of this dataset derive theirs from."""
+        return self._root_seed
+
+    def iterator(self, root_seed: int | None = None, iteration: int | None = None) -> DatasetIterator:
+        """`iter(self)`, optionally with the root seed and the iteration number fixed, so that
+        several processes (e.g. DataLoader workers) run the same stream."""
+        if iteration is None:
+            iteration = self._iterations
+            self._iterations += 1
+        seed = self._root_seed if root_seed is None else root_seed
+        return DatasetIterator(_optimize(self._node), seed, iteration)
 
     def as_numpy_iterator(self) -> DatasetIterator:
         return iter(self)
