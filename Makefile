@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 lint: setup
-	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff check src tests $(wildcard benchmarks examples)
 
 test: setup lint
 	$(VENV)/bin/pytest -q
