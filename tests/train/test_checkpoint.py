@@ -1,0 +1,458 @@
+"""CheckpointManager: resume equals the uninterrupted run, atomic visibility, rotation, damage, several writers."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save as safetensors_bytes
+from torch import nn
+
+import conveyor.train.checkpoint as ckpt_mod
+from conveyor.train.checkpoint import CheckpointError, CheckpointManager, CheckpointPolicy
+from conveyor.train.state_io import rng_state, set_rng_state
+
+# ---------------------------------------------------------------------------------------------------------------------
+# helpers
+
+
+def make_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+
+
+OPTIMIZERS = {
+    "sgd-momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-4),
+    "adam": lambda params: torch.optim.Adam(params, lr=0.01, betas=(0.8, 0.95)),
+}
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+    """Each step draws its batch from torch's RNG, so a resume that forgot the RNG state would diverge."""
+    for _ in range(steps):
+        x = torch.randn(16, 4)
+        y = x[:, :2].sum(dim=1, keepdim=True).expand(16, 2)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def tiny_state(value: float) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((4, 4), float(value)), "b": torch.full((4,), float(value))}
+
+
+def save_tiny(mgr: CheckpointManager, step: int, **kw) -> Path:
+    return mgr.save(
+        step, tiny_state(step), {"state": {0: {"m": torch.full((2,), float(step))}}, "param_groups": []}, **kw
+    )
+
+
+def assert_no_partial_step_folder(root: Path) -> None:
+    mgr = CheckpointManager(root)
+    for p in root.iterdir():
+        if p.name.startswith("step-"):
+            assert mgr._is_complete(p) or not p.exists(), f"{p} is visible but incomplete"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# resume
+
+
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+def test_resume_matches_uninterrupted_run(tmp_path, opt_name):
+    model = make_model(0)
+    opt = OPTIMIZERS[opt_name](model.parameters())
+    train(model, opt, 3)
+    mgr = CheckpointManager(tmp_path / "ckpt")
+    mgr.save(3, model.state_dict(), opt.state_dict(), rng=rng_state())
+    train(model, opt, 2)  # the uninterrupted run
+
+    fresh = make_model(123)  # different initial weights, different RNG position
+    fresh_opt = OPTIMIZERS[opt_name](fresh.parameters())
+    ck = CheckpointManager(tmp_path / "ckpt").load()
+    assert ck.step == 3
+    fresh.load_state_dict(ck.model_state)
+    fresh_opt.load_state_dict(ck.optimizer_state)
+    set_rng_state(ck.rng)
+    train(fresh, fresh_opt, 2)
+
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_folder_contents_manifest_and_round_trip(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    model = make_model(0)
+    opt = torch.optim.Adam(model.parameters())
+    train(model, opt, 1)
+    path = mgr.save(
+        1234,
+        model.state_dict(),
+        opt.state_dict(),
+        extra={"epoch": 2, "per_class": {3: 0.5}, "best": float("inf")},
+        data_states={"worker-0": {"pos": 17, "files": ["a", "b"]}, "worker-1": {"pos": 3}},
+        rng=rng_state(),
+    )
+    assert path == tmp_path / "step-00001234"
+    assert (tmp_path / "latest").read_text().strip() == "step-00001234"
+    names = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
+    assert names == sorted(
+        ["COMPLETE", "state.json", "model.safetensors", "model.json", "optimizer.safetensors", "optimizer.json"]
+        + ["rng.safetensors", "rng.json", "data/worker-0.json", "data/worker-1.json"]
+    )
+    manifest = json.loads((path / "COMPLETE").read_text())
+    assert manifest["step"] == 1234 and set(manifest["parts"]) == set(names) - {"COMPLETE"}
+    assert all(len(p["sha256"]) == 64 and p["size"] > 0 for p in manifest["parts"].values())
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp files left behind
+
+    ck = mgr.load()
+    assert ck.step == 1234 and ck.path == path
+    assert ck.extra == {"epoch": 2, "per_class": {3: 0.5}, "best": float("inf")}
+    assert ck.data_states == {"worker-0": {"pos": 17, "files": ["a", "b"]}, "worker-1": {"pos": 3}}
+    assert list(ck.optimizer_state["state"]) == list(opt.state_dict()["state"])  # int keys stay ints
+    assert ck.optimizer_state["param_groups"] == opt.state_dict()["param_groups"]
+    assert ck.time is not None and ck.parts["model.safetensors"] == path / "model.safetensors"
+
+
+def test_model_only_save(tmp_path):
+    mgr = CheckpointManager(tmp_path, fsync=False)
+    mgr.save(0, tiny_state(0))
+    ck = mgr.load(0)
+    assert ck.optimizer_state is None and ck.rng is None and ck.data_states == {} and ck.extra == {}
+    assert torch.equal(ck.model_state["w"], tiny_state(0)["w"])
+
+
+def test_resaving_a_step_replaces_it(tmp_path):
+    mgr = CheckpointManager(tmp_path, fsync=False)
+    mgr.save(5, tiny_state(1))
+    mgr.save(5, tiny_state(2))
+    assert mgr.list_steps() == [5]
+    assert mgr.load().model_state["w"][0, 0].item() == 2.0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# finding checkpoints
+
+
+def test_keep_k_rotation_and_latest(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep=2, fsync=False)
+    assert mgr.latest_step() is None and mgr.list_steps() == []
+    for step in (10, 20, 30, 40, 50):
+        save_tiny(mgr, step)
+        assert mgr.latest_step() == step
+    assert mgr.list_steps() == [40, 50]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000040", "step-00000050"]
+
+    save_tiny(mgr, 5)  # a rewound run: the newest *written* are kept, so the abandoned higher steps age out
+    assert mgr.list_steps() == [5, 50] and mgr.latest_step() == 5
+    save_tiny(mgr, 6)
+    assert mgr.list_steps() == [5, 6] and mgr.latest_step() == 6
+
+    keep_all = CheckpointManager(tmp_path / "all", keep=None, fsync=False)
+    for step in range(4):
+        save_tiny(keep_all, step)
+    assert keep_all.list_steps() == [0, 1, 2, 3]
+
+
+def test_latest_falls_back_to_highest_complete_step(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep=None, fsync=False)
+    for step in (1, 2, 3):
+        save_tiny(mgr, step)
+    (tmp_path / "step-00000009").mkdir()  # written by something non-atomic: no COMPLETE
+    (tmp_path / "step-00000009" / "model.safetensors").write_bytes(b"half")
+    (tmp_path / ".tmp-step-00000010-deadbeef").mkdir()
+    os.unlink(tmp_path / "latest")
+    assert mgr.latest_step() == 3
+    (tmp_path / "latest").write_text("step-00000042\n")  # points at nothing
+    assert mgr.latest_step() == 3
+    (tmp_path / "latest").write_text("garbage")
+    assert mgr.latest_step() == 3
+    (tmp_path / "latest").write_text("step-00000002")  # a valid pointer wins over "highest"
+    assert mgr.latest_step() == 2
+    assert mgr.list_steps() == [1, 2, 3]
+    with pytest.raises(CheckpointError, match="no COMPLETE marker"):
+        mgr.load(9)
+
+
+def test_missing_root_has_no_checkpoint(tmp_path):
+    mgr = CheckpointManager(tmp_path / "nothing-here")
+    assert mgr.latest_step() is None and mgr.list_steps() == [] and mgr.cleanup() == []
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        mgr.load()
+    assert not (tmp_path / "nothing-here").exists()  # readers create nothing
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# crashes and damage
+
+
+def _fail_tensor_write(monkeypatch):
+    real = ckpt_mod.save_tensors
+
+    def save_tensors(path, *a, **k):
+        if Path(path).name == "optimizer.safetensors":
+            raise OSError("disk full (simulated)")
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(ckpt_mod, "save_tensors", save_tensors)
+
+
+def _fail_manifest(monkeypatch):
+    real = CheckpointManager._write_file
+
+    def write_file(self, path, data):
+        if path.name == "COMPLETE":
+            real(self, path, data[: len(data) // 2])  # a torn write, then the crash
+            raise OSError("crash while writing the manifest (simulated)")
+        return real(self, path, data)
+
+    monkeypatch.setattr(CheckpointManager, "_write_file", write_file)
+
+
+def _fail_rename(monkeypatch):
+    real = os.rename
+
+    def rename(src, dst, *a, **k):
+        if Path(dst).name.startswith("step-"):
+            raise OSError("crash before the rename (simulated)")
+        return real(src, dst, *a, **k)
+
+    monkeypatch.setattr(os, "rename", rename)
+
+
+def _fail_latest(monkeypatch):
+    real = os.replace
+
+    def replace(src, dst, *a, **k):
+        if Path(dst).name == "latest":
+            raise OSError("crash before the pointer moved (simulated)")
+        return real(src, dst, *a, **k)
+
+    monkeypatch.setattr(os, "replace", replace)
+
+
+@pytest.mark.parametrize("crash", [_fail_tensor_write, _fail_manifest, _fail_rename, _fail_latest])
+def test_crash_at_any_stage_keeps_previous_checkpoint(tmp_path, monkeypatch, crash):
+    mgr = CheckpointManager(tmp_path, keep=1)
+    save_tiny(mgr, 1)
+    crash(monkeypatch)
+    with pytest.raises(OSError, match="simulated"):
+        save_tiny(mgr, 2)
+    monkeypatch.undo()
+
+    assert mgr.latest_step() == 1
+    assert mgr.load().model_state["w"][0, 0].item() == 1.0
+    assert_no_partial_step_folder(tmp_path)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-") or p.name.startswith(".latest-")]
+    save_tiny(mgr, 3)  # and the next save works
+    assert mgr.latest_step() == 3 and mgr.list_steps() == [3]
+
+
+def test_cleanup_removes_only_stale_leftovers(tmp_path):
+    mgr = CheckpointManager(tmp_path, fsync=False)
+    save_tiny(mgr, 1)
+    old, fresh = tmp_path / ".tmp-step-00000002-0badc0de", tmp_path / ".tmp-step-00000003-c0ffee00"
+    for d in (old, fresh):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"partial")
+    stale_parts = tmp_path / ".parts-step-00000002"
+    stale_parts.mkdir()
+    (stale_parts / "ps-0.safetensors").write_bytes(b"x")
+    trash = tmp_path / ".trash-step-00000000-12345678"
+    trash.mkdir()
+    an_hour_ago = time.time() - 3600
+    for p in (old, old / "model.safetensors", stale_parts, stale_parts / "ps-0.safetensors"):
+        os.utime(p, (an_hour_ago, an_hour_ago))
+
+    removed = mgr.cleanup(older_than=600)
+    assert sorted(p.name for p in removed) == sorted([old.name, stale_parts.name, trash.name])
+    assert fresh.exists() and mgr.latest_step() == 1
+
+
+def test_damaged_file_is_named(tmp_path):
+    mgr = CheckpointManager(tmp_path, fsync=False)
+    save_tiny(mgr, 1)
+    save_tiny(mgr, 2)
+    target = tmp_path / "step-00000002" / "optimizer.safetensors"
+    data = bytearray(target.read_bytes())
+    data[-1] ^= 0xFF  # same size, different bytes: only the sha256 notices
+    target.write_bytes(bytes(data))
+
+    assert mgr.latest_step() == 2
+    with pytest.raises(CheckpointError, match=r"step-00000002/optimizer\.safetensors: damaged.*Delete"):
+        mgr.load()
+    assert mgr.load(1).step == 1
+    mgr.load(2, verify=False)  # the caller can insist
+
+    target.write_bytes(bytes(data[:-10]))  # truncated: the step no longer counts as complete
+    assert mgr.latest_step() == 1 and mgr.list_steps() == [1]
+
+
+def test_damaged_manifest_or_tree_is_refused(tmp_path):
+    mgr = CheckpointManager(tmp_path, fsync=False)
+    save_tiny(mgr, 1)
+    folder = tmp_path / "step-00000001"
+    (folder / "model.json").write_text('{"format": "conveyor.state", "version": 1, "tree": {"w": {"__tensor__": "z"}}}')
+    with pytest.raises(CheckpointError, match="model"):
+        mgr.load(1, verify=False)
+    (folder / "COMPLETE").write_text("{not json")
+    assert mgr.latest_step() is None
+    with pytest.raises(CheckpointError, match="COMPLETE: not valid JSON"):
+        mgr.load(1)
+
+
+def test_reader_never_sees_an_incomplete_checkpoint(tmp_path):
+    writer = CheckpointManager(tmp_path, keep=2, fsync=False)
+    reader = CheckpointManager(tmp_path)
+    done = threading.Event()
+    seen: list[int] = []
+    loaded: list[int] = []
+    errors: list[BaseException] = []
+
+    def read_loop():
+        try:
+            while not done.is_set():
+                step = reader.latest_step()
+                if step is None:
+                    continue
+                assert not seen or step >= seen[-1], "latest went backwards"
+                seen.append(step)
+                try:
+                    ck = reader.load(step)
+                except CheckpointError:
+                    assert not reader.step_dir(step).exists(), "a visible checkpoint failed to load"
+                    continue
+                assert ck.model_state["w"].eq(step).all() and ck.optimizer_state["state"][0]["m"].eq(step).all()
+                loaded.append(step)
+                assert_no_partial_step_folder(tmp_path)
+        except BaseException as e:  # surfaced in the main thread
+            errors.append(e)
+
+    thread = threading.Thread(target=read_loop)
+    thread.start()
+    try:
+        for step in range(1, 21):
+            save_tiny(writer, step)
+    finally:
+        done.set()
+        thread.join(timeout=10)
+    assert not errors, errors[0]
+    assert loaded and writer.latest_step() == 20 and writer.list_steps() == [19, 20]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# several writers
+
+
+def test_parts_from_other_tasks_join_the_step(tmp_path):
+    chief = CheckpointManager(tmp_path, fsync=False)
+    ps = CheckpointManager(tmp_path)
+    shard = {"embedding.weight": torch.randn(6, 3)}
+
+    def contribute():
+        time.sleep(0.05)  # arrives while the chief is already waiting
+        ps.save_part(100, "ps-0.safetensors", safetensors_bytes(shard))
+        ps.save_part(100, "data/worker-1.json", json.dumps({"pos": 9}).encode())
+
+    t = threading.Thread(target=contribute)
+    t.start()
+    path = chief.save(
+        100,
+        tiny_state(1),
+        data_states={"worker-0": {"pos": 8}},
+        parts=["ps-0.safetensors", "data/worker-1.json"],
+        parts_timeout=5,
+    )
+    t.join()
+    manifest = json.loads((path / "COMPLETE").read_text())
+    assert {"ps-0.safetensors", "data/worker-1.json", "data/worker-0.json"} <= set(manifest["parts"])
+    assert not (tmp_path / ".parts-step-00000100").exists()
+
+    ck = chief.load()
+    assert ck.data_states == {"worker-0": {"pos": 8}, "worker-1": {"pos": 9}}
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(ck.parts["ps-0.safetensors"])["embedding.weight"], shard["embedding.weight"])
+
+    with pytest.raises(CheckpointError, match="too late"):
+        ps.save_part(100, "ps-1.safetensors", b"late")
+
+
+def test_missing_part_fails_the_save_and_keeps_latest(tmp_path, monkeypatch):
+    mgr = CheckpointManager(tmp_path, fsync=False)
+    save_tiny(mgr, 1)
+    mgr.save_part(2, "ps-0.safetensors", b"shard 0")
+    with pytest.raises(CheckpointError, match=r"\['ps-1.safetensors'\] did not arrive"):
+        mgr.save(2, tiny_state(2), parts=["ps-0.safetensors", "ps-1.safetensors"], parts_timeout=0.05)
+    assert mgr.latest_step() == 1 and mgr.list_steps() == [1]
+    assert_no_partial_step_folder(tmp_path)
+
+    mgr.save_part(2, "ps-1.safetensors", b"shard 1")
+    with monkeypatch.context() as m:  # a commit that fails hands the parts back for the retry
+        _fail_rename(m)
+        with pytest.raises(OSError, match="simulated"):
+            mgr.finalize(2, ["ps-0.safetensors", "ps-1.safetensors"])
+    assert sorted(p.name for p in (tmp_path / ".parts-step-00000002").iterdir()) == [
+        "ps-0.safetensors",
+        "ps-1.safetensors",
+    ]
+    path = mgr.finalize(2, ["ps-0.safetensors", "ps-1.safetensors"], extra={"who": "parts only"})
+    ck = mgr.load()
+    assert ck.step == 2 and ck.model_state is None and ck.extra == {"who": "parts only"}
+    assert (path / "ps-1.safetensors").read_bytes() == b"shard 1"
+
+
+def test_invalid_arguments_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="keep"):
+        CheckpointManager(tmp_path, keep=0)
+    mgr = CheckpointManager(tmp_path, fsync=False)
+    with pytest.raises(ValueError, match="step"):
+        mgr.save(-1, tiny_state(0))
+    for bad in ("../escape", "/abs", "COMPLETE", "model.safetensors", "a/b/c", ""):
+        with pytest.raises(ValueError, match="part name"):
+            mgr.save_part(1, bad, b"")
+    with pytest.raises(ValueError, match="task name"):
+        mgr.save(1, tiny_state(0), data_states={"../x": {}})
+    with pytest.raises(TypeError, match="extra holds tensors"):
+        mgr.save(1, tiny_state(0), extra={"loss": torch.tensor(1.0)})
+    with pytest.raises(TypeError, match="data iterator state must be JSON"):
+        mgr.save(1, tiny_state(0), data_states={"w": {"s": {1, 2}}})
+    with pytest.raises(CheckpointError, match="clash"):
+        mgr.save_part(1, "data/w.json", b"{}")
+        mgr.save(1, tiny_state(0), data_states={"w": {}}, parts=["data/w.json"])
+    assert mgr.list_steps() == [] and not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# policy
+
+
+def test_policy_every_steps_and_seconds():
+    p = CheckpointPolicy(every_steps=3)
+    assert [s for s in range(10) if p.should_save(s, now=0.0)] == [3, 6, 9]
+    assert not p.should_save(9, now=0.0)  # one save per step
+
+    p = CheckpointPolicy(every_seconds=10)
+    assert [s for s, now in enumerate([0, 4, 9.9, 10, 15, 19.9, 20.5]) if p.should_save(s, now=now)] == [3, 6]
+
+    p = CheckpointPolicy(every_steps=100, every_seconds=5)
+    assert p.should_save(1, now=0) is False and p.should_save(2, now=6) is True and p.should_save(100, now=7) is True
+    assert p.should_save(101, now=8) is False
+
+    assert not any(CheckpointPolicy().should_save(s, now=s * 1e6) for s in range(5))
+    with pytest.raises(ValueError):
+        CheckpointPolicy(every_steps=0)
+    with pytest.raises(ValueError):
+        CheckpointPolicy(every_seconds=-1)
+
+
+def test_no_pickle_in_the_checkpoint_code():
+    for module in (ckpt_mod, __import__("conveyor.train.state_io", fromlist=["x"])):
+        source = Path(module.__file__).read_text()
+        assert not re.search(r"import pickle|cloudpickle|(?<![\w.])torch\.(save|load)\(", source), module.__name__
