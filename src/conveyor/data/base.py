@@ -136,6 +136,40 @@ class Iter:
             it.close()
 
 
+class UnaryIter(Iter):
+    """An op with one input, which it closes and drops once it is "finished" (exhausted, or done).
+
+    State: the op's own fields (`_extra_state`) followed by the input's state under "input", which
+    is None once finished. `set_state` loads the op's fields first (`_load_extra_state`, which may
+    validate them or call `_finish()` itself), then finishes the input or restores it.
+    """
+
+    def __init__(self, name: str, ctx: Context, source: Iter | None):
+        super().__init__(name, ctx, *(() if source is None else (source,)))
+        self._input: Iter | None = source
+
+    def _finish(self) -> None:
+        if self._input is not None:
+            self._input.close()  # stays in `inputs`: closing twice is safe
+            self._input = None
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        pass
+
+    def get_state(self) -> dict[str, Any]:
+        return {**self._extra_state(), "input": None if self._input is None else self._input.get_state()}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._load_extra_state(state)
+        if state["input"] is None or self._input is None:
+            self._finish()
+        else:
+            self._input.set_state(state["input"])
+
+
 class Node:
     """The stateless half of an op: a recipe that builds `Iter`s.
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-from conveyor.data.base import Context, Iter, Node
+from conveyor.data.base import Context, Iter, Node, UnaryIter
 from conveyor.data.elements import stack
 from conveyor.data.errors import InvalidArgumentError
 
@@ -43,10 +43,9 @@ class BatchNode(Node):
         return BatchIter(self, ctx)
 
 
-class BatchIter(Iter):
+class BatchIter(UnaryIter):
     def __init__(self, node: BatchNode, ctx: Context):
         super().__init__(node.name, ctx, node.inputs[0].iterator(ctx.child(0)))
-        self._input: Iter | None = self.inputs[0]
         self._batch_size = node.batch_size
         self._drop_remainder = node.drop_remainder
 
@@ -63,17 +62,3 @@ class BatchIter(Iter):
             if not rows or self._drop_remainder:
                 raise
         return stack(rows)
-
-    def _finish(self) -> None:
-        if self._input is not None:
-            self._input.close()
-            self._input = None
-
-    def get_state(self) -> dict[str, Any]:
-        return {"input": None if self._input is None else self._input.get_state()}
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        if state["input"] is None:
-            self._finish()
-        else:
-            self._input.set_state(state["input"])

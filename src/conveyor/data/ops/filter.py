@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from conveyor.data.base import Context, Iter, Node, call, describe_fn
+from conveyor.data.base import Context, Iter, Node, UnaryIter, call, describe_fn
 
 
 class FilterNode(Node):
@@ -37,10 +37,9 @@ class FilterNode(Node):
         return FilterIter(self, ctx)
 
 
-class FilterIter(Iter):
+class FilterIter(UnaryIter):
     def __init__(self, node: FilterNode, ctx: Context):
         super().__init__(node.name, ctx, node.inputs[0].iterator(ctx.child(0)))
-        self._input: Iter | None = self.inputs[0]
         self._predicate = node.predicate
 
     def _next(self) -> Any:
@@ -67,20 +66,6 @@ class FilterIter(Iter):
                 f"filter predicate {describe_fn(predicate)} must return a scalar bool, got "
                 f"{_describe(keep)}; compare explicitly (e.g. `x > 0`, `bool(...)`, `arr.all()`)"
             )
-
-    def _finish(self) -> None:
-        if self._input is not None:
-            self._input.close()
-            self._input = None
-
-    def get_state(self) -> dict[str, Any]:
-        return {"input": None if self._input is None else self._input.get_state()}
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        if state["input"] is None:
-            self._finish()
-        else:
-            self._input.set_state(state["input"])
 
 
 def _describe(value: Any) -> str:

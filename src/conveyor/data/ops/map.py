@@ -28,7 +28,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
-from conveyor.data.base import AUTOTUNE, Context, Iter, Node, call, cpu_budget, describe_fn
+from conveyor.data.base import AUTOTUNE, Context, Iter, Node, UnaryIter, call, cpu_budget, describe_fn
 from conveyor.data.elements import from_json, to_json
 from conveyor.data.errors import InvalidArgumentError
 from conveyor.data.workers import WorkerPool
@@ -104,20 +104,13 @@ class MapBatchNode(Node):
                               drop_remainder=self.drop_remainder)
 
 
-class SequentialMapIter(Iter):
+class SequentialMapIter(UnaryIter):
     def __init__(self, node: MapNode, ctx: Context, source: Iter):
         super().__init__("map", ctx, source)
         self._fn = node.map_func
-        self._source = source
 
     def _next(self):
-        return call(self._fn, next(self._source))
-
-    def get_state(self) -> dict[str, Any]:
-        return {"input": self._source.get_state()}
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        self._source.set_state(state["input"])
+        return call(self._fn, next(self._input))
 
 
 class ThreadMapIter(Iter):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-from conveyor.data.base import Context, Iter, Node
+from conveyor.data.base import Context, Iter, Node, UnaryIter
 from conveyor.data.errors import InvalidArgumentError
 
 
@@ -41,12 +41,11 @@ class RepeatNode(Node):
         return RepeatIter(self, ctx)
 
 
-class RepeatIter(Iter):
+class RepeatIter(UnaryIter):
     def __init__(self, node: RepeatNode, ctx: Context):
-        super().__init__(node.name, ctx)
+        super().__init__(node.name, ctx, None)
         self._node = node
         self._ctx = ctx
-        self._input: Iter | None = None
         self._epoch = 0
         self._fresh = True  # the current epoch has not produced an element yet
         if node.count != 0:
@@ -59,11 +58,6 @@ class RepeatIter(Iter):
         self._fresh = True
         self._input = self._node.inputs[0].iterator(self._ctx.child(0).with_epoch(epoch))
         self.inputs = [self._input]
-
-    def _finish(self) -> None:
-        if self._input is not None:
-            self._input.close()  # stays in `inputs`: closing twice is safe
-            self._input = None
 
     def _next(self) -> Any:
         count = self._node.count
@@ -80,22 +74,18 @@ class RepeatIter(Iter):
             return x
         raise StopIteration
 
-    def get_state(self) -> dict[str, Any]:
-        if self._input is None:
-            return {"epoch": self._epoch, "fresh": True, "input": None}
-        return {"epoch": self._epoch, "fresh": self._fresh, "input": self._input.get_state()}
+    def _extra_state(self) -> dict[str, Any]:
+        return {"epoch": self._epoch, "fresh": self._input is None or self._fresh}
 
-    def set_state(self, state: dict[str, Any]) -> None:
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
         epoch = int(state["epoch"])
         count = self._node.count
         if epoch < 0 or (count >= 0 and epoch >= max(count, 1)):
             raise InvalidArgumentError(f"repeat state is in epoch {epoch}, but this repeat has count {count}")
         if state["input"] is None:
-            self._epoch = epoch
-            self._finish()
-            return
-        if epoch != self._epoch or self._input is None:
-            self._open(epoch)
-        self._fresh = bool(state["fresh"])
-        self._input.set_state(state["input"])
+            self._epoch = epoch  # finished: the input is closed next
+        else:
+            if epoch != self._epoch or self._input is None:
+                self._open(epoch)
+            self._fresh = bool(state["fresh"])
 

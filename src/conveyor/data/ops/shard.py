@@ -20,7 +20,7 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-from conveyor.data.base import Context, Iter, Node
+from conveyor.data.base import Context, Iter, Node, UnaryIter
 from conveyor.data.errors import InvalidArgumentError
 
 
@@ -48,10 +48,9 @@ class ShardNode(Node):
         return ShardIter(self, ctx)
 
 
-class ShardIter(Iter):
+class ShardIter(UnaryIter):
     def __init__(self, node: ShardNode, ctx: Context):
         super().__init__(node.name, ctx, node.inputs[0].iterator(ctx.child(0)))
-        self._input: Iter | None = self.inputs[0]
         self._num_shards = node.num_shards
         self._index = node.index
         self._started = False  # False: the next element is input #index; True: num_shards further on
@@ -71,17 +70,8 @@ class ShardIter(Iter):
         self._started = True
         return x
 
-    def _finish(self) -> None:
-        if self._input is not None:
-            self._input.close()
-            self._input = None
+    def _extra_state(self) -> dict[str, Any]:
+        return {"started": self._started}
 
-    def get_state(self) -> dict[str, Any]:
-        return {"started": self._started, "input": None if self._input is None else self._input.get_state()}
-
-    def set_state(self, state: dict[str, Any]) -> None:
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
         self._started = bool(state["started"])
-        if state["input"] is None:
-            self._finish()
-        else:
-            self._input.set_state(state["input"])

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-from conveyor.data.base import Context, Iter, Node
+from conveyor.data.base import Context, Iter, Node, UnaryIter
 from conveyor.data.errors import InvalidArgumentError
 
 
@@ -37,13 +37,12 @@ class SkipNode(Node):
         return SkipIter(self, ctx)
 
 
-class SkipIter(Iter):
+class SkipIter(UnaryIter):
     def __init__(self, node: SkipNode, ctx: Context):
-        super().__init__(node.name, ctx)
+        super().__init__(node.name, ctx, None)
         self._count = node.count
         self._skipped = node.count == 0
-        self._input: Iter | None = None
-        if node.count >= 0:
+        if node.count >= 0:  # built after this op, so its stats stage comes after skip's
             self._input = node.inputs[0].iterator(ctx.child(0))
             self.inputs = [self._input]
 
@@ -63,20 +62,16 @@ class SkipIter(Iter):
 
     def _finish(self) -> None:
         self._skipped = True
-        if self._input is not None:
-            self._input.close()
-            self._input = None
+        super()._finish()
 
-    def get_state(self) -> dict[str, Any]:
-        return {"skipped": self._skipped, "input": None if self._input is None else self._input.get_state()}
+    def _extra_state(self) -> dict[str, Any]:
+        return {"skipped": self._skipped}
 
-    def set_state(self, state: dict[str, Any]) -> None:
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
         if state["input"] is None:
-            self._finish()
-            return
+            return  # finished: `_finish` marks it skipped
         if self._input is None:
             raise InvalidArgumentError(
                 "skip state has an input position, but this skip(-1) never reads its input"
             )
         self._skipped = bool(state["skipped"])
-        self._input.set_state(state["input"])

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-from conveyor.data.base import Context, Iter, Node
+from conveyor.data.base import Context, Iter, Node, UnaryIter
 from conveyor.data.errors import InvalidArgumentError
 
 
@@ -37,13 +37,12 @@ class TakeNode(Node):
         return TakeIter(self, ctx)
 
 
-class TakeIter(Iter):
+class TakeIter(UnaryIter):
     def __init__(self, node: TakeNode, ctx: Context):
-        super().__init__(node.name, ctx)
+        super().__init__(node.name, ctx, None)
         self._count = node.count
         self._taken = 0
-        self._input: Iter | None = None
-        if node.count != 0:
+        if node.count != 0:  # built after this op, so its stats stage comes after take's
             self._input = node.inputs[0].iterator(ctx.child(0))
             self.inputs = [self._input]
 
@@ -60,20 +59,13 @@ class TakeIter(Iter):
             self._finish()
         return x
 
-    def _finish(self) -> None:
-        if self._input is not None:
-            self._input.close()
-            self._input = None
+    def _extra_state(self) -> dict[str, Any]:
+        return {"taken": self._taken}
 
-    def get_state(self) -> dict[str, Any]:
-        return {"taken": self._taken, "input": None if self._input is None else self._input.get_state()}
-
-    def set_state(self, state: dict[str, Any]) -> None:
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
         taken = int(state["taken"])
         if taken < 0 or (self._count >= 0 and taken > self._count):
             raise InvalidArgumentError(f"take state has taken {taken} elements, but count is {self._count}")
         self._taken = taken
-        if state["input"] is None or taken == self._count:
+        if taken == self._count:
             self._finish()
-        else:
-            self._input.set_state(state["input"])

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from conveyor.data.base import Context, Iter, Node
+from conveyor.data.base import Context, Iter, Node, UnaryIter
 from conveyor.data.elements import flatten, from_json, to_json, unflatten, unstack
 
 
@@ -28,10 +28,9 @@ class UnbatchNode(Node):
         return UnbatchIter(self, ctx)
 
 
-class UnbatchIter(Iter):
+class UnbatchIter(UnaryIter):
     def __init__(self, node: UnbatchNode, ctx: Context):
         super().__init__(node.name, ctx, node.inputs[0].iterator(ctx.child(0)))
-        self._input: Iter | None = self.inputs[0]
         self._batch: Any = None  # the current batch, and its rows
         self._rows: list = []
         self._pos = 0  # next row of `_rows` to return
@@ -59,25 +58,16 @@ class UnbatchIter(Iter):
             raise ValueError(f"unbatch: {e} (got {_shapes(batch)})") from None
         self._batch, self._pos = batch, 0
 
-    def _finish(self) -> None:
-        if self._input is not None:
-            self._input.close()
-            self._input = None
-
-    def get_state(self) -> dict[str, Any]:
+    def _extra_state(self) -> dict[str, Any]:
         rest = None
         if self._pos < len(self._rows):
             spec, leaves = flatten(self._batch)
             rest = to_json(unflatten(spec, [np.asarray(leaf)[self._pos:] for leaf in leaves]))
-        return {"rest": rest, "input": None if self._input is None else self._input.get_state()}
+        return {"rest": rest}
 
-    def set_state(self, state: dict[str, Any]) -> None:
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
         if state["rest"] is not None:
             self._set_batch(from_json(state["rest"]))
-        if state["input"] is None:
-            self._finish()
-        else:
-            self._input.set_state(state["input"])
 
 
 def _shapes(batch: Any) -> str:
