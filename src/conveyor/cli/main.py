@@ -17,8 +17,9 @@ from importlib import metadata
 
 from conveyor.cli import Command, CommandError
 from conveyor.cli import data as data_command
+from conveyor.cli import run as run_command
 
-COMMANDS: tuple[Command, ...] = (data_command.COMMAND,)
+COMMANDS: tuple[Command, ...] = (data_command.COMMAND, run_command.COMMAND)
 
 
 class _Parser(argparse.ArgumentParser):

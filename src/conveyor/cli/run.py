@@ -1,0 +1,185 @@
+"""`conveyor run`: start one training script as every task of a job, and keep the job alive.
+
+    conveyor run -n 2 train.py --epochs 1                     # 2 workers on this machine
+    conveyor run -n 4 --ps 2 --strategy ps-async train.py     # 4 workers, 2 parameter servers
+    conveyor run --dry-run -n 2 train.py --epochs 1           # print what would start, start nothing
+    conveyor run -n 2 --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29400 train.py    # on 10.0.0.1
+    conveyor run -n 2 --nnodes 2 --node-rank 1 --rdzv 10.0.0.1:29400 train.py    # on the other machine
+
+This module only parses arguments; the work is in `conveyor.launch`: `plan` (what to start, pure),
+`ports`, `rendezvous` (several machines) and `supervisor` (start, relay logs, restart, stop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import sys
+
+from conveyor.cli import Command, CommandError
+from conveyor.launch import (
+    PeerError,
+    RunOptions,
+    Supervisor,
+    build_plan,
+    describe_plan,
+    free_ports,
+    join,
+    local_plan,
+)
+
+EXAMPLES = """\
+examples:
+  conveyor run -n 2 train.py --epochs 1
+  conveyor run -n 4 --ps 2 --strategy ps-async train.py
+  conveyor run --dry-run -n 2 train.py --epochs 1
+  conveyor run -n 2 --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29400 train.py   # on 10.0.0.1
+  conveyor run -n 2 --nnodes 2 --node-rank 1 --rdzv 10.0.0.1:29400 train.py   # on the other machine
+
+Every task runs `PYTHON SCRIPT ARGS...` with the caller's environment plus TF_CONFIG, torch's RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT and conveyor's CONVEYOR_* variables (--dry-run shows
+them). Tasks are worker:0..N-1 (chief:0 first with --chief); rank 0 is the chief that writes checkpoints.
+Output lines are prefixed with the task ([worker:1] ...); full logs go to OUTPUT_DIR/logs/. When a task
+fails, every task is stopped and the job restarts (CONVEYOR_RESTART_COUNT + 1) up to --max-restarts
+times; the script resumes from OUTPUT_DIR/checkpoints. Ctrl-C stops every task.
+With --nnodes, -n and --ps count this machine's tasks (like torchrun's --nproc-per-node); node 0's
+tasks come first in the cluster, so rank 0 runs on node 0.
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = EXAMPLES
+    job = parser.add_argument_group("the job")
+    job.add_argument("-n", "--workers", type=int, default=1, metavar="N",
+                     help="training processes on this machine (default 1)")
+    job.add_argument("--ps", type=int, default=0, metavar="M", help="parameter servers on this machine (default 0)")
+    job.add_argument("--strategy", default=None, metavar="NAME",
+                     help="allreduce, ps-sync, ps-async, ps-ssp:K or pipeline (default: allreduce; ps-sync with "
+                     "--ps; local for one process)")
+    job.add_argument("--chief", action="store_true",
+                     help="name the first training task chief:0 instead of worker:0 (it is rank 0 either way)")
+    job.add_argument("--data-dir", default="data", metavar="D", help="the job's input folder (default ./data)")
+    job.add_argument("--output-dir", default="output", metavar="O",
+                     help="checkpoints, logs, metrics (default ./output)")
+    job.add_argument("--max-restarts", type=int, default=3, metavar="R",
+                     help="restart the whole job at most R times after a task fails (default 3)")
+    job.add_argument("--no-resume", dest="resume", action="store_false",
+                     help="start from scratch, ignoring checkpoints already in OUTPUT_DIR (CONVEYOR_RESUME=0); "
+                          "restarts after a failure still resume from this job's own checkpoints")
+    job.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                     help="collective and rendezvous timeout, passed as CONVEYOR_TIMEOUT (default 300)")
+    job.add_argument("--python", default=sys.executable, metavar="PATH",
+                     help="interpreter that runs SCRIPT (default: the one running conveyor)")
+    job.add_argument("--job-secret-file", default=None, metavar="FILE",
+                     help="the job's message-signing secret as hex (default: a fresh random one); give every "
+                     "node the same file so the secret never crosses the network")
+    job.add_argument("--dry-run", action="store_true", help="print every task's command and environment; start nothing")
+    nodes = parser.add_argument_group("several machines")
+    nodes.add_argument("--nnodes", type=int, default=1, metavar="K", help="machines in the job (default 1)")
+    nodes.add_argument("--node-rank", type=int, default=None, metavar="I", help="this machine's rank, 0..K-1")
+    nodes.add_argument("--rdzv", default=None, metavar="HOST:PORT",
+                       help="where node 0's launcher hosts the rendezvous (an address of node 0, a free port)")
+    parser.add_argument("script", metavar="SCRIPT", help="the training script every task runs")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="the script's arguments")
+
+
+def run(args: argparse.Namespace) -> int:
+    options = RunOptions(
+        script=args.script, script_args=tuple(args.script_args), workers=args.workers, ps=args.ps,
+        strategy=args.strategy, chief=args.chief, data_dir=os.path.abspath(args.data_dir),
+        output_dir=os.path.abspath(args.output_dir), max_restarts=args.max_restarts, resume=args.resume,
+        timeout=args.timeout, python=args.python,
+    )
+    _check_node_flags(args)
+    environ = dict(os.environ)  # before anything here touches os.environ: this is what the tasks inherit
+    secret = _job_secret(args.job_secret_file)
+    if args.dry_run:
+        plan = local_plan(options, free_ports(options.tasks_per_node), master_port=free_ports(1)[0],
+                          secret=secret, environ=environ)
+        print(describe_plan(plan))
+        if not os.path.isfile(options.script):
+            print(f"\nnote: {options.script} does not exist in {os.getcwd()}")
+        return 0
+    if not os.path.isfile(options.script):
+        raise CommandError(f"{options.script}: no such file (the script every task runs)")
+    if args.nnodes == 1:
+        ports = free_ports(options.tasks_per_node + 1)  # one per task, one for torch's store (MASTER_PORT)
+        plan = local_plan(options, ports[:-1], master_port=ports[-1], secret=secret, environ=environ)
+        return _report(Supervisor(plan, max_restarts=options.max_restarts).run())
+    return _run_node(args, options, environ, secret)
+
+
+def _run_node(args: argparse.Namespace, options: RunOptions, environ: dict[str, str], secret: bytes) -> int:
+    from_file = args.job_secret_file is not None
+    settings = {"strategy": options.strategy, "chief": options.chief, "max_restarts": options.max_restarts,
+                "resume": options.resume, "timeout": options.timeout}
+    try:
+        rdzv = join(args.rdzv, nnodes=args.nnodes, node_rank=args.node_rank, workers=options.workers, ps=options.ps,
+                    settings=settings, secret=secret if (from_file or args.node_rank == 0) else None,
+                    secret_from_file=from_file, timeout=options.timeout)
+    except PeerError as e:
+        raise CommandError(str(e), exit_code=1) from None
+    try:
+        plan = build_plan(options, rdzv.nodes, rdzv.node_rank, master_addr=rdzv.master_addr,
+                          master_port=rdzv.master_port, secret=rdzv.secret, environ=environ)
+        print(f"[conveyor] node {rdzv.node_rank} of {args.nnodes}: cluster {plan.spec.as_dict()}", file=sys.stderr)
+        result = Supervisor(plan, max_restarts=options.max_restarts, peers=rdzv.peers).run()
+    finally:
+        rdzv.peers.close()
+    return _report(result)
+
+
+def _check_node_flags(args: argparse.Namespace) -> None:
+    if args.nnodes < 1:
+        raise CommandError(f"--nnodes {args.nnodes}: expected 1 or more machines")
+    if args.nnodes == 1:
+        if args.node_rank not in (None, 0) or args.rdzv is not None:
+            raise CommandError("--node-rank and --rdzv belong to a job on several machines: add --nnodes K")
+        return
+    if args.node_rank is None or args.rdzv is None:
+        raise CommandError(f"--nnodes {args.nnodes} needs --node-rank I (0..{args.nnodes - 1}) and --rdzv HOST:PORT "
+                           f"(node 0's address and a free port), the same --rdzv on every machine")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise CommandError(f"--node-rank {args.node_rank} is out of range for --nnodes {args.nnodes} "
+                           f"(0..{args.nnodes - 1})")
+    if args.dry_run:
+        raise CommandError("--dry-run shows one machine's plan and cannot know the other machines' addresses; "
+                           "drop --nnodes/--node-rank/--rdzv to check the command and environment")
+
+
+def _job_secret(path: str | None) -> bytes:
+    """The per-job secret that signs parameter-server messages: fresh and random, or read from ``path``."""
+    if path is None:
+        return bytes.fromhex(secrets.token_hex(32))
+    with open(path, encoding="ascii", errors="replace") as f:
+        text = f.read().strip()
+    try:
+        secret = bytes.fromhex(text)
+    except ValueError:
+        secret = b""
+    if len(secret) < 16:  # the content is never echoed: it is a secret
+        raise CommandError(f"--job-secret-file {path}: expected at least 32 hex digits, e.g. made with "
+                           f"python -c 'import secrets; print(secrets.token_hex(32))'")
+    return secret
+
+
+def _report(result) -> int:
+    if result.ok:
+        note = f" after {result.restarts} restart(s)" if result.restarts else ""
+        print(f"[conveyor] job finished{note}", file=sys.stderr)
+        return 0
+    if result.signal is not None:
+        print(f"conveyor run: {result.message}; every task was stopped", file=sys.stderr)
+        return result.exit_code
+    lines = [f"conveyor run: error: job failed: {result.message}"]
+    failure = result.failure
+    if failure is not None:
+        lines.append(f"last {len(failure.last_lines)} lines of {failure.log_path}:")
+        lines += [f"  | {line}" for line in failure.last_lines]
+    print("\n".join(lines), file=sys.stderr)
+    return result.exit_code
+
+
+COMMAND = Command("run", "run a training script as a job of workers and parameter servers", add_arguments, run)

@@ -1,0 +1,301 @@
+"""What `conveyor run` starts on this machine: a pure plan, built before anything is started.
+
+    options = RunOptions(script="train.py", script_args=("--epochs", "1"), workers=2,
+                         data_dir="/abs/data", output_dir="/abs/output")
+    plan = local_plan(options, ports=[23001, 23002], master_port=23003, secret=b"...", environ=os.environ)
+    print(describe_plan(plan))        # what --dry-run shows, with the secret masked
+    Supervisor(plan).run()            # launch/supervisor.py starts exactly this
+
+Arguments + free ports (+ what the other machines published at the rendezvous) → a ``LaunchPlan`` of
+``TaskLaunch(task, argv, env, log_path)``. Nothing here starts a process or opens a socket, so every
+environment can be tested by exact equality (STYLE habit 6) and printed by ``--dry-run`` (habit 10).
+
+Placement across machines: each node runs its own ``--workers`` training tasks and ``--ps`` parameter
+servers, like torchrun's ``--nproc-per-node``. The cluster lists the nodes' tasks in node-rank order -
+node 0's training tasks first, so rank 0 (the chief, which writes checkpoints) is on node 0, where the
+torch process group's store (``MASTER_ADDR:MASTER_PORT``) is too - and neighbouring ranks share a
+machine, where ring all-reduce traffic between them stays off the network.
+
+A task's environment is the caller's environment, minus the variables the launcher owns (a stale
+``RANK`` from an outer launcher must not reach a parameter server, which gets none), plus
+``conveyor.cluster.task_environment(...)`` plus ``CONVEYOR_RESTART_COUNT``, ``CONVEYOR_RESUME``,
+``CONVEYOR_TIMEOUT`` and ``PYTHONUNBUFFERED=1`` (docs/training-contracts.md, "Launcher").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from conveyor.cluster import JOB_SECRET_VAR, ClusterSpec, TaskId, join_address, task_environment
+from conveyor.cluster.env import DATA_DIR_VAR, OUTPUT_DIR_VAR, STRATEGY_VAR, TASK_INDEX_VAR, TASK_TYPE_VAR
+
+__all__ = [
+    "OWNED_VARS",
+    "RESTART_COUNT_VAR",
+    "RESUME_VAR",
+    "STRATEGIES",
+    "TIMEOUT_VAR",
+    "LaunchPlan",
+    "NodeInfo",
+    "RunOptions",
+    "TaskLaunch",
+    "build_plan",
+    "cluster_from_nodes",
+    "describe_plan",
+    "local_plan",
+    "resolve_strategy",
+]
+
+RESTART_COUNT_VAR = "CONVEYOR_RESTART_COUNT"
+RESUME_VAR = "CONVEYOR_RESUME"
+TIMEOUT_VAR = "CONVEYOR_TIMEOUT"
+
+#: The strategy names `--strategy` accepts (``ps-ssp:K`` with a staleness bound K >= 0).
+STRATEGIES: tuple[str, ...] = ("local", "allreduce", "ps-sync", "ps-async", "ps-ssp:K", "pipeline")
+_PS_STRATEGY = re.compile(r"ps-(sync|async|ssp:[0-9]+)")
+
+#: Variables the launcher sets on some or all tasks; removed from the inherited environment first, so
+#: that only the launcher's own values (or none) reach a task.
+OWNED_VARS: tuple[str, ...] = (
+    "TF_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    TASK_TYPE_VAR, TASK_INDEX_VAR, STRATEGY_VAR, DATA_DIR_VAR, OUTPUT_DIR_VAR, JOB_SECRET_VAR,
+    RESTART_COUNT_VAR, RESUME_VAR, TIMEOUT_VAR,
+)
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """`conveyor run`'s settings for this machine, checked once (errors name the flag).
+
+    ``workers`` counts training tasks (``worker:0..N-1``; with ``chief=True`` the first is ``chief:0``
+    instead); either way rank 0 is the chief that writes checkpoints. ``data_dir``/``output_dir`` must be
+    absolute: every task gets the same folders whatever its working directory. ``strategy=None`` picks
+    the default for the job's shape (see :func:`resolve_strategy`).
+    """
+
+    script: str
+    data_dir: str
+    output_dir: str
+    script_args: tuple[str, ...] = ()
+    workers: int = 1
+    ps: int = 0
+    strategy: str | None = None
+    chief: bool = False
+    max_restarts: int = 3
+    resume: bool = True
+    timeout: float = 300.0
+    python: str = sys.executable
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "script_args", tuple(self.script_args))
+        if not isinstance(self.script, str) or not self.script:
+            raise ValueError("SCRIPT is missing: give the training script to run, e.g. conveyor run -n 2 train.py")
+        _check_count(self.workers, "--workers", 1, "training processes on this machine")
+        _check_count(self.ps, "--ps", 0, "parameter servers on this machine")
+        _check_count(self.max_restarts, "--max-restarts", 0, "job restarts after a task fails")
+        if self.strategy is not None:
+            _check_strategy_name(self.strategy)
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
+            raise ValueError(f"--timeout {self.timeout!r}: expected a number of seconds > 0, e.g. --timeout 300")
+        for flag, path in (("--data-dir", self.data_dir), ("--output-dir", self.output_dir)):
+            if not isinstance(path, str) or not os.path.isabs(path):
+                raise ValueError(f"{flag} {path!r} must be an absolute path here (the command line makes it "
+                                 f"absolute from the current folder)")
+        if not isinstance(self.python, str) or not self.python:
+            raise ValueError("--python is empty; give an interpreter, e.g. --python /usr/bin/python3")
+
+    @property
+    def tasks_per_node(self) -> int:
+        return self.workers + self.ps
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """One machine of the job as the rendezvous publishes it: its address and its tasks' ports.
+
+    ``ports`` has one port per task, the ``workers`` training tasks first, then the ``ps`` servers.
+    """
+
+    host: str
+    workers: int
+    ps: int
+    ports: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ports", tuple(self.ports))
+        if len(self.ports) != self.workers + self.ps:
+            raise ValueError(f"node {self.host} has {len(self.ports)} ports for {self.workers} workers + {self.ps} "
+                             f"ps; expected one per task")
+
+
+@dataclass(frozen=True)
+class TaskLaunch:
+    """One process to start: the task it is, its command, its whole environment, its log file.
+
+    ``set_vars`` names the variables the launcher set (in ``env`` order after the inherited ones): what
+    ``--dry-run`` shows, since the rest is the caller's own environment.
+    """
+
+    task: TaskId
+    argv: tuple[str, ...]
+    env: Mapping[str, str] = field(repr=False)
+    log_path: str
+    set_vars: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return str(self.task)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything this machine's launcher starts, and the cluster it belongs to."""
+
+    spec: ClusterSpec
+    strategy: str
+    tasks: tuple[TaskLaunch, ...]
+    log_dir: str
+    node_rank: int = 0
+    nnodes: int = 1
+    inherited: int = 0  # how many variables come from the caller's environment (for --dry-run)
+
+
+def resolve_strategy(strategy: str | None, world_size: int, num_ps: int) -> str:
+    """The strategy name to run: the one given, checked against the job's shape, or the default.
+
+    Default: ``ps-sync`` when there are parameter servers, ``allreduce`` for several training tasks,
+    ``local`` for one - what ``conveyor.init()`` would pick by itself.
+    """
+    if strategy is None:
+        return "ps-sync" if num_ps else ("allreduce" if world_size > 1 else "local")
+    _check_strategy_name(strategy)
+    is_ps = _PS_STRATEGY.fullmatch(strategy) is not None
+    if is_ps and not num_ps:
+        raise ValueError(f"--strategy {strategy} needs parameter servers: add --ps M (e.g. --ps 1)")
+    if num_ps and not is_ps:
+        raise ValueError(f"--ps {num_ps} starts parameter servers, which only the ps strategies use: add "
+                         f"--strategy ps-sync, ps-async or ps-ssp:K, or drop --ps")
+    if strategy == "local" and world_size > 1:
+        raise ValueError(f"--strategy local trains one process alone, but the job has {world_size} training "
+                         f"processes: use --strategy allreduce, or -n 1")
+    return strategy
+
+
+def cluster_from_nodes(nodes: Sequence[NodeInfo], chief: bool = False) -> ClusterSpec:
+    """The job's cluster: every node's training tasks in node-rank order, then every node's ps.
+
+    One node gives what ``conveyor.cluster.local_cluster`` gives for the same ports.
+    """
+    training = [join_address(n.host, p) for n in nodes for p in n.ports[:n.workers]]
+    ps = [join_address(n.host, p) for n in nodes for p in n.ports[n.workers:]]
+    n_chief = 1 if chief else 0
+    return ClusterSpec(chief=tuple(training[:n_chief]), worker=tuple(training[n_chief:]), ps=tuple(ps))
+
+
+def build_plan(
+    options: RunOptions,
+    nodes: Sequence[NodeInfo],
+    node_rank: int,
+    *,
+    master_addr: str,
+    master_port: int,
+    secret: bytes,
+    environ: Mapping[str, str],
+) -> LaunchPlan:
+    """The plan for node ``node_rank`` of ``nodes`` (all of them, in node-rank order).
+
+    ``master_addr:master_port`` is where rank 0 (node 0's first training task) hosts torch's store;
+    ``environ`` is the caller's environment, which every task inherits.
+    """
+    if not nodes:
+        raise ValueError("nodes is empty; a job has at least this machine")
+    if not 0 <= node_rank < len(nodes):
+        raise ValueError(f"--node-rank {node_rank} is out of range for --nnodes {len(nodes)} (0..{len(nodes) - 1})")
+    spec = cluster_from_nodes(nodes, options.chief)
+    strategy = resolve_strategy(options.strategy, spec.world_size, len(spec.ps))
+    base = {k: v for k, v in environ.items() if k not in OWNED_VARS}
+    extra = {
+        RESTART_COUNT_VAR: "0",
+        RESUME_VAR: "1" if options.resume else "0",
+        TIMEOUT_VAR: f"{options.timeout:g}",
+        "PYTHONUNBUFFERED": "1",  # lines reach the launcher (and the log) as they are printed
+    }
+    argv = (options.python, options.script, *options.script_args)
+    log_dir = os.path.join(options.output_dir, "logs")
+    training = spec.training_tasks
+    first_rank = sum(n.workers for n in nodes[:node_rank])
+    first_ps = sum(n.ps for n in nodes[:node_rank])
+    node = nodes[node_rank]
+    mine = [(training[first_rank + i], i) for i in range(node.workers)]
+    mine += [(TaskId("ps", first_ps + i), 0) for i in range(node.ps)]
+    launches = []
+    for task, local_rank in mine:
+        own = task_environment(
+            spec, task, secret=secret, data_dir=options.data_dir, output_dir=options.output_dir,
+            master_addr=master_addr, master_port=master_port, strategy=strategy,
+            local_rank=local_rank, local_world_size=node.workers,
+        )
+        own.update(extra)
+        launches.append(TaskLaunch(
+            task=task, argv=argv, env={**base, **own},
+            log_path=os.path.join(log_dir, f"{task.type}-{task.index}.log"), set_vars=tuple(own),
+        ))
+    return LaunchPlan(spec=spec, strategy=strategy, tasks=tuple(launches), log_dir=log_dir, node_rank=node_rank,
+                      nnodes=len(nodes), inherited=len(base))
+
+
+def local_plan(
+    options: RunOptions,
+    ports: Sequence[int],
+    *,
+    master_port: int,
+    secret: bytes,
+    environ: Mapping[str, str],
+    host: str = "127.0.0.1",
+) -> LaunchPlan:
+    """The plan for a job on this machine only: one port per task (training tasks first, then ps)."""
+    node = NodeInfo(host, options.workers, options.ps, tuple(ports))
+    return build_plan(options, [node], 0, master_addr=host, master_port=master_port, secret=secret,
+                      environ=environ)
+
+
+def describe_plan(plan: LaunchPlan) -> str:
+    """What ``conveyor run --dry-run`` prints: every task's command and the variables the launcher sets.
+
+    The job secret is masked: a dry run's output ends up in terminals, CI logs and bug reports.
+    """
+    spec = plan.spec
+    where = f"node {plan.node_rank} of {plan.nnodes}" if plan.nnodes > 1 else "this machine"
+    lines = [
+        f"{len(plan.tasks)} task(s) on {where}; world size {spec.world_size}, strategy {plan.strategy}, "
+        f"logs in {plan.log_dir}",
+        f"cluster: {json.dumps(spec.as_dict())}",
+        f"each task inherits the caller's environment ({plan.inherited} variables) and gets these:",
+    ]
+    for launch in plan.tasks:
+        lines.append("")
+        lines.append(f"[{launch.name}] {shlex.join(launch.argv)}")
+        lines.append(f"    log: {launch.log_path}")
+        for name in launch.set_vars:
+            value = launch.env[name]
+            shown = f"<masked: {len(value)} hex digits>" if name == JOB_SECRET_VAR else shlex.quote(value)
+            lines.append(f"    {name}={shown}")
+    return "\n".join(lines)
+
+
+def _check_count(value: object, flag: str, low: int, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{flag} {value!r}: expected a whole number >= {low} ({what})")
+
+
+def _check_strategy_name(strategy: str) -> None:
+    if strategy in ("local", "allreduce", "pipeline") or _PS_STRATEGY.fullmatch(strategy or ""):
+        return
+    hint = " (K is the staleness bound, e.g. ps-ssp:4)" if str(strategy).startswith("ps-ssp") else ""
+    raise ValueError(f"--strategy {strategy!r} is not a strategy{hint}; expected one of {', '.join(STRATEGIES)}")

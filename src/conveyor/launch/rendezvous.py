@@ -1,0 +1,302 @@
+"""Multi-node rendezvous: the launchers of a job find each other and agree on one cluster.
+
+    # on node 0 (10.0.0.1)                      # on node 1
+    conveyor run -n 2 --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29400 train.py
+    conveyor run -n 2 --nnodes 2 --node-rank 1 --rdzv 10.0.0.1:29400 train.py
+
+Node 0's launcher hosts a ``torch.distributed.TCPStore`` (torch's small key-value server, the one
+torchrun's c10d rendezvous uses) at the ``--rdzv`` address; every launcher connects to it and:
+
+1. claims its node rank (two launchers with the same ``--node-rank`` are refused);
+2. publishes ``conveyor/node/<rank>``: the address other machines reach it at (the local address of the
+   route towards the rendezvous host), its worker and ps counts, a free port per task, and the settings
+   that must agree (``--nnodes``, ``--strategy``, ``--chief``, ``--max-restarts``...);
+3. waits for every node (``--timeout`` seconds; the error names the rendezvous address and the nodes that
+   are missing), then builds the same :class:`~conveyor.launch.plan.NodeInfo` list in node-rank order, so
+   every launcher derives the same ``ClusterSpec`` with ``cluster_from_nodes``.
+
+Node 0 also publishes ``conveyor/job``: the torch process group's ``MASTER_PORT`` (``MASTER_ADDR`` is node
+0's address: rank 0 runs there) and the per-job secret it generated. The store has no authentication and
+no encryption, so a secret that must not cross the network in clear comes from ``--job-secret-file``
+on every node instead: then only a fingerprint (a SHA-256 of it) is compared.
+
+The store then stays up for the whole job: :class:`StorePeers` implements the supervisor's
+:class:`~conveyor.launch.supervisor.Peers`, through which a failure on one node restarts every node.
+torch is imported here only, lazily, inside the functions that need it: it is the store's home.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from conveyor.cluster import split_address
+from conveyor.launch.plan import NodeInfo
+from conveyor.launch.ports import free_ports
+from conveyor.launch.supervisor import PeerError
+
+__all__ = ["Rendezvous", "RendezvousError", "StorePeers", "join", "local_address", "secret_fingerprint"]
+
+_P = "conveyor/"
+_POLL = 0.1
+
+
+class RendezvousError(PeerError):
+    """The launchers could not agree on a cluster; the message names the rendezvous address and the fix."""
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """What every node agreed on, plus the link to the others for the rest of the job."""
+
+    nodes: tuple[NodeInfo, ...]
+    node_rank: int
+    master_addr: str
+    master_port: int
+    secret: bytes = field(repr=False)
+    peers: StorePeers = field(repr=False)
+
+
+def secret_fingerprint(secret: bytes) -> str:
+    """A short SHA-256 of the job secret: enough to tell two secrets apart, useless to forge messages."""
+    return hashlib.sha256(b"conveyor job secret\0" + secret).hexdigest()[:16]
+
+
+def local_address(host: str, port: int) -> str:
+    """This machine's address on the route towards ``host``: the one the other nodes can reach it at.
+
+    Connecting a UDP socket sends nothing; it only makes the kernel choose the route and source address.
+    """
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    except socket.gaierror as e:
+        raise RendezvousError(f"--rdzv host {host!r} does not resolve ({e.strerror}); give node 0's address, "
+                              f"e.g. --rdzv 10.0.0.1:29400") from None
+    with socket.socket(family, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect(sockaddr)
+        except OSError as e:
+            raise RendezvousError(f"no route from this machine to the rendezvous host {host} ({e.strerror})") from None
+        return sock.getsockname()[0]
+
+
+def join(
+    endpoint: str,
+    *,
+    nnodes: int,
+    node_rank: int,
+    workers: int,
+    ps: int,
+    settings: Mapping[str, Any],
+    secret: bytes | None,
+    secret_from_file: bool,
+    timeout: float,
+) -> Rendezvous:
+    """Join (node 0: host) the rendezvous at ``endpoint`` and return what all ``nnodes`` nodes agreed on.
+
+    ``settings`` (JSON-able) must be equal on every node. ``secret``: node 0 passes the job secret (made
+    up or read from a file); the others pass theirs when ``secret_from_file``, else ``None`` and receive
+    node 0's.
+    """
+    if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 2:
+        raise ValueError(f"--nnodes {nnodes!r}: a rendezvous joins 2 or more nodes")
+    if isinstance(node_rank, bool) or not isinstance(node_rank, int) or not 0 <= node_rank < nnodes:
+        raise ValueError(f"--node-rank {node_rank!r}: expected 0..{nnodes - 1} for --nnodes {nnodes}")
+    if node_rank == 0 and not secret:
+        raise ValueError("node 0 needs the job secret to share")
+    host, port = split_address(endpoint, "--rdzv")
+    address = local_address(host, port)
+    ports = free_ports(workers + ps + (1 if node_rank == 0 else 0), address)
+    store = _connect(host, port, endpoint, node_rank, timeout)
+    peers = StorePeers(store, nnodes=nnodes, node_rank=node_rank, endpoint=endpoint, timeout=timeout)
+    try:
+        return _agree(store, peers, endpoint, nnodes, node_rank, address, workers, ps, ports, dict(settings),
+                      secret, secret_from_file, timeout)
+    except BaseException:
+        peers.close(wait=False)
+        raise
+
+
+def _agree(store: Any, peers: StorePeers, endpoint: str, nnodes: int, node_rank: int, address: str, workers: int,
+           ps: int, ports: list[int], settings: dict, secret: bytes | None, secret_from_file: bool,
+           timeout: float) -> Rendezvous:
+    deadline = time.monotonic() + timeout
+    if _call(store.add, endpoint, f"{_P}claim/{node_rank}", 1) > 1:
+        raise RendezvousError(f"node rank {node_rank} is taken at the rendezvous {endpoint}: another launcher "
+                              f"joined with --node-rank {node_rank}; give each node its own rank 0..{nnodes - 1}")
+    settings = {"nnodes": nnodes, **settings, "secret_from_file": secret_from_file}
+    mine = {"host": address, "workers": workers, "ps": ps, "ports": ports[:workers + ps], "settings": settings,
+            "secret": secret_fingerprint(secret) if secret_from_file and secret else None}
+    if node_rank == 0:
+        job = {"master_port": ports[-1], "secret": None if secret_from_file else secret.hex()}
+        _call(store.set, endpoint, f"{_P}job", json.dumps(job))
+    _call(store.set, endpoint, f"{_P}node/{node_rank}", json.dumps(mine))
+
+    keys = [f"{_P}node/{r}" for r in range(nnodes)] + [f"{_P}job"]
+    while not _call(store.check, endpoint, keys):
+        if time.monotonic() > deadline:
+            missing = [str(r) for r in range(nnodes) if not _call(store.check, endpoint, [f"{_P}node/{r}"])]
+            raise RendezvousError(f"rendezvous at {endpoint}: node(s) {', '.join(missing)} of {nnodes} did not join "
+                                  f"within {timeout:g} s; start `conveyor run --nnodes {nnodes} --node-rank I "
+                                  f"--rdzv {endpoint} ...` on every node (or raise --timeout)")
+        time.sleep(_POLL)
+    try:
+        published = [json.loads(_call(store.get, endpoint, f"{_P}node/{r}")) for r in range(nnodes)]
+        job = json.loads(_call(store.get, endpoint, f"{_P}job"))
+        nodes = tuple(NodeInfo(str(n["host"]), int(n["workers"]), int(n["ps"]), tuple(int(p) for p in n["ports"]))
+                      for n in published)
+        master_port = int(job["master_port"])
+    except (ValueError, KeyError, TypeError) as e:  # the store is unauthenticated: anything may be in it
+        raise RendezvousError(f"rendezvous at {endpoint}: a published record is malformed ({type(e).__name__}: {e}); "
+                              f"is another program or another conveyor version using this address?") from None
+
+    first = published[0]["settings"]
+    for r, node in enumerate(published[1:], start=1):
+        for key in sorted(set(first) | set(node["settings"])):
+            if first.get(key) != node["settings"].get(key):
+                flag = "--job-secret-file" if key == "secret_from_file" else "--" + key.replace("_", "-")
+                raise RendezvousError(f"rendezvous at {endpoint}: node {r} has {flag} = "
+                                      f"{node['settings'].get(key)!r} but node 0 has {first.get(key)!r}; start "
+                                      f"every node with the same {flag}")
+    if secret_from_file:
+        if published[0]["secret"] != mine["secret"]:
+            raise RendezvousError(f"rendezvous at {endpoint}: this node's --job-secret-file holds another secret "
+                                  f"than node 0's; give every node the same file")
+        agreed = secret
+    else:
+        agreed = bytes.fromhex(job["secret"])
+    return Rendezvous(nodes=nodes, node_rank=node_rank, master_addr=nodes[0].host, master_port=master_port,
+                      secret=agreed, peers=peers)
+
+
+def _connect(host: str, port: int, endpoint: str, node_rank: int, timeout: float) -> Any:
+    # torch's C++ side logs every connection retry with a stack trace; the errors below say it better.
+    # Only this (launcher) process is affected: the tasks' environment was captured before.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+    from torch.distributed import TCPStore  # lazily: the only torch in launch/
+
+    unreachable = (f"node {node_rank} could not reach the rendezvous at {endpoint} within {timeout:g} s: {{}}; start "
+                   f"node 0's launcher there (conveyor run --node-rank 0 --rdzv {endpoint} ...) and check that the "
+                   f"port is open")
+    wait = timedelta(seconds=timeout)
+    try:
+        if node_rank == 0:
+            return TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=wait)
+        error = _wait_until_listening(host, port, timeout)
+        if error is not None:
+            raise RendezvousError(unreachable.format(error))
+        return TCPStore(host, port, is_master=False, timeout=wait)
+    except RuntimeError as e:  # torch's DistNetworkError / DistStoreError
+        if isinstance(e, RendezvousError):
+            raise
+        if node_rank == 0:
+            raise RendezvousError(f"node 0 cannot host the rendezvous at {endpoint}: {_first_line(e)}; --rdzv must "
+                                  f"be an address of node 0 with a free port (is another job using it?)") from None
+        raise RendezvousError(unreachable.format(_first_line(e))) from None
+
+
+def _wait_until_listening(host: str, port: int, timeout: float) -> str | None:
+    """Poll until node 0's store accepts connections; the last error when ``timeout`` passes first.
+
+    Nodes usually start within seconds of each other, node 0 not necessarily first; TCPStore's own retry
+    backs off for a second or more after a refused connection, a plain connect every 0.1 s does not.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
+                return None
+        except OSError as e:
+            if time.monotonic() + _POLL > deadline:
+                return e.strerror or type(e).__name__
+            time.sleep(_POLL)
+
+
+def _call(method: Any, endpoint: str, *args: Any) -> Any:
+    try:
+        return method(*args)
+    except RuntimeError as e:
+        raise PeerError(f"lost the rendezvous at {endpoint} (node 0's launcher): {_first_line(e)}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+class StorePeers:
+    """The supervisor's :class:`~conveyor.launch.supervisor.Peers`, over the rendezvous store.
+
+    Keys: ``failed/<attempt>`` (the first failure's description wins: it is the cause, later ones are
+    usually peers whose collectives broke because of it), ``done/<attempt>`` and ``stopped/<attempt>``
+    (counters), ``abort`` (an interrupted launcher), ``left`` (a counter node 0 waits on before it shuts
+    the store down, so nobody loses the store while reading the outcome).
+    """
+
+    def __init__(self, store: Any, *, nnodes: int, node_rank: int, endpoint: str, timeout: float) -> None:
+        self._store = store
+        self.nnodes = nnodes
+        self.node_rank = node_rank
+        self.endpoint = endpoint
+        self._timeout = timeout
+        self._seen: dict[str, str] = {}
+        self._closed = False
+
+    @property
+    def timeout(self) -> float:
+        return self._timeout
+
+    def _value(self, key: str) -> str | None:
+        if key not in self._seen and _call(self._store.check, self.endpoint, [key]):
+            self._seen[key] = _call(self._store.get, self.endpoint, key).decode("utf-8", "replace")
+        return self._seen.get(key)
+
+    def failure(self, attempt: int) -> str | None:
+        return self._value(f"{_P}failed/{attempt}")
+
+    def aborted(self) -> str | None:
+        return self._value(f"{_P}abort")
+
+    def report_failure(self, attempt: int, description: str) -> None:
+        _call(self._store.compare_set, self.endpoint, f"{_P}failed/{attempt}", "", description)
+
+    def abort(self, description: str) -> None:
+        _call(self._store.compare_set, self.endpoint, f"{_P}abort", "", description)
+
+    def report_done(self, attempt: int) -> None:
+        _call(self._store.add, self.endpoint, f"{_P}done/{attempt}", 1)
+
+    def all_done(self, attempt: int) -> bool:
+        return _call(self._store.add, self.endpoint, f"{_P}done/{attempt}", 0) >= self.nnodes
+
+    def report_stopped(self, attempt: int) -> None:
+        _call(self._store.add, self.endpoint, f"{_P}stopped/{attempt}", 1)
+
+    def all_stopped(self, attempt: int) -> bool:
+        return _call(self._store.add, self.endpoint, f"{_P}stopped/{attempt}", 0) >= self.nnodes
+
+    def close(self, *, wait: bool = True, linger: float = 15.0) -> None:
+        """Leave the job. Node 0 hosts the store, so it waits (at most ``linger`` s) for the others to leave
+        first: they may still be reading how the job ended."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.node_rank != 0:
+                _call(self._store.add, self.endpoint, f"{_P}left", 1)
+            elif wait:
+                deadline = time.monotonic() + linger
+                while _call(self._store.add, self.endpoint, f"{_P}left", 0) < self.nnodes - 1:
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(_POLL)
+        except PeerError:
+            pass  # the others are gone already
+        finally:
+            self._store = None

@@ -1,0 +1,441 @@
+"""Start a plan's tasks on this machine, relay their output, restart the job when a task dies.
+
+    result = Supervisor(plan, max_restarts=3).run()     # blocks until the job ends
+    sys.exit(result.exit_code)                           # 0, 1 (failed for good), 130/143 (interrupted)
+
+Each task runs in its own session (``start_new_session=True``), so it leads a process group that also
+holds whatever it starts (data-loader workers, shell pipelines); stopping a task signals the whole group.
+A Ctrl-C at the terminal reaches only the launcher's own group, and the launcher then stops every task
+the same way: SIGTERM to each group, a grace period (5 s) to save and exit, SIGKILL to what is left.
+
+One thread per task reads its merged stdout+stderr line by line, appends each line to
+``<output>/logs/<type>-<index>.log`` and prints it to the launcher's stdout as ``[worker:1] <line>``.
+
+Supervision, as torchrun's elastic agent does it: when a task exits non-zero or is killed, every task is
+stopped and the whole job starts again with ``CONVEYOR_RESTART_COUNT`` + 1 (each log gets a
+``=== restart N ===`` line); the script resumes from its latest checkpoint by itself. After
+``max_restarts`` restarts the job fails for good, naming the task, how it ended and its last log lines.
+
+Across machines the launchers coordinate through :class:`Peers` (``launch/rendezvous.py``): a failure on
+one node restarts every node, every node stops its tasks before any node starts new ones, and the job
+succeeds only when every node's tasks have. Processes that leave their task's process group (a daemon that
+calls ``setsid``) are outside supervision, as they are under torchrun; and a launcher killed with
+SIGKILL cannot stop its tasks - their process ids are in the launcher's first lines on stderr.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import IO, Protocol
+
+import psutil
+
+from conveyor.launch.plan import RESTART_COUNT_VAR, RESUME_VAR, LaunchPlan, TaskLaunch
+
+__all__ = ["JobResult", "PeerError", "Peers", "Supervisor", "TaskExit"]
+
+TAIL_LINES = 20
+
+
+class PeerError(RuntimeError):
+    """The other launchers of a multi-node job cannot be reached, or did not answer in time."""
+
+
+class Peers(Protocol):
+    """How one node's supervisor agrees with the other nodes' (see ``launch/rendezvous.py``).
+
+    Every method may raise :class:`PeerError`; the supervisor then stops its tasks and fails for good.
+    """
+
+    def failure(self, attempt: int) -> str | None:
+        """A description of a failure another node reported during ``attempt``, else None."""
+
+    def aborted(self) -> str | None:
+        """Why the job was stopped for good by another node (its launcher was interrupted), else None."""
+
+    def report_failure(self, attempt: int, description: str) -> None:
+        """Tell the other nodes that a task here failed during ``attempt``."""
+
+    def report_done(self, attempt: int) -> None:
+        """Tell the other nodes that every task here finished ``attempt`` successfully."""
+
+    def all_done(self, attempt: int) -> bool:
+        """True once every node has reported ``attempt`` done."""
+
+    def report_stopped(self, attempt: int) -> None:
+        """Tell the other nodes that no task of ``attempt`` runs here any more."""
+
+    def all_stopped(self, attempt: int) -> bool:
+        """True once every node has stopped its tasks of ``attempt`` (then a restart may start)."""
+
+    def abort(self, description: str) -> None:
+        """Tell the other nodes to stop for good (this launcher was interrupted)."""
+
+    @property
+    def timeout(self) -> float:
+        """Seconds to wait for the other nodes at a barrier before giving up."""
+
+
+@dataclass(frozen=True)
+class TaskExit:
+    """How a task ended: its exit status (negative: killed by that signal) and its last output lines."""
+
+    task: str
+    returncode: int
+    log_path: str
+    last_lines: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        if self.returncode < 0:
+            try:
+                name = signal.Signals(-self.returncode).name
+            except ValueError:
+                name = f"signal {-self.returncode}"
+            return f"{self.task} was killed by {name}"
+        return f"{self.task} exited with status {self.returncode}"
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """How the job ended. ``exit_code``: 0 success, 1 failed for good, 128 + signal when interrupted."""
+
+    ok: bool
+    restarts: int
+    failure: TaskExit | None = None
+    signal: int | None = None
+    message: str = ""
+
+    @property
+    def exit_code(self) -> int:
+        if self.ok:
+            return 0
+        return 128 + self.signal if self.signal else 1
+
+
+@dataclass
+class _Running:
+    launch: TaskLaunch
+    proc: subprocess.Popen
+    log: IO[str]
+    pump: threading.Thread
+    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
+    group_gone: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.launch.name
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    kind: str  # "done", "failed" (a task here), "peer" (a task on another node), "signal", "final" (no restart)
+    failure: TaskExit | None = None
+    message: str = ""
+
+
+class Supervisor:
+    """Runs a :class:`~conveyor.launch.plan.LaunchPlan` until it succeeds, fails for good or is interrupted.
+
+    ``out`` gets the tasks' prefixed lines (default: ``sys.stdout``), ``err`` the launcher's own messages
+    (default: ``sys.stderr``). ``grace`` is how long a task has to exit after SIGTERM. ``linger`` is how
+    long parameter servers may keep running after every training task has finished (they exit by
+    themselves when the job ends; after ``linger`` seconds they are stopped). ``peers`` coordinates with
+    the other nodes of a multi-node job.
+    """
+
+    def __init__(
+        self,
+        plan: LaunchPlan,
+        *,
+        max_restarts: int = 3,
+        grace: float = 5.0,
+        linger: float = 30.0,
+        poll: float = 0.05,
+        peer_poll: float = 0.2,
+        out: IO[str] | None = None,
+        err: IO[str] | None = None,
+        peers: Peers | None = None,
+    ) -> None:
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+            raise ValueError(f"max_restarts = {max_restarts!r}; expected a whole number >= 0")
+        self.plan = plan
+        self.max_restarts = max_restarts
+        self.grace = grace
+        self.linger = linger
+        self.poll = poll
+        self.peer_poll = peer_poll  # the other nodes are asked at most this often (a round trip each)
+        self.out = out if out is not None else sys.stdout
+        self.err = err if err is not None else sys.stderr
+        self.peers = peers
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._signals: list[int] = []
+
+    # -- the job ----------------------------------------------------------------------------------
+
+    def run(self) -> JobResult:
+        """Run the job to its end; SIGINT/SIGTERM to this process stop every task and end it early."""
+        os.makedirs(self.plan.log_dir, exist_ok=True)
+        with self._catch_signals():
+            try:
+                return self._run()
+            except BaseException as e:  # a task could not start (a wrong --python): the other nodes must stop too
+                self._tell_peers_abort(f"node {self.plan.node_rank}'s launcher failed: {type(e).__name__}: {e}")
+                raise
+
+    def _run(self) -> JobResult:
+        attempt = 0
+        while True:
+            outcome = self._attempt(attempt)
+            if outcome.kind == "done":
+                return JobResult(ok=True, restarts=attempt)
+            if outcome.kind == "signal":
+                signum = self._signals[0]
+                self._tell_peers_abort(f"node {self.plan.node_rank}'s launcher was stopped by "
+                                       f"{signal.Signals(signum).name}")
+                self._say(f"stopped every task ({signal.Signals(signum).name})")
+                return JobResult(ok=False, restarts=attempt, signal=signum,
+                                 message=f"interrupted by {signal.Signals(signum).name}")
+            # A peer's description is a line, then that task's last lines.
+            what, _, details = (outcome.failure.describe() if outcome.failure else outcome.message).partition("\n")
+            if outcome.kind == "final":
+                return JobResult(ok=False, restarts=attempt, failure=outcome.failure, message=outcome.message)
+            if attempt >= self.max_restarts:
+                why = f"gave up after {attempt} restart(s) (--max-restarts {self.max_restarts})"
+                message = f"{what}; {why}" + (f"\n{details}" if details else "")
+                return JobResult(ok=False, restarts=attempt, failure=outcome.failure, message=message)
+            attempt += 1
+            self._say(f"{what}; restarting the job from its latest checkpoint "
+                      f"(restart {attempt} of {self.max_restarts})")
+
+    def _attempt(self, attempt: int) -> _Outcome:
+        running: list[_Running] = []
+        try:
+            for launch in self.plan.tasks:
+                running.append(self._start(launch, attempt))
+            pids = ", ".join(f"{r.name} pid {r.proc.pid}" for r in running)
+            self._say(f"attempt {attempt}: started {pids}; logs in {self.plan.log_dir}")
+            outcome = self._watch(running, attempt)
+        finally:
+            self._stop(running)
+        if outcome.kind == "failed" and outcome.failure is not None:
+            # The tail is complete only now that the pump threads have drained the pipes.
+            rt = next(r for r in running if r.name == outcome.failure.task)
+            outcome = _Outcome("failed", TaskExit(rt.name, outcome.failure.returncode, rt.launch.log_path,
+                                                  tuple(rt.tail)))
+        if self.peers is not None and outcome.kind in ("failed", "peer") and attempt < self.max_restarts:
+            outcome = self._sync_restart(self.peers, attempt, outcome)
+        return outcome
+
+    def _watch(self, running: list[_Running], attempt: int) -> _Outcome:
+        finished_at: float | None = None  # when the last training task finished
+        done_here = False
+        next_peer_check = 0.0
+        while True:
+            if self._signals:
+                name = signal.Signals(self._signals[0]).name
+                self._tell_peers_abort(f"node {self.plan.node_rank}'s launcher was stopped by {name}")
+                return _Outcome("signal")
+            for rt in running:
+                code = rt.proc.poll()
+                if code is not None and code != 0:
+                    failure = TaskExit(rt.name, code, rt.launch.log_path)
+                    self._report_failure(attempt, rt, failure)
+                    return _Outcome("failed", failure)
+            if not done_here and all(rt.proc.returncode == 0 for rt in running if rt.launch.task.is_training):
+                finished_at = finished_at or time.monotonic()
+                rest = [rt for rt in running if rt.proc.returncode is None]
+                if rest and time.monotonic() - finished_at > self.linger:
+                    names = ", ".join(rt.name for rt in rest)
+                    self._say(f"{names} still running {self.linger:g} s after every training task finished; "
+                              f"stopping it")
+                    rest = []
+                if not rest:
+                    if self.peers is None:
+                        return _Outcome("done")
+                    done_here = True
+                    try:
+                        self.peers.report_done(attempt)
+                    except PeerError as e:
+                        return _Outcome("final", message=str(e))
+            if self.peers is not None and time.monotonic() >= next_peer_check:
+                next_peer_check = time.monotonic() + self.peer_poll
+                try:
+                    reason = self.peers.aborted()
+                    if reason:
+                        return _Outcome("final", message=reason)
+                    message = self.peers.failure(attempt)
+                    if message:
+                        return _Outcome("peer", message=message)
+                    if done_here and self.peers.all_done(attempt):
+                        return _Outcome("done")
+                except PeerError as e:
+                    return _Outcome("final", message=str(e))
+            self._wake.wait(self.poll)
+
+    def _report_failure(self, attempt: int, rt: _Running, failure: TaskExit) -> None:
+        """Tell the other nodes at once (before stopping anything here), so the first failure - the likely
+        cause - is the one every node reports, not a peer's collective that broke because of it."""
+        if self.peers is None:
+            return
+        rt.pump.join(timeout=0.5)  # the task has exited: its last lines are on their way
+        lines = "".join(f"\n  | {line}" for line in rt.tail)
+        description = (f"{failure.describe()} on node {self.plan.node_rank} (log: {failure.log_path} there)\n"
+                       f"last {len(rt.tail)} lines of {failure.log_path}:{lines}")
+        try:
+            self.peers.report_failure(attempt, description)
+        except PeerError:
+            pass  # the barrier after the stop reports the lost peers
+
+    def _sync_restart(self, peers: Peers, attempt: int, outcome: _Outcome) -> _Outcome:
+        """Multi-node: before anyone restarts, every node must have stopped the failed attempt's tasks, or an
+        old task could join the new attempt's process group."""
+        try:
+            peers.report_stopped(attempt)
+            deadline = time.monotonic() + peers.timeout
+            while not peers.all_stopped(attempt):
+                if self._signals:
+                    return _Outcome("signal")
+                if time.monotonic() > deadline:
+                    what = outcome.failure.describe() if outcome.failure else outcome.message.partition("\n")[0]
+                    return _Outcome("final", outcome.failure, f"{what}; then the other nodes did not stop their "
+                                                              f"tasks within {peers.timeout:g} s")
+                self._wake.wait(self.peer_poll)
+        except PeerError as e:
+            return _Outcome("final", outcome.failure, str(e))
+        return outcome
+
+    def _tell_peers_abort(self, description: str) -> None:
+        if self.peers is not None:
+            try:
+                self.peers.abort(description)
+            except PeerError:
+                pass
+
+    # -- one task ---------------------------------------------------------------------------------
+
+    def _start(self, launch: TaskLaunch, attempt: int) -> _Running:
+        log = open(launch.log_path, "a", encoding="utf-8")
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        log.write(f"=== restart {attempt} === {stamp}\n" if attempt else f"=== {launch.name} started === {stamp}\n")
+        log.flush()
+        env = dict(launch.env)
+        env[RESTART_COUNT_VAR] = str(attempt)
+        if attempt:
+            # A restart continues this job from its own latest checkpoint, even under --no-resume
+            # (which only means: do not pick up checkpoints that were there before the job began).
+            env[RESUME_VAR] = "1"
+        try:
+            proc = subprocess.Popen(launch.argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        except BaseException:
+            log.close()
+            raise
+        rt = _Running(launch, proc, log, threading.Thread())
+        rt.pump = threading.Thread(target=self._pump, args=(rt,), name=f"conveyor-log-{launch.name}", daemon=True)
+        rt.pump.start()
+        return rt
+
+    def _pump(self, rt: _Running) -> None:
+        """Copy one task's output, line by line, to its log and (prefixed) to the launcher's stdout."""
+        prefix = f"[{rt.name}] "
+        try:
+            for raw in iter(rt.proc.stdout.readline, b""):
+                line = raw.decode("utf-8", "replace").rstrip("\r\n")
+                rt.tail.append(line)
+                rt.log.write(line + "\n")
+                rt.log.flush()
+                with self._lock:
+                    try:
+                        self.out.write(prefix + line + "\n")
+                        self.out.flush()
+                    except (OSError, ValueError):
+                        pass  # the launcher's stdout is gone (a closed pipe); the log still gets every line
+        finally:
+            rt.proc.stdout.close()
+            rt.log.close()
+
+    def _stop(self, running: list[_Running]) -> None:
+        """SIGTERM every task's process group, wait up to ``grace`` seconds, SIGKILL what is left."""
+        for rt in running:
+            self._signal_group(rt, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace
+        while time.monotonic() < deadline and len(self._signals) < 2:  # a second Ctrl-C: no more patience
+            if all(rt.proc.poll() is not None for rt in running) and not any(self._group_alive(rt) for rt in running):
+                break
+            time.sleep(0.05)
+        for rt in running:
+            self._signal_group(rt, signal.SIGKILL)
+        for rt in running:
+            try:
+                rt.proc.wait(timeout=self.grace)
+            except subprocess.TimeoutExpired:  # SIGKILL cannot be ignored; this needs a hung kernel
+                self._say(f"{rt.name} (pid {rt.proc.pid}) did not exit after SIGKILL")
+            rt.pump.join(timeout=2.0)
+
+    def _signal_group(self, rt: _Running, signum: int) -> None:
+        if rt.group_gone:
+            return
+        if rt.proc.poll() is not None and not self._group_alive(rt):
+            return
+        try:
+            os.killpg(rt.proc.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            rt.group_gone = True
+
+    def _group_alive(self, rt: _Running) -> bool:
+        """Whether any live (non-zombie) process is left in the task's process group.
+
+        Only asked once the group leader has exited and been reaped; until then the pid is still ours,
+        so ``rt.proc.pid`` cannot name some other process's group. ``os.killpg(pgid, 0)`` would count
+        zombies, which stay forever where PID 1 does not reap orphans (many containers).
+        """
+        if rt.group_gone:
+            return False
+        if rt.proc.returncode is None:
+            return True
+        pgid = rt.proc.pid
+        for proc in psutil.process_iter(["status"]):
+            try:
+                if proc.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(proc.pid) == pgid:
+                    return True
+            except (ProcessLookupError, psutil.Error):
+                continue
+        rt.group_gone = True
+        return False
+
+    # -- signals and messages ---------------------------------------------------------------------
+
+    @contextmanager
+    def _catch_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signal handlers can only be set from the main thread; the caller handles its own
+            return
+
+        def handler(signum: int, frame: object) -> None:
+            self._signals.append(signum)
+            self._wake.set()
+
+        previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+    def _say(self, message: str) -> None:
+        with self._lock:
+            try:
+                self.err.write(f"[conveyor] {message}\n")
+                self.err.flush()
+            except (OSError, ValueError):
+                pass

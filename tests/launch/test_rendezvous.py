@@ -1,0 +1,261 @@
+"""Several machines: launchers meet at node 0's TCPStore and agree on one cluster.
+
+In-process tests join from threads (one TCPStore server, several clients); the end-to-end tests start
+two real launchers on 127.0.0.1 and, where `ip netns` works (root), on two network namespaces joined by
+a veth pair, where the tasks run a real gloo all-reduce across the "machines".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from conveyor.cluster import ClusterSpec
+from conveyor.launch import RendezvousError, free_ports, join
+
+pytestmark = pytest.mark.multiprocess
+
+SETTINGS = {"strategy": None, "chief": False, "max_restarts": 3, "resume": True, "timeout": 20.0}
+
+
+def join_all(endpoint: str, nodes: list[dict], timeout: float = 20.0) -> list:
+    """Join every node from its own thread; return each node's Rendezvous or the exception it raised."""
+    def one(kwargs):
+        args = dict(nnodes=len(nodes), workers=1, ps=0, settings=SETTINGS, secret=None, secret_from_file=False,
+                    timeout=timeout)
+        args.update(kwargs)
+        try:
+            return join(endpoint, **args)
+        except Exception as e:  # returned, so that every thread's outcome can be checked
+            return e
+
+    with ThreadPoolExecutor(len(nodes)) as pool:
+        return list(pool.map(one, nodes))
+
+
+def close(results) -> None:
+    for r in reversed(results):  # node 0 last: it hosts the store
+        if not isinstance(r, Exception):
+            r.peers.close(wait=False)
+
+
+def test_nodes_agree_on_one_cluster_master_and_secret():
+    endpoint = f"127.0.0.1:{free_ports(1)[0]}"
+    secret = bytes(range(32))
+    results = join_all(endpoint, [dict(node_rank=0, workers=2, ps=1, secret=secret),
+                                  dict(node_rank=1, workers=1, ps=1)])
+    try:
+        assert not [r for r in results if isinstance(r, Exception)], results
+        node0, node1 = results
+        assert node0.nodes == node1.nodes
+        assert [(n.host, n.workers, n.ps, len(n.ports)) for n in node0.nodes] == \
+            [("127.0.0.1", 2, 1, 3), ("127.0.0.1", 1, 1, 2)]
+        assert (node0.node_rank, node1.node_rank) == (0, 1)
+        assert node0.master_addr == node1.master_addr == "127.0.0.1"
+        assert node0.master_port == node1.master_port
+        assert node0.master_port not in [p for n in node0.nodes for p in n.ports]
+        assert node0.secret == node1.secret == secret
+    finally:
+        close(results)
+
+
+def test_a_node_rank_taken_twice_is_refused():
+    endpoint = f"127.0.0.1:{free_ports(1)[0]}"
+    results = join_all(endpoint, [dict(node_rank=0, secret=b"k" * 32), dict(node_rank=1)])
+    try:
+        with pytest.raises(RendezvousError, match=f"node rank 1 is taken at the rendezvous {endpoint}"):
+            join(endpoint, nnodes=2, node_rank=1, workers=1, ps=0, settings=SETTINGS, secret=None,
+                 secret_from_file=False, timeout=5)
+    finally:
+        close(results)
+
+
+def test_settings_that_differ_between_nodes_are_refused_naming_the_flag():
+    endpoint = f"127.0.0.1:{free_ports(1)[0]}"
+    results = join_all(endpoint, [dict(node_rank=0, secret=b"k" * 32),
+                                  dict(node_rank=1, settings={**SETTINGS, "strategy": "pipeline"})])
+    try:
+        for r in results:
+            assert isinstance(r, RendezvousError)
+            assert "node 1 has --strategy = 'pipeline' but node 0 has None" in str(r)
+    finally:
+        close(results)
+
+
+def test_secret_files_must_hold_the_same_secret():
+    endpoint = f"127.0.0.1:{free_ports(1)[0]}"
+    results = join_all(endpoint, [dict(node_rank=0, secret=b"a" * 32, secret_from_file=True),
+                                  dict(node_rank=1, secret=b"b" * 32, secret_from_file=True)])
+    try:
+        assert not isinstance(results[0], Exception)
+        assert isinstance(results[1], RendezvousError) and "same file" in str(results[1])
+    finally:
+        close(results)
+
+
+def test_a_missing_node_times_out_naming_the_address_and_the_node():
+    endpoint = f"127.0.0.1:{free_ports(1)[0]}"
+    started = time.monotonic()
+    with pytest.raises(RendezvousError) as info:
+        join(endpoint, nnodes=3, node_rank=0, workers=1, ps=0, settings=SETTINGS, secret=b"k" * 32,
+             secret_from_file=False, timeout=0.5)
+    assert time.monotonic() - started < 5
+    assert f"rendezvous at {endpoint}: node(s) 1, 2 of 3 did not join within 0.5 s" in str(info.value)
+
+
+def test_an_unreachable_rendezvous_names_the_address():
+    endpoint = f"127.0.0.1:{free_ports(1)[0]}"
+    with pytest.raises(RendezvousError, match=f"node 1 could not reach the rendezvous at {endpoint}"):
+        join(endpoint, nnodes=2, node_rank=1, workers=1, ps=0, settings=SETTINGS, secret=None,
+             secret_from_file=False, timeout=0.5)
+
+
+# -- two real launchers -----------------------------------------------------------------------------
+
+REPORT = """
+    import hashlib, pathlib, time
+    keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG", "CONVEYOR_RESTART_COUNT"]
+    seen = {k: os.environ[k] for k in keys}
+    seen["secret"] = hashlib.sha256(os.environ["CONVEYOR_JOB_SECRET"].encode()).hexdigest()
+    print("REPORT " + json.dumps(seen))
+    attempt = os.environ["CONVEYOR_RESTART_COUNT"]
+    pathlib.Path(f"reported-{attempt}-{os.environ['RANK']}").touch()
+    if os.environ["RANK"] == "3" and attempt == "0":
+        # fail once, after every task has reported: then both nodes must restart
+        deadline = time.monotonic() + 20
+        while len(list(pathlib.Path().glob("reported-0-*"))) < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        sys.exit(5)
+"""
+
+
+def start_node(tmp_path: Path, rank: int, endpoint: str, *extra: str, prefix: tuple[str, ...] = (),
+               env: dict | None = None) -> subprocess.Popen:
+    out = open(tmp_path / f"node{rank}.out", "w")
+    err = open(tmp_path / f"node{rank}.err", "w")
+    with out, err:
+        return subprocess.Popen(
+            [*prefix, sys.executable, "-m", "conveyor.cli.main", "run", "--nnodes", "2", "--node-rank", str(rank),
+             "--rdzv", endpoint, "--output-dir", str(tmp_path / f"output{rank}"), "--timeout", "30", *extra,
+             "task.py"],
+            cwd=tmp_path, stdout=out, stderr=err, env={**os.environ, **(env or {})})
+
+
+def finish(procs: list[subprocess.Popen], tmp_path: Path, timeout: float = 60) -> list[tuple[int, str, str]]:
+    deadline = time.monotonic() + timeout
+    try:
+        codes = [p.wait(timeout=max(0.1, deadline - time.monotonic())) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [(code, (tmp_path / f"node{i}.out").read_text(), (tmp_path / f"node{i}.err").read_text())
+            for i, code in enumerate(codes)]
+
+
+def test_two_launchers_on_one_host_agree_and_restart_together(tmp_path):
+    (tmp_path / "task.py").write_text("import os, sys, json\n" + textwrap.dedent(REPORT))
+    endpoint = f"127.0.0.1:{free_ports(1)[0]}"
+    procs = [start_node(tmp_path, rank, endpoint, "-n", "2") for rank in (1, 0)]  # node 1 first: it must wait
+    results = finish(procs[::-1], tmp_path)
+    for code, _, err in results:
+        assert code == 0, err
+    reports = [json.loads(line.split("REPORT ", 1)[1]) for _, out, _ in results for line in out.splitlines()
+               if "REPORT " in line]
+    assert len(reports) == 8  # 4 tasks x 2 attempts
+    assert sorted((r["CONVEYOR_RESTART_COUNT"], r["RANK"]) for r in reports) == \
+        [(a, str(r)) for a in "01" for r in range(4)]
+    spec = ClusterSpec.from_tf_config(reports[0]["TF_CONFIG"])
+    assert spec.world_size == 4
+    for r in reports:
+        assert ClusterSpec.from_tf_config(r["TF_CONFIG"]) == spec
+        assert json.loads(r["TF_CONFIG"])["task"] == {"type": "worker", "index": int(r["RANK"])}
+        assert (r["WORLD_SIZE"], r["LOCAL_RANK"]) == ("4", str(int(r["RANK"]) % 2))
+        assert (r["MASTER_ADDR"], r["MASTER_PORT"], r["secret"]) == \
+            ("127.0.0.1", reports[0]["MASTER_PORT"], reports[0]["secret"])
+    assert "worker:3 exited with status 5 on node 1" in results[0][2]  # node 0 restarted for node 1's task
+    assert (tmp_path / "output1" / "logs" / "worker-3.log").exists()
+    assert not (tmp_path / "output0" / "logs" / "worker-3.log").exists()
+
+
+# -- two network namespaces -------------------------------------------------------------------------
+
+EXCHANGE = """
+    # Worker 0 listens where torch's store would (MASTER_ADDR:MASTER_PORT), worker 1 at its TF_CONFIG address;
+    # each connects to the other across the namespaces: both kinds of address must be reachable.
+    import socket, time
+    from conveyor.cluster import discover, split_address
+    me = discover()
+    master, worker1 = (me.master_addr, me.master_port), split_address(me.spec.task_address("worker", 1))
+    mine, theirs = (master, worker1) if me.rank == 0 else (worker1, master)
+    server = socket.create_server(mine)
+    server.settimeout(20)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            with socket.create_connection(theirs, timeout=2) as c:
+                c.sendall(f"hello from rank {me.rank}".encode())
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    conn, (addr, _) = server.accept()
+    print(f"rank {me.rank} of {me.world_size} got {conn.recv(100).decode()!r} from {addr}; master {me.master_addr}")
+"""
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+
+
+@pytest.fixture
+def two_namespaces():
+    """Two network namespaces joined by a veth pair, at 10.231.<n>.1 and .2; skips where they cannot be made."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces need root and iproute2's `ip`")
+    tag = os.getpid() % 100000
+    subnet = f"10.231.{tag % 250}"
+    nodes = [(f"cvA{tag}", f"va{tag}", f"{subnet}.1"), (f"cvB{tag}", f"vb{tag}", f"{subnet}.2")]
+    try:
+        for ns, _, _ in nodes:
+            _ip("netns", "add", ns)
+        _ip("link", "add", nodes[0][1], "type", "veth", "peer", "name", nodes[1][1])
+        for ns, dev, address in nodes:
+            _ip("link", "set", dev, "netns", ns)
+            _ip("-n", ns, "addr", "add", f"{address}/24", "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+    except (subprocess.SubprocessError, OSError) as e:
+        for ns, _, _ in nodes:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+        detail = e.stderr.decode().strip() if isinstance(e, subprocess.CalledProcessError) else str(e)
+        pytest.skip(f"cannot make network namespaces here: {detail}")
+    try:
+        yield [(ns, address) for ns, _, address in nodes]
+    finally:
+        for ns, _, _ in nodes:  # deleting a namespace deletes its end of the veth pair, and so the pair
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+
+
+def test_two_launchers_in_two_network_namespaces_reach_each_other(tmp_path, two_namespaces):
+    (tmp_path / "task.py").write_text(textwrap.dedent(EXCHANGE))
+    (ns0, addr0), (ns1, addr1) = two_namespaces
+    endpoint = f"{addr0}:29400"
+    procs = [start_node(tmp_path, rank, endpoint, prefix=("ip", "netns", "exec", ns))
+             for rank, ns in ((0, ns0), (1, ns1))]
+    results = finish(procs, tmp_path, timeout=60)
+    for code, _, err in results:
+        assert code == 0, err
+    assert f"[worker:0] rank 0 of 2 got 'hello from rank 1' from {addr1}; master {addr0}" in results[0][1]
+    assert f"[worker:1] rank 1 of 2 got 'hello from rank 0' from {addr0}; master {addr0}" in results[1][1]

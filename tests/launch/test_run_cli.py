@@ -1,0 +1,173 @@
+"""`conveyor run` end to end: the command line, --dry-run, a real job, failures, Ctrl-C/SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conveyor.cli.main import main
+
+SECRET_HEX = "5ec1e7" * 11  # 66 hex digits = 33 bytes
+
+
+def write_script(tmp_path: Path, body: str, name: str = "task.py") -> Path:
+    script = tmp_path / name
+    script.write_text("import os, sys, time, json, subprocess\n" + textwrap.dedent(body))
+    return script
+
+
+def launcher(tmp_path: Path, *args: str) -> subprocess.Popen:
+    """`conveyor run ARGS` in ``tmp_path``, its stdout and stderr in files (nothing can block on a pipe)."""
+    out = open(tmp_path / "launcher.out", "w")
+    err = open(tmp_path / "launcher.err", "w")
+    with out, err:
+        return subprocess.Popen([sys.executable, "-m", "conveyor.cli.main", "run", *args], cwd=tmp_path,
+                                stdout=out, stderr=err, env={**os.environ, "MARK_DIR": str(tmp_path)})
+
+
+def finish(proc: subprocess.Popen, tmp_path: Path, timeout: float = 30) -> tuple[int, str, str]:
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return code, (tmp_path / "launcher.out").read_text(), (tmp_path / "launcher.err").read_text()
+
+
+def wait_for_lines(path: Path, count: int, timeout: float = 15.0) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = path.read_text().splitlines() if path.exists() else []
+        if len(lines) >= count:
+            return lines
+        time.sleep(0.02)
+    raise AssertionError(f"{path} has fewer than {count} lines after {timeout} s")
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # orphans' zombies stay where PID 1 never reaps
+    except psutil.NoSuchProcess:
+        return True
+
+
+# -- argument handling and --dry-run (in process, nothing starts) ---------------------------------------
+
+
+def test_dry_run_lists_every_task_with_its_command_and_environment_secret_masked(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    secret_file = tmp_path / "secret"
+    secret_file.write_text(SECRET_HEX + "\n")
+    code = main(["run", "--dry-run", "-n", "2", "--ps", "1", "--strategy", "ps-async", "--job-secret-file",
+                 str(secret_file), "--timeout", "60", "--no-resume", "train.py", "--epochs", "1"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert SECRET_HEX[:12] not in out
+    assert out.count("CONVEYOR_JOB_SECRET=<masked: 66 hex digits>") == 3
+    for task in ("worker:0", "worker:1", "ps:0"):
+        assert f"[{task}] {sys.executable} train.py --epochs 1" in out
+        kind, index = task.split(":")
+        assert f"log: {tmp_path}/output/logs/{kind}-{index}.log" in out
+    assert out.count("CONVEYOR_TIMEOUT=60\n") == 3 and out.count("CONVEYOR_RESUME=0\n") == 3
+    assert f"CONVEYOR_DATA_DIR={tmp_path}/data" in out and "WORLD_SIZE=2" in out
+    assert "note: train.py does not exist" in out
+    assert not (tmp_path / "output").exists()  # a dry run starts and writes nothing
+
+
+def test_help_shows_an_example(capsys):
+    assert main(["run", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "conveyor run -n 2 train.py --epochs 1" in out and "--max-restarts" in out and "--rdzv" in out
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["run", "-n", "0", "train.py"], "--workers 0"),
+    (["run", "--ps", "1", "--strategy", "allreduce", "--dry-run", "train.py"], "--strategy ps-sync"),
+    (["run", "--nnodes", "2", "train.py"], "--node-rank"),
+    (["run", "--node-rank", "1", "train.py"], "--nnodes"),
+    (["run", "--nnodes", "2", "--node-rank", "2", "--rdzv", "127.0.0.1:1", "train.py"], "out of range"),
+    (["run", "missing.py"], "missing.py: no such file"),
+    (["run"], "SCRIPT"),
+])
+def test_bad_arguments_are_one_line_and_exit_2(tmp_path, capsys, monkeypatch, argv, needle):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_a_secret_file_that_is_not_hex_is_refused_without_echoing_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "secret").write_text("hunter2-hunter2-hunter2-hunter2-hunter2")
+    assert main(["run", "--dry-run", "--job-secret-file", "secret", "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert "hunter2" not in err and "--job-secret-file secret" in err
+
+
+def test_an_interpreter_that_does_not_exist_is_reported(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_script(tmp_path, "print('never')\n")
+    assert main(["run", "--python", str(tmp_path / "no-python"), "task.py"]) == 2
+    assert f"conveyor run: error: {tmp_path / 'no-python'}: No such file or directory" in capsys.readouterr().err
+
+
+# -- real jobs --------------------------------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+def test_two_workers_prefix_their_lines_and_keep_full_logs(tmp_path):
+    write_script(tmp_path, """
+        task = json.loads(os.environ["TF_CONFIG"])["task"]
+        print(f"RANK={os.environ['RANK']} task={task['type']}:{task['index']} args={sys.argv[1:]}")
+    """)
+    code, out, err = finish(launcher(tmp_path, "-n", "2", "task.py", "--epochs", "1"), tmp_path)
+    assert code == 0, err
+    assert "[worker:0] RANK=0 task=worker:0 args=['--epochs', '1']" in out.splitlines()
+    assert "[worker:1] RANK=1 task=worker:1 args=['--epochs', '1']" in out.splitlines()
+    for i in (0, 1):
+        log = (tmp_path / "output" / "logs" / f"worker-{i}.log").read_text()
+        assert f"RANK={i} task=worker:{i} args=['--epochs', '1']\n" in log
+    assert "[conveyor] job finished" in err
+
+
+@pytest.mark.multiprocess
+def test_a_job_that_keeps_failing_exits_1_naming_the_task_and_its_last_lines(tmp_path):
+    write_script(tmp_path, """
+        if os.environ["RANK"] == "1":
+            print("loading data", flush=True)
+            print(f"CUDA out of patience on attempt {os.environ['CONVEYOR_RESTART_COUNT']}", file=sys.stderr)
+            sys.exit(7)
+    """)
+    code, _, err = finish(launcher(tmp_path, "-n", "2", "--max-restarts", "1", "task.py"), tmp_path)
+    assert code == 1
+    assert "conveyor run: error: job failed: worker:1 exited with status 7; gave up after 1 restart(s)" in err
+    log = tmp_path / "output" / "logs" / "worker-1.log"
+    assert f"last 2 lines of {log}:\n  | loading data\n  | CUDA out of patience on attempt 1\n" in err
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_stops_every_task_and_its_children(tmp_path, signum):
+    # Each task starts a child (in its process group) and both sleep: nothing may survive the launcher.
+    write_script(tmp_path, """
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        with open(os.path.join(os.environ["MARK_DIR"], "pids"), "a") as f:
+            f.write(f"{os.getpid()}\\n{child.pid}\\n")
+        time.sleep(60)
+    """)
+    proc = launcher(tmp_path, "-n", "2", "task.py")
+    pids = [int(p) for p in wait_for_lines(tmp_path / "pids", 4)]
+    assert not any(gone(pid) for pid in pids)
+    proc.send_signal(signum)
+    code, _, err = finish(proc, tmp_path, timeout=15)
+    assert code == 128 + signum
+    assert f"interrupted by {signal.Signals(signum).name}; every task was stopped" in err
+    assert [pid for pid in pids if not gone(pid)] == []

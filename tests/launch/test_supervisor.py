@@ -1,0 +1,227 @@
+"""The local supervisor: real processes, prefixed output, logs, restarts, stopping whole process groups.
+
+The supervisor runs in the test process (it is the launcher minus argument parsing); the tasks are tiny
+Python scripts that import nothing heavy, so a whole job takes a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conveyor.launch import RunOptions, Supervisor, free_ports, local_plan
+
+pytestmark = pytest.mark.multiprocess
+
+
+def make_plan(tmp_path: Path, body: str, *, workers: int = 2, ps: int = 0, strategy: str | None = None):
+    script = tmp_path / "task.py"
+    script.write_text("import os, sys, time, json\n" + textwrap.dedent(body))
+    options = RunOptions(script=str(script), workers=workers, ps=ps, strategy=strategy, data_dir=str(tmp_path / "data"),
+                         output_dir=str(tmp_path / "output"), python=sys.executable)
+    ports = free_ports(workers + ps + 1)
+    env = {**os.environ, "MARK_DIR": str(tmp_path)}
+    return local_plan(options, ports[:-1], master_port=ports[-1], secret=b"s" * 32, environ=env)
+
+
+def supervise(plan, **kwargs):
+    out, err = io.StringIO(), io.StringIO()
+    result = Supervisor(plan, out=out, err=err, **kwargs).run()
+    return result, out.getvalue(), err.getvalue()
+
+
+def wait_for(path: Path, timeout: float = 10.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().endswith("\n"):
+            return path.read_text().strip()
+        time.sleep(0.02)
+    raise AssertionError(f"{path} did not appear within {timeout} s")
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_two_workers_prefixed_lines_and_full_logs(tmp_path):
+    plan = make_plan(tmp_path, """
+        task = json.loads(os.environ["TF_CONFIG"])["task"]
+        print(f"rank={os.environ['RANK']} task={task['type']}:{task['index']}")
+        print("a warning", file=sys.stderr)
+    """)
+    result, out, err = supervise(plan)
+    assert result.ok and result.exit_code == 0 and result.restarts == 0
+    lines = out.splitlines()
+    for i in (0, 1):
+        assert f"[worker:{i}] rank={i} task=worker:{i}" in lines
+        assert f"[worker:{i}] a warning" in lines
+        log = (tmp_path / "output" / "logs" / f"worker-{i}.log").read_text().splitlines()
+        assert log[0].startswith(f"=== worker:{i} started === ")
+        assert log[1:] == [f"rank={i} task=worker:{i}", "a warning"]
+    assert "attempt 0: started worker:0 pid" in err
+
+
+def test_a_task_failing_on_its_first_attempt_restarts_the_job_once(tmp_path):
+    plan = make_plan(tmp_path, """
+        restart = os.environ["CONVEYOR_RESTART_COUNT"]
+        print(f"attempt {restart}")
+        if os.environ["RANK"] == "1" and restart == "0":
+            sys.exit(3)
+    """)
+    result, out, err = supervise(plan)
+    assert result.ok and result.restarts == 1
+    assert "worker:1 exited with status 3; restarting the job from its latest checkpoint (restart 1 of 3)" in err
+    for i in (0, 1):
+        assert f"[worker:{i}] attempt 1" in out
+        log = (tmp_path / "output" / "logs" / f"worker-{i}.log").read_text().splitlines()
+        assert log[1] == "attempt 0"
+        assert log[2].startswith("=== restart 1 === ")
+        assert log[3] == "attempt 1"
+
+
+def test_a_task_that_always_fails_ends_the_job_after_max_restarts(tmp_path):
+    plan = make_plan(tmp_path, """
+        if os.environ["RANK"] == "1":
+            for i in range(30):
+                print(f"line {i}")
+            raise SystemExit("worker 1 is broken")
+        time.sleep(30)
+    """)
+    started = time.monotonic()
+    result, out, err = supervise(plan, max_restarts=2)
+    assert time.monotonic() - started < 10  # worker:0's 30 s sleeps were cut short every time
+    assert not result.ok and result.exit_code == 1 and result.restarts == 2
+    assert result.failure.task == "worker:1" and result.failure.returncode == 1
+    assert result.failure.last_lines == tuple(f"line {i}" for i in range(11, 30)) + ("worker 1 is broken",)
+    assert result.failure.log_path == str(tmp_path / "output" / "logs" / "worker-1.log")
+    assert result.message == "worker:1 exited with status 1; gave up after 2 restart(s) (--max-restarts 2)"
+    assert err.count("restarting the job") == 2
+
+
+def test_a_task_killed_with_sigkill_restarts_the_job(tmp_path):
+    plan = make_plan(tmp_path, """
+        if os.environ["CONVEYOR_RESTART_COUNT"] == "0" and os.environ["RANK"] == "0":
+            open(os.path.join(os.environ["MARK_DIR"], "pid.tmp"), "w").write(f"{os.getpid()}\\n")
+            os.rename(os.path.join(os.environ["MARK_DIR"], "pid.tmp"), os.path.join(os.environ["MARK_DIR"], "pid"))
+            time.sleep(30)
+        print("done", os.environ["CONVEYOR_RESTART_COUNT"])
+    """)
+    killed: list[int] = []
+
+    def killer():
+        pid = int(wait_for(tmp_path / "pid"))
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    result, out, err = supervise(plan)
+    thread.join(timeout=10)
+    assert killed and result.ok and result.restarts == 1
+    assert "worker:0 was killed by SIGKILL; restarting the job" in err
+    assert "[worker:0] done 1" in out and "[worker:1] done 1" in out
+
+
+def test_a_task_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path):
+    plan = make_plan(tmp_path, """
+        import signal
+        mark = os.environ["MARK_DIR"]
+        if os.environ["RANK"] == "0":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            open(os.path.join(mark, "pid.tmp"), "w").write(f"{os.getpid()}\\n")
+            os.rename(os.path.join(mark, "pid.tmp"), os.path.join(mark, "pid"))
+            time.sleep(30)
+        while not os.path.exists(os.path.join(mark, "pid")):
+            time.sleep(0.01)
+        sys.exit(1)
+    """)
+    started = time.monotonic()
+    result, _, _ = supervise(plan, max_restarts=0, grace=0.5)
+    assert time.monotonic() - started < 5
+    assert result.failure.task == "worker:1"
+    assert gone(int((tmp_path / "pid").read_text()))
+
+
+def test_parameter_servers_left_running_after_the_workers_finish_are_stopped(tmp_path):
+    plan = make_plan(tmp_path, """
+        if os.environ["CONVEYOR_TASK_TYPE"] == "ps":
+            time.sleep(30)
+    """, workers=1, ps=1, strategy="ps-sync")
+    started = time.monotonic()
+    result, _, err = supervise(plan, linger=0.3)
+    assert result.ok and time.monotonic() - started < 5
+    assert "ps:0 still running 0.3 s after every training task finished; stopping it" in err
+
+
+class FakePeers:
+    """Another node whose task fails during attempt 0, then every node succeeds; or one that aborts."""
+
+    timeout = 5.0
+
+    def __init__(self, abort_after: float | None = None):
+        self.calls: list[tuple] = []
+        self.abort_at = None if abort_after is None else time.monotonic() + abort_after
+
+    def failure(self, attempt):
+        return "worker:3 exited with status 1 on node 1\nlast 1 lines of /out/logs/worker-3.log:\n  | oops" \
+            if attempt == 0 and self.abort_at is None else None
+
+    def aborted(self):
+        if self.abort_at is not None and time.monotonic() > self.abort_at:
+            return "node 1's launcher was stopped by SIGINT"
+        return None
+
+    def report_failure(self, attempt, description):
+        self.calls.append(("failure", attempt))
+
+    def report_done(self, attempt):
+        self.calls.append(("done", attempt))
+
+    def all_done(self, attempt):
+        return True
+
+    def report_stopped(self, attempt):
+        self.calls.append(("stopped", attempt))
+
+    def all_stopped(self, attempt):
+        return True
+
+    def abort(self, description):
+        self.calls.append(("abort",))
+
+
+def test_a_failure_on_another_node_restarts_this_node_too(tmp_path):
+    plan = make_plan(tmp_path, """
+        if os.environ["CONVEYOR_RESTART_COUNT"] == "0":
+            time.sleep(30)
+        print("attempt", os.environ["CONVEYOR_RESTART_COUNT"])
+    """)
+    peers = FakePeers()
+    result, out, err = supervise(plan, peers=peers)
+    assert result.ok and result.restarts == 1
+    assert peers.calls == [("stopped", 0), ("done", 1)]
+    assert "worker:3 exited with status 1 on node 1; restarting the job" in err
+    assert "[worker:0] attempt 1" in out
+
+
+def test_an_interrupted_node_stops_this_node_for_good(tmp_path):
+    plan = make_plan(tmp_path, """
+        time.sleep(30)
+    """)
+    started = time.monotonic()
+    result, _, _ = supervise(plan, peers=FakePeers(abort_after=0.2))
+    assert time.monotonic() - started < 5
+    assert not result.ok and result.exit_code == 1 and result.restarts == 0
+    assert result.message == "node 1's launcher was stopped by SIGINT"
