@@ -1,0 +1,356 @@
+"""torch.distributed process-group setup, and errors that say which task failed and what to do.
+
+    store = init_process_group("gloo", "10.0.0.1", 29500, rank, world_size, timeout=300.0)
+    with collective_guard(job, "all_gather_bytes"):
+        dist.all_gather(...)            # a dead peer raises PeerError naming it, not a bare gloo error
+
+Rendezvous is an explicit ``torch.distributed.TCPStore`` rather than ``init_method="env://"`` so that
+each failure can be told apart and explained: rank 0 hosts the store and waits (``wait_for_workers``)
+until every rank has connected or the timeout passes; the store then reports how many arrived
+("Timed out after N seconds waiting for clients. 1/2 clients joined."), which goes into the
+:class:`RendezvousError`. A port that is taken on rank 0 fails at once (EADDRINUSE) and is reported as
+:class:`AddressInUseError`. Under torchrun with ``TORCHELASTIC_USE_AGENT_STORE=True`` the agent
+already hosts the store on ``MASTER_PORT``; every rank is then a client (``host_store=False``).
+
+What gloo says when a peer goes away (measured with torch 2.13 on CPU, loopback):
+
+- the peer process died: its TCP connections close, and the next collective on any rank connected to
+  it fails at once with ``RuntimeError("[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer
+  [127.0.0.1]:21376. ...")``; the address is the peer's socket, not its TF_CONFIG address;
+- the peer is alive but does not join (hung, or doing something else): the collective fails after the
+  process group's timeout with ``"Timed out waiting 5000ms for recv operation to complete"`` (later
+  operations on the broken pair say ``"Application timeout caused pair closure"``).
+
+Neither names a rank. :func:`collective_guard` re-raises both as :class:`PeerError` naming the peer
+when it can be known: with two ranks it is the other one; otherwise the peer's IP is matched against
+the cluster spec's hosts (one training task on that host → that task). Errors that are not about a
+peer (a shape mismatch inside a guarded forward, say) pass through untouched.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from conveyor.cluster.spec import ClusterConfigError, ClusterSpec, TaskId, join_address, split_address
+
+__all__ = [
+    "AddressInUseError",
+    "GroupInfo",
+    "PeerError",
+    "RendezvousError",
+    "collective_guard",
+    "init_process_group",
+    "is_peer_failure",
+    "peer_error",
+]
+
+_ARRIVED_KEY = "conveyor/arrived"  # every rank adds 1 once connected, so a failed init can say how many came
+
+# Substrings of errors that mean "the other side of a collective is gone or silent". Matched on the
+# message, because gloo raises plain RuntimeErrors; torch's own Dist*Error types are caught by type.
+_PEER_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Application timeout caused pair closure",
+    "Timed out waiting",
+    "gloo/transport",
+    "NCCL communicator was aborted",
+    "PeerError: ",
+)
+_TIMEOUT_MARKERS = ("Timed out waiting", "Application timeout", "timed out", "Timeout")
+_GLOO_PEER_RE = re.compile(r"\[([^\]\s]+)\]:(\d+)")
+_CLIENTS_RE = re.compile(r"(\d+)/(\d+) clients joined")
+
+
+class RendezvousError(RuntimeError):
+    """The process group could not be formed: not every rank arrived, or rank 0's store was unreachable."""
+
+
+class AddressInUseError(RendezvousError):
+    """Rank 0 could not host the rendezvous store because its port is taken."""
+
+
+class PeerError(RuntimeError):
+    """A collective failed because another rank died, hung or closed its connection.
+
+    ``peer_rank``/``peer_task``/``peer_address`` are set when the peer could be identified (``None``
+    otherwise); ``timed_out`` tells a silent peer (timeout) from one whose connection closed.
+    """
+
+    def __init__(self, message: str, *, peer_rank: int | None = None, peer_task: TaskId | None = None,
+                 peer_address: str | None = None, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.peer_rank = peer_rank
+        self.peer_task = peer_task
+        self.peer_address = peer_address
+        self.timed_out = timed_out
+
+
+# PeerErrors raised inside DDP comm hooks reach the caller of backward() only as text (autograd re-wraps
+# them); the most recent ones are kept by message so that a guard can raise the original object again.
+_RECENT: OrderedDict[str, PeerError] = OrderedDict()
+_RECENT_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """What :func:`collective_guard` needs to name a peer: this rank, the group size, the cluster, the timeout."""
+
+    rank: int
+    world_size: int
+    spec: ClusterSpec | None = None
+    timeout: float | None = None
+
+
+# -- setup -----------------------------------------------------------------------------------------
+
+
+def init_process_group(
+    backend: str,
+    master_addr: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    timeout: float,
+    *,
+    host_store: bool | None = None,
+    store_prefix: str | None = None,
+) -> dist.Store:
+    """Join (rank 0: host) the rendezvous store at ``master_addr:master_port`` and create the default group.
+
+    ``timeout`` (seconds) bounds the rendezvous and every later collective of the group. ``host_store``
+    defaults to ``rank == 0``; pass ``False`` when a launcher already hosts the store (torchrun's agent).
+    ``store_prefix`` namespaces the keys in a store that outlives one attempt (an agent store across
+    restarts). Returns the store. Raises :class:`AddressInUseError`, :class:`RendezvousError`, or
+    ``ValueError`` for arguments that cannot work.
+    """
+    _check_args(backend, master_addr, master_port, rank, world_size, timeout)
+    if dist.is_initialized():
+        raise RuntimeError("a torch.distributed process group already exists in this process; call "
+                           "job.shutdown() (or torch.distributed.destroy_process_group()) before joining another")
+    hosts = (rank == 0) if host_store is None else host_store
+    where = join_address(master_addr, master_port)
+    delta = timedelta(seconds=timeout)
+    try:
+        # wait_for_workers on every rank: a client is counted only when it sets it too (it then just checks in).
+        store: dist.Store = dist.TCPStore(master_addr, master_port, world_size, is_master=hosts, timeout=delta,
+                                          wait_for_workers=True)
+    except RuntimeError as e:  # torch's DistError family subclasses RuntimeError
+        raise _store_error(e, where, master_port, rank, world_size, timeout, hosts) from e
+    if store_prefix:
+        store = dist.PrefixStore(store_prefix, store)
+    try:
+        store.add(_ARRIVED_KEY, 1)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=delta)
+    except RuntimeError as e:
+        arrived = _arrived(store)
+        count = f"{arrived} of {world_size} ranks reached the store; " if arrived is not None else ""
+        raise RendezvousError(
+            f"rank {rank} could not form the {backend} process group of {world_size} through the store at {where} "
+            f"within {timeout:g} s: {count}{_first_line(e)}. {_RDZV_FIX.format(host=master_addr, port=master_port)}"
+        ) from e
+    return store
+
+
+_RDZV_FIX = ("Check that every task was started and none crashed before conveyor.init() (see their logs), that "
+             "{host} is reachable from every task's machine, and that port {port} is free there and not blocked by "
+             "a firewall")
+
+
+def _check_args(backend: str, master_addr: str, master_port: int, rank: int, world_size: int, timeout: float) -> None:
+    if not isinstance(backend, str) or not backend:
+        raise ValueError(f"backend = {backend!r}; expected 'gloo' (CPU) or 'nccl' (CUDA)")
+    if not isinstance(master_addr, str) or not master_addr.strip():
+        raise ValueError(f"master_addr = {master_addr!r}; expected rank 0's host, e.g. '10.0.0.1' (MASTER_ADDR)")
+    if isinstance(master_port, bool) or not isinstance(master_port, int) or not 1 <= master_port <= 65535:
+        raise ValueError(f"master_port = {master_port!r}; expected a port 1-65535 that is free on rank 0 (MASTER_PORT)")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size = {world_size!r}; expected the number of training processes, at least 1")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank = {rank!r}; expected 0..{world_size - 1} for world_size {world_size}")
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
+        raise ValueError(f"timeout = {timeout!r}; expected a number of seconds > 0")
+
+
+def _store_error(e: RuntimeError, where: str, port: int, rank: int, world_size: int, timeout: float,
+                 hosts: bool) -> RendezvousError:
+    text = str(e)
+    host = where.rsplit(":", 1)[0].strip("[]")
+    if "EADDRINUSE" in text or "address already in use" in text.lower():
+        return AddressInUseError(
+            f"rank {rank} cannot host the rendezvous store on port {port} ({where}): the port is already in use, "
+            f"by another job or a previous run that is still alive. Stop that process, or pick a free port "
+            f"(MASTER_PORT, or `conveyor run --rdzv HOST:PORT`)")
+    if hosts:
+        m = _CLIENTS_RE.search(text)
+        arrived = f"{m.group(1)} of {world_size} ranks arrived (counting this one). " if m else ""
+        return RendezvousError(
+            f"rendezvous at {where} timed out after {timeout:g} s: {arrived}Rank {rank} hosts the store and waited "
+            f"for all {world_size}. {_RDZV_FIX.format(host=host, port=port)}")
+    return RendezvousError(
+        f"rank {rank} could not reach the rendezvous store at {where} (hosted by rank 0) within {timeout:g} s: "
+        f"{_first_line(e)}. Check that rank 0 was started and is alive, that {host} is reachable from this "
+        f"machine (MASTER_ADDR), and that port {port} is open there (MASTER_PORT)")
+
+
+def _arrived(store: dist.Store) -> int | None:
+    try:
+        return int(store.add(_ARRIVED_KEY, 0))
+    except Exception:  # the store itself is gone (rank 0 died): the count is unknown, not an error of its own
+        return None
+
+
+# -- collectives -----------------------------------------------------------------------------------
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """True when ``error`` says a collective's peer is gone or silent (gloo/NCCL/store), not a user error."""
+    if isinstance(error, PeerError):
+        return True
+    if isinstance(error, (dist.DistNetworkError, dist.DistStoreError, dist.DistBackendError)):
+        return True
+    return isinstance(error, RuntimeError) and any(marker in str(error) for marker in _PEER_MARKERS)
+
+
+@contextmanager
+def collective_guard(job_or_spec: Any = None, operation: str = "a collective") -> Iterator[None]:
+    """Re-raise a peer failure inside the block as :class:`PeerError` naming the peer and the fix.
+
+    ``job_or_spec`` says who is who: a ``Job`` (or anything with ``rank``, ``world_size`` and
+    ``cluster``/``spec``), a :class:`GroupInfo`, a ``ClusterSpec`` (rank from torch.distributed), or
+    ``None`` (everything from torch.distributed). ``operation`` names what failed in the message.
+
+    DDP runs comm hooks inside autograd and turns an exception raised there into a plain RuntimeError
+    whose text holds ``"PeerError: <message>"``; a guard around ``loss.backward()`` recognises that text
+    and raises the PeerError again, so a training loop wrapped in one guard sees one error type.
+    """
+    try:
+        yield
+    except PeerError:
+        raise
+    except RuntimeError as e:
+        if not is_peer_failure(e):
+            raise
+        raise peer_error(e, job_or_spec, operation) from e
+
+
+def peer_error(error: BaseException, job_or_spec: Any = None, operation: str = "a collective") -> PeerError:
+    """The :class:`PeerError` for a collective that failed with ``error`` (see :func:`collective_guard`)."""
+    text = str(error)
+    if "PeerError: " in text:  # already explained inside a DDP comm hook; unwrap autograd's wrapping
+        inner = text.split("PeerError: ", 1)[1].split("\n\nAt:", 1)[0].strip()
+        with _RECENT_LOCK:
+            original = _RECENT.get(inner)
+        return original or PeerError(inner, timed_out=any(m in inner for m in _TIMEOUT_MARKERS))
+    group = _group_of(job_or_spec)
+    timed_out = any(m in text for m in _TIMEOUT_MARKERS)
+    peer_rank, candidates = _identify_peer(text, group)
+    me = f"rank {group.rank}" if group is not None else "this rank"
+    task = _task_of(group, peer_rank)
+    address = _address_of(group, task)
+    if peer_rank is not None:
+        who = _describe(peer_rank, task, address)
+    elif candidates:
+        who = "one of " + ", ".join(_describe(r, _task_of(group, r), _address_of(group, _task_of(group, r)))
+                                    for r in candidates)
+    else:
+        who = "a peer rank"
+    log = f" (under `conveyor run`: logs/{task.type}-{task.index}.log in the output folder)" if task else ""
+    if timed_out:
+        limit = f"the {group.timeout:g} s timeout" if group is not None and group.timeout else "the timeout"
+        why = (f"{who} did not take part within {limit}: it died, hung, or is doing something else (a longer "
+               f"evaluation or checkpoint, a different number of steps). Check its log{log}; if it is only slow, "
+               f"raise the timeout (conveyor.init(timeout=...) or CONVEYOR_TIMEOUT)")
+    else:
+        why = (f"{who} closed its connection: it most likely crashed or was killed; its log{log} says why. "
+               f"Restart the job (`conveyor run --max-restarts N` resumes from the last checkpoint)")
+    made = PeerError(f"{operation} failed on {me}: {why}. [{_first_line(error)}]", peer_rank=peer_rank,
+                     peer_task=task, peer_address=address, timed_out=timed_out)
+    with _RECENT_LOCK:
+        _RECENT[str(made)] = made
+        while len(_RECENT) > 8:
+            _RECENT.popitem(last=False)
+    return made
+
+
+def _group_of(obj: Any) -> GroupInfo | None:
+    if isinstance(obj, GroupInfo):
+        return obj
+    if obj is not None and hasattr(obj, "rank") and hasattr(obj, "world_size") and obj.rank is not None:
+        spec = getattr(obj, "cluster", None) or getattr(obj, "spec", None)
+        return GroupInfo(obj.rank, obj.world_size, spec if isinstance(spec, ClusterSpec) else None,
+                         getattr(obj, "timeout", None))
+    if dist.is_available() and dist.is_initialized():
+        return GroupInfo(dist.get_rank(), dist.get_world_size(), obj if isinstance(obj, ClusterSpec) else None)
+    return None
+
+
+def _identify_peer(text: str, group: GroupInfo | None) -> tuple[int | None, list[int]]:
+    """(the peer's rank if certain, else the ranks it could be) from the error text and the cluster."""
+    if group is None:
+        return None, []
+    others = [r for r in range(group.world_size) if r != group.rank]
+    if len(others) == 1:
+        return others[0], []
+    m = _GLOO_PEER_RE.search(text)
+    if m is None or group.spec is None:
+        return None, []
+    peer_ip = m.group(1)
+    matches = [r for r in others if _same_host(_host_of(group, r), peer_ip)]
+    if len(matches) == 1:
+        return matches[0], []
+    return None, matches
+
+
+def _host_of(group: GroupInfo, rank: int) -> str | None:
+    address = _address_of(group, _task_of(group, rank))
+    return split_address(address)[0] if address else None
+
+
+def _same_host(host: str | None, ip: str) -> bool:
+    if host is None:
+        return False
+    if host == ip:
+        return True
+    try:  # error path only; a name in the spec is compared with the IP gloo reported
+        return ip in {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+
+
+def _task_of(group: GroupInfo | None, rank: int | None) -> TaskId | None:
+    if group is None or group.spec is None or rank is None:
+        return None
+    tasks = group.spec.training_tasks
+    return tasks[rank] if 0 <= rank < len(tasks) else None
+
+
+def _address_of(group: GroupInfo | None, task: TaskId | None) -> str | None:
+    if group is None or group.spec is None or task is None:
+        return None
+    try:
+        return group.spec.task_address(task.type, task.index)
+    except ClusterConfigError:
+        return None
+
+
+def _describe(rank: int, task: TaskId | None, address: str | None) -> str:
+    if task is None:
+        return f"rank {rank}"
+    return f"rank {rank} ({task} at {address})" if address else f"rank {rank} ({task})"
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else type(error).__name__
+    return text if len(text) <= 300 else text[:297] + "..."

@@ -1,0 +1,45 @@
+"""Data-parallel strategies behind one interface (:class:`Strategy`), picked by name.
+
+    strategy = get_strategy("allreduce")
+
+Implemented: ``local`` (one process, no communication) and ``allreduce`` (DistributedDataParallel).
+Recognised but not implemented yet: ``ps-sync``, ``ps-async``, ``ps-ssp:K`` (parameter servers with
+bounded staleness K) and ``pipeline``; asking for one raises a ``ValueError`` that says so.
+"""
+
+from __future__ import annotations
+
+from conveyor.strategies.allreduce import AllReduceStrategy
+from conveyor.strategies.base import Strategy, check_optimizer
+from conveyor.strategies.local import LocalStrategy
+
+__all__ = ["NAMES", "AllReduceStrategy", "LocalStrategy", "Strategy", "check_optimizer", "get_strategy"]
+
+_IMPLEMENTED: dict[str, type[Strategy]] = {"local": LocalStrategy, "allreduce": AllReduceStrategy}
+_PLANNED = ("ps-sync", "ps-async", "ps-ssp:K", "pipeline")
+
+#: Every strategy name conveyor knows, implemented or not, as the command line spells them.
+NAMES: tuple[str, ...] = (*_IMPLEMENTED, *_PLANNED)
+
+
+def get_strategy(name: str) -> Strategy:
+    """A new, not yet set up strategy for ``name``; ``ValueError`` naming the choices for anything else."""
+    if not isinstance(name, str):
+        raise ValueError(f"strategy = {name!r}; expected one of {_quoted(NAMES)}")
+    key = name.strip().lower()
+    if key in _IMPLEMENTED:
+        return _IMPLEMENTED[key]()
+    if key.startswith("ps-ssp"):
+        _, _, k = key.partition(":")
+        if not (k.isascii() and k.isdigit() and int(k) >= 1):
+            raise ValueError(f"strategy = {name!r}: ps-ssp needs its staleness bound K, a whole number >= 1, "
+                             f"e.g. 'ps-ssp:4'")
+        key = "ps-ssp:K"
+    if key in _PLANNED:
+        raise ValueError(f"strategy {name!r} is recognised but not implemented yet (implemented: "
+                         f"{_quoted(_IMPLEMENTED)}); use 'allreduce' for synchronous data parallelism")
+    raise ValueError(f"unknown strategy {name!r}; expected one of {_quoted(NAMES)}")
+
+
+def _quoted(names) -> str:
+    return ", ".join(f"'{n}'" for n in names)

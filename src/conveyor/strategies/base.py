@@ -1,0 +1,84 @@
+"""The interface every data-parallel strategy implements, so a training script never names one.
+
+    strategy = get_strategy("allreduce")
+    strategy.setup(job)                          # once, after the job's process group exists
+    model, optimizer = strategy.prepare(model, optimizer)
+    before = strategy.comm_seconds(); ...one step...; comm = strategy.comm_seconds() - before
+    strategy.shutdown()
+
+``conveyor.init()`` does the first two lines and ``job.prepare`` the third; the trainer reads
+``comm_seconds()`` around each step.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+__all__ = ["Strategy", "check_optimizer"]
+
+
+class Strategy(ABC):
+    """One way of keeping several workers' models in step.
+
+    ``name`` is the strategy's command-line name (``str(strategy)`` gives it too). ``distributed`` says
+    whether it coordinates several training processes; ``conveyor.init()`` refuses a non-distributed
+    strategy in a job with more than one, where each worker would silently train its own model.
+    """
+
+    name: ClassVar[str] = ""
+    distributed: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        self._job: Any = None
+
+    def setup(self, job: Any) -> None:
+        """Bind to ``job`` (rank, world size, device, timeout). Called once, after the process group exists."""
+        self._job = job
+
+    @property
+    def job(self) -> Any:
+        if self._job is None:
+            raise RuntimeError(f"strategy {self.name!r} is not set up: get it from conveyor.init() "
+                               f"(job.strategy), or call strategy.setup(job) first")
+        return self._job
+
+    @abstractmethod
+    def prepare(self, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
+        """Place ``model`` on the job's device and wrap what the strategy needs; return (model, optimizer)."""
+
+    def shutdown(self) -> None:
+        """Release what :meth:`setup`/:meth:`prepare` acquired (the process group itself belongs to the job)."""
+        return None
+
+    def comm_seconds(self) -> float:
+        """Total wall time spent in gradient communication so far (seconds); see each strategy for details."""
+        return 0.0
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+def check_optimizer(model: nn.Module, optimizer: Any) -> None:
+    """Raise when ``optimizer`` updates tensors that are not ``model``'s parameters.
+
+    The usual cause is an optimizer built from another copy of the model (or before a ``deepcopy``):
+    training would then run without error and without learning, which is much harder to find.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"prepare(model, optimizer): model is a {type(model).__name__}; expected a torch.nn.Module")
+    groups = getattr(optimizer, "param_groups", None)
+    if groups is None:  # not a torch.optim.Optimizer: nothing to check
+        return
+    own = {id(p) for p in model.parameters()}
+    foreign = sum(1 for group in groups for p in group["params"] if isinstance(p, torch.Tensor) and id(p) not in own)
+    if foreign:
+        raise ValueError(f"the optimizer holds {foreign} tensor(s) that are not parameters of the model passed to "
+                         f"prepare(); build it from this model, e.g. torch.optim.SGD(model.parameters(), lr=...), "
+                         f"and pass that same model")

@@ -1,0 +1,323 @@
+"""The job handle: who this process is, which strategy it trains with, and a few byte-level collectives.
+
+    import conveyor
+    with conveyor.init() as job:                      # python train.py, conveyor run, torchrun, srun, TF_CONFIG
+        model, optimizer = job.prepare(model, optimizer)
+        states = job.all_gather_bytes(json.dumps(state).encode())   # one entry per rank, no pickle
+
+``init()`` reads the task's identity with :func:`conveyor.cluster.discover` (every launcher's variables,
+or none at all: a single local worker), picks the strategy, joins the process group when there is more
+than one training process, and binds the strategy to the job. The same methods work with one process
+and no process group, so a script runs unchanged under ``python train.py``.
+
+Variables read here besides discovery's: ``CONVEYOR_TIMEOUT`` (seconds, default 300: bounds the
+rendezvous and every collective), ``CONVEYOR_RESTART_COUNT`` (default 0), ``CONVEYOR_RESUME``
+(``"0"`` disables resuming), and under torchrun ``TORCHELASTIC_USE_AGENT_STORE`` /
+``TORCHELASTIC_RESTART_COUNT`` (the agent then hosts the rendezvous store).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from conveyor.cluster import Discovered, discover
+from conveyor.comm.process_group import collective_guard, init_process_group
+from conveyor.strategies import Strategy, get_strategy
+
+__all__ = ["DEFAULT_TIMEOUT", "RESTART_COUNT_VAR", "RESUME_VAR", "TIMEOUT_VAR", "Job", "init", "threads_per_worker"]
+
+TIMEOUT_VAR = "CONVEYOR_TIMEOUT"
+RESTART_COUNT_VAR = "CONVEYOR_RESTART_COUNT"
+RESUME_VAR = "CONVEYOR_RESUME"
+DEFAULT_TIMEOUT = 300.0
+
+_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
+
+
+def init(strategy: str | None = None, *, timeout: float | None = None,
+         environ: Mapping[str, str] | None = None) -> Job:
+    """This process's :class:`Job`, its process group joined and its strategy set up.
+
+    ``strategy``: the argument, else ``CONVEYOR_STRATEGY``, else ``"allreduce"`` with several training
+    processes and ``"local"`` with one. ``timeout`` (seconds): the argument, else ``CONVEYOR_TIMEOUT``,
+    else 300. ``environ`` replaces ``os.environ`` (tests, tools); nothing is written to it.
+    """
+    env: Mapping[str, str] = os.environ if environ is None else environ
+    found = discover(env)
+    if found.task.type == "ps":
+        raise NotImplementedError(
+            f"this process is the parameter server {found.task} of the cluster, but parameter-server strategies "
+            f"are not implemented yet, so conveyor.init() cannot serve variables here. Start the job without "
+            f"parameter servers (no --ps, or no 'ps' job in TF_CONFIG) and use the 'allreduce' strategy")
+    if found.rank is None:
+        raise NotImplementedError(f"this process is the {found.task} task, which has no training rank; only "
+                                  f"chief and worker tasks can call conveyor.init() for now")
+    name = strategy or found.strategy or ("allreduce" if found.world_size > 1 else "local")
+    chosen = get_strategy(name)
+    if found.world_size > 1 and not chosen.distributed:
+        raise ValueError(f"strategy {chosen.name!r} trains in one process, but this job has {found.world_size} "
+                         f"training processes (source: {found.source}), which would each train their own model; "
+                         f"use 'allreduce', or run a single process")
+    seconds = _timeout(timeout, env)
+    restart_count = _whole_number(env, RESTART_COUNT_VAR, 0)
+    resume = env.get(RESUME_VAR, "1").strip() != "0"
+    data_dir = Path(found.data_dir or "data")
+    output_dir = Path(found.output_dir or "output")
+    output_dir.mkdir(parents=True, exist_ok=True)
+    device = _device(found.local_rank)
+    _limit_threads(found.local_world_size, env)
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    owns_group = found.world_size > 1 and _join_group(found, backend, seconds, env)
+    job = Job(found, chosen, timeout=seconds, device=device, backend=backend, data_dir=data_dir,
+              output_dir=output_dir, restart_count=restart_count, resume=resume, owns_group=owns_group)
+    try:
+        chosen.setup(job)
+    except BaseException:
+        job.shutdown()
+        raise
+    return job
+
+
+class Job:
+    """One training process's view of the job; built by :func:`init`. See ``docs/training-contracts.md``.
+
+    Attributes: ``rank``, ``world_size``, ``local_rank``, ``local_world_size``, ``is_chief``, ``task_type``,
+    ``task_index``, ``cluster`` (``ClusterSpec`` or ``None``), ``strategy``, ``device``, ``data_dir``,
+    ``output_dir``, ``restart_count``, ``resume``, ``timeout`` (seconds), ``backend``, ``source`` (which
+    launcher's variables described this process).
+    """
+
+    def __init__(self, found: Discovered, strategy: Strategy, *, timeout: float, device: torch.device,
+                 backend: str, data_dir: Path, output_dir: Path, restart_count: int, resume: bool,
+                 owns_group: bool) -> None:
+        self.rank: int = found.rank if found.rank is not None else 0
+        self.world_size = found.world_size
+        self.local_rank = found.local_rank
+        self.local_world_size = found.local_world_size
+        self.is_chief = self.rank == 0
+        self.task_type = found.task.type
+        self.task_index = found.task.index
+        self.cluster = found.spec
+        self.source = found.source
+        self.strategy = strategy
+        self.device = device
+        self.backend = backend
+        self.data_dir = data_dir
+        self.output_dir = output_dir
+        self.restart_count = restart_count
+        self.resume = resume
+        self.timeout = timeout
+        self._owns_group = owns_group
+        self._closed = False
+        # nccl moves only CUDA tensors; gloo only CPU ones here. Byte collectives build their tensors there.
+        self._comm_device = device if backend == "nccl" else torch.device("cpu")
+
+    # -- training ---------------------------------------------------------------------------------
+
+    def prepare(self, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
+        """Wrap ``model`` and ``optimizer`` for the job's strategy; the rest of the loop is plain PyTorch."""
+        self._check_open("prepare")
+        return self.strategy.prepare(model, optimizer)
+
+    # -- collectives ------------------------------------------------------------------------------
+
+    def barrier(self) -> None:
+        """Wait until every rank gets here (a no-op with one process)."""
+        self._check_open("barrier")
+        if self.world_size > 1:
+            with collective_guard(self, "barrier"):
+                dist.barrier()
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data``, in rank order. Lengths may differ; bytes travel as uint8 tensors (no pickle)."""
+        self._check_open("all_gather_bytes")
+        payload = _as_bytes(data, "all_gather_bytes(data)")
+        if self.world_size == 1:
+            return [payload]
+        with collective_guard(self, "all_gather_bytes"):
+            # First the lengths, so every rank can pad its bytes to the longest: all_gather needs equal shapes.
+            length = torch.tensor([len(payload)], dtype=torch.int64, device=self._comm_device)
+            lengths = [torch.zeros_like(length) for _ in range(self.world_size)]
+            dist.all_gather(lengths, length)
+            sizes = [int(n.item()) for n in lengths]
+            longest = max(sizes)
+            if longest == 0:
+                return [b""] * self.world_size
+            mine = self._uint8(payload, longest)
+            gathered = [torch.empty(longest, dtype=torch.uint8, device=self._comm_device) for _ in sizes]
+            dist.all_gather(gathered, mine)
+        return [t[:n].cpu().numpy().tobytes() for t, n in zip(gathered, sizes, strict=True)]
+
+    def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
+        """Rank ``src``'s ``data`` on every rank (other ranks may pass ``None``)."""
+        self._check_open("broadcast_bytes")
+        if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self.world_size:
+            raise ValueError(f"broadcast_bytes(src={src!r}); expected a rank 0..{self.world_size - 1}")
+        if self.rank == src:
+            if data is None:
+                raise ValueError(f"broadcast_bytes: rank {src} is the source and must pass bytes, not None")
+            payload = _as_bytes(data, "broadcast_bytes(data)")
+        else:
+            payload = b""
+        if self.world_size == 1:
+            return payload
+        with collective_guard(self, "broadcast_bytes"):
+            length = torch.tensor([len(payload)], dtype=torch.int64, device=self._comm_device)
+            dist.broadcast(length, src=src)
+            size = int(length.item())
+            if size == 0:
+                return b""
+            buffer = self._uint8(payload, size) if self.rank == src else torch.empty(size, dtype=torch.uint8,
+                                                                                       device=self._comm_device)
+            dist.broadcast(buffer, src=src)
+        return buffer.cpu().numpy().tobytes()
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce ``tensor`` over all ranks in place and return it. ``op``: sum, mean, max, min, product."""
+        self._check_open("all_reduce")
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"all_reduce expects a torch.Tensor; got {type(tensor).__name__}")
+        key = op.lower() if isinstance(op, str) else op
+        if key not in (*_OPS, "mean"):
+            raise ValueError(f"all_reduce(op={op!r}); expected one of 'sum', 'mean', 'max', 'min', 'product'")
+        if self.world_size == 1:
+            return tensor
+        work = tensor if tensor.device == self._comm_device else tensor.to(self._comm_device)
+        with collective_guard(self, "all_reduce"):
+            # gloo has no AVG: mean is a sum divided here (integer tensors get an integer quotient).
+            dist.all_reduce(work, op=getattr(dist.ReduceOp, _OPS.get(key, "SUM")))
+        if key == "mean":
+            if work.is_floating_point() or work.is_complex():
+                work.div_(self.world_size)
+            else:
+                work.floor_divide_(self.world_size)
+        if work is not tensor:
+            tensor.copy_(work)
+        return tensor
+
+    # -- lifetime ---------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Shut the strategy down and leave the process group (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.strategy.shutdown()
+        finally:
+            if self._owns_group and dist.is_initialized():
+                dist.destroy_process_group()
+
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return (f"Job(rank={self.rank}, world_size={self.world_size}, task={self.task_type}:{self.task_index}, "
+                f"strategy={self.strategy.name!r}, device={self.device}, source={self.source!r})")
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"job.{what}() after job.shutdown(); call conveyor.init() again for a new job")
+
+    def _uint8(self, payload: bytes, size: int) -> torch.Tensor:
+        out = torch.zeros(size, dtype=torch.uint8, device=self._comm_device)
+        if payload:  # torch.frombuffer refuses an empty buffer
+            out[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self._comm_device)
+        return out
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+
+def threads_per_worker(local_world_size: int, cores: int) -> int:
+    """Intra-op threads for each of ``local_world_size`` training processes sharing ``cores`` cores."""
+    return max(1, cores // max(1, local_world_size))
+
+
+def _limit_threads(local_world_size: int, env: Mapping[str, str]) -> None:
+    """Give each of this machine's training processes its share of the cores.
+
+    PyTorch sizes its intra-op pool to every core of the machine in every process. With N workers on
+    one machine that is N x cores threads fighting over the cores; each worker's matrix products then
+    stall on the others' and steps get slower than with fewer threads (torchrun sets OMP_NUM_THREADS=1
+    for the same reason). An explicit OMP_NUM_THREADS is the user's (or launcher's) choice and is kept.
+    """
+    if local_world_size <= 1 or env.get("OMP_NUM_THREADS"):
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(threads_per_worker(local_world_size, cores))
+
+
+def _device(local_rank: int) -> torch.device:
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise ValueError(f"LOCAL_RANK={local_rank} but this machine has {count} CUDA device(s): start at most "
+                         f"{count} training processes per machine (one per GPU)")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def _join_group(found: Discovered, backend: str, timeout: float, env: Mapping[str, str]) -> bool:
+    """Join the default process group; False when one already exists (the script made it) and is reused."""
+    if dist.is_initialized():
+        if (dist.get_rank(), dist.get_world_size()) != (found.rank, found.world_size):
+            raise RuntimeError(f"a torch.distributed process group already exists with rank {dist.get_rank()} of "
+                               f"{dist.get_world_size()}, but the environment says rank {found.rank} of "
+                               f"{found.world_size}; let conveyor.init() create the group")
+        return False
+    if found.master_addr is None or found.master_port is None:  # discovery guarantees both for world > 1
+        raise RuntimeError(f"no rendezvous address for a job of {found.world_size}: set MASTER_ADDR and MASTER_PORT")
+    # torchrun's agent may host the store itself on MASTER_PORT; the workers are then all clients, and
+    # the keys of one restart attempt are kept apart from the previous attempt's.
+    agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    prefix = f"conveyor/attempt-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}" if agent_store else None
+    init_process_group(backend, found.master_addr, found.master_port, found.rank, found.world_size, timeout,
+                       host_store=False if agent_store else None, store_prefix=prefix)
+    return True
+
+
+def _timeout(timeout: float | None, env: Mapping[str, str]) -> float:
+    if timeout is None:
+        text = env.get(TIMEOUT_VAR, "").strip()
+        if not text:
+            return DEFAULT_TIMEOUT
+        try:
+            timeout = float(text)
+        except ValueError:
+            raise ValueError(f"{TIMEOUT_VAR}={text!r} is not a number of seconds; e.g. {TIMEOUT_VAR}=300") from None
+        where = TIMEOUT_VAR
+    else:
+        where = "conveyor.init(timeout=...)"
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise ValueError(f"{where} = {timeout!r}; expected a number of seconds > 0, e.g. 300")
+    return float(timeout)
+
+
+def _whole_number(env: Mapping[str, str], name: str, default: int) -> int:
+    text = env.get(name, "").strip()
+    if not text:
+        return default
+    if not (text.isascii() and text.isdigit()):
+        raise ValueError(f"{name}={text!r} is not a whole number >= 0; the launcher sets it (unset it for {default})")
+    return int(text)
+
+
+def _as_bytes(data: Any, what: str) -> bytes:
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return bytes(data)
+    raise TypeError(f"{what} must be bytes; got {type(data).__name__} (encode text first, e.g. json.dumps(x).encode())")

@@ -1,0 +1,97 @@
+"""The chief's progress display: a tqdm bar on a terminal, plain lines in a log.
+
+`mode`: True shows a tqdm bar when stderr is a terminal and otherwise prints one line per log
+record (what a log file under `conveyor run` wants: a bar redrawn with carriage returns is
+unreadable there); "always" forces the bar; False shows nothing. Only the chief shows progress.
+
+    progress = Progress(enabled=job.is_chief, mode=True, total=1000, initial=resumed_step)
+    progress.advance()                                  # every step: cheap
+    progress.write({"step": 10, "loss": 0.7, ...})      # every log record: refreshes the postfix
+    progress.close()
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import Any, TextIO
+
+__all__ = ["Progress"]
+
+
+class Progress:
+    def __init__(self, enabled: bool, mode: bool | str = True, total: int | None = None, initial: int = 0,
+                 stream: TextIO | None = None):
+        if mode not in (True, False, "always"):
+            raise ValueError(f"progress must be True, False or 'always', got {mode!r}")
+        self._stream = stream if stream is not None else sys.stderr
+        self._on = bool(enabled and mode)
+        self._bar = None
+        self._total = total
+        if self._on and (mode == "always" or _isatty(self._stream)):
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=self._stream,
+                             desc="train")
+
+    @property
+    def is_bar(self) -> bool:
+        return self._bar is not None
+
+    def set_total(self, total: int | None) -> None:
+        """Set the number of steps once it is known (after the first epoch, when only `epochs` was given)."""
+        self._total = total
+        if self._bar is not None and total is not None and self._bar.total != total:
+            self._bar.total = total
+            self._bar.refresh()
+
+    def advance(self, n: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        """Show a log record: the bar's postfix on a terminal, one line otherwise."""
+        if not self._on:
+            return
+        if record.get("event") == "eval":
+            metrics = "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                                for k, v in record.items() if k.startswith("eval_") and _num(v))
+            self._line(f"eval at step {record.get('step')}: {metrics}")
+            return
+        loss, sps, wait = record.get("loss"), record.get("samples_per_second"), record.get("input_wait_fraction")
+        if self._bar is not None:
+            self._bar.set_postfix_str(
+                f"loss={_fmt(loss, '.4f')} samples/s={_fmt(sps, '.0f')} input-wait={_fmt(wait, '.1%')}", refresh=False
+            )
+            return
+        total = f"/{self._total}" if self._total else ""
+        self._line(
+            f"step {record.get('step')}{total}  epoch {record.get('epoch')}  loss {_fmt(loss, '.4f')}  "
+            f"{_fmt(sps, '.0f')} samples/s  input wait {_fmt(wait, '.1%')}"
+        )
+
+    def _line(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.write(text, file=self._stream)
+        else:
+            print(text, file=self._stream, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+def _num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _fmt(v: Any, spec: str) -> str:
+    return format(v, spec) if _num(v) else "-"
+
+
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False

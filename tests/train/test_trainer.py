@@ -1,0 +1,465 @@
+"""Trainer: a single-process run writes every output; a crashed run resumes to the uninterrupted result."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from conveyor.data import Dataset, set_seed
+from conveyor.train.checkpoint import CheckpointManager
+from conveyor.train.trainer import ResumeError, TrainConfig, Trainer, accuracy
+
+N, BATCH, CLASSES = 40, 8, 3  # 5 steps per epoch
+
+# ---------------------------------------------------------------------------------------------------------------------
+# a job: conveyor.init() once it exists, else a stand-in with the same attributes (docs/training-contracts.md)
+
+
+class FakeStrategy:
+    name = "local"
+
+    def comm_seconds(self) -> float:
+        return 0.0
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class FakeJob:
+    """World-size-1 Job as the contracts page describes it, without a process group."""
+
+    def __init__(self, output_dir: Path, resume: bool = True, restart_count: int = 0):
+        self.rank, self.world_size, self.local_rank, self.local_world_size = 0, 1, 0, 1
+        self.is_chief, self.task_type, self.task_index, self.cluster = True, "chief", 0, None
+        self.strategy = FakeStrategy()
+        self.device = torch.device("cpu")
+        self.data_dir = Path("./data")
+        self.output_dir = Path(output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.restart_count = restart_count
+        self.resume = resume
+
+    def prepare(self, model, optimizer):
+        return model, optimizer
+
+    def barrier(self) -> None:
+        pass
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        return [bytes(data)]
+
+    def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
+        return bytes(data)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        return tensor
+
+    def shutdown(self) -> None:
+        pass
+
+
+def make_job(out: Path, monkeypatch, resume: bool = True, restarts: int = 0):
+    for var in ("TF_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CONVEYOR_STRATEGY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("CONVEYOR_OUTPUT_DIR", str(out))
+    monkeypatch.setenv("CONVEYOR_RESUME", "1" if resume else "0")
+    monkeypatch.setenv("CONVEYOR_RESTART_COUNT", str(restarts))
+    try:
+        from conveyor.train.job import init
+    except ImportError:
+        return FakeJob(out, resume, restarts)
+    return init()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# a tiny deterministic problem
+
+
+def data(seed: int | None = 7, n: int = N) -> Dataset:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 4)).astype(np.float32)
+    x[:, 0] = np.arange(n, dtype=np.float32) / n  # a sample's id, readable from the batch
+    y = (x[:, 1] > 0).astype(np.int64) + (x[:, 2] > 0.5).astype(np.int64)
+    return Dataset.from_tensor_slices((x, y)).shuffle(16, seed=seed).batch(BATCH)
+
+
+def make_model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, CLASSES))
+    return model, torch.optim.Adam(model.parameters(), lr=0.05)
+
+
+class Recorder:
+    """A callback that records the sample ids of every step, and can 'crash' after a step."""
+
+    def __init__(self, crash_after: int | None = None):
+        self.seen: dict[int, list[int]] = {}
+        self.crash_after = crash_after
+
+    def __call__(self, event) -> None:
+        self.seen[event.step] = [round(float(v) * N) for v in event.inputs[:, 0]]
+        if event.step == self.crash_after:
+            raise KeyboardInterrupt("simulated crash")  # not an Exception: nothing may swallow it
+
+
+def run(out: Path, monkeypatch, ds=None, crash_after=None, resume=True, **options):
+    job = make_job(out, monkeypatch, resume=resume)
+    model, opt = job.prepare(*make_model())
+    rec = Recorder(crash_after)
+    options = {"epochs": 2, "checkpoint_every_steps": 3, "log_every_steps": 2, "progress": False, **options}
+    trainer = Trainer(job, model, opt, nn.functional.cross_entropy, data() if ds is None else ds,
+                      callbacks=[rec], **options)
+    summary = None
+    try:
+        summary = trainer.fit()
+    except KeyboardInterrupt:
+        if crash_after is None:
+            raise
+    params = [p.detach().clone() for p in trainer.module.parameters()]
+    return summary, rec.seen, params
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# outputs
+
+
+def test_fit_writes_every_output(tmp_path, monkeypatch):
+    job = make_job(tmp_path, monkeypatch)
+    ticks = iter(range(10**6))
+    job.strategy.comm_seconds = lambda: next(ticks) * 1e-4  # a strategy that reports communication
+    model, opt = job.prepare(*make_model())
+    trainer = Trainer(job, model, opt, nn.functional.cross_entropy, data().repeat(3),
+                      eval_data=data(seed=None), epochs=2, eval_every_steps=10, log_every_steps=3,
+                      checkpoint_every_steps=10, progress=False)
+    summary = trainer.fit()
+
+    train = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r["event"] == "train"]
+    assert [r["step"] for r in train] == [3, 6, 9, 12, 15, 18, 21, 24, 27, 30]
+    for r in train:
+        assert {"step", "epoch", "loss", "samples_per_second", "input_wait_fraction", "lr", "time"} <= set(r)
+        assert r["samples_per_second"] > 0 and 0 <= r["input_wait_fraction"] <= 1 and r["lr"] == 0.05
+    assert train[-1]["loss"] < train[0]["loss"] * 0.8  # it learns
+    evals = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r["event"] == "eval"]
+    assert [r["step"] for r in evals] == [10, 20, 30]  # the end (30) is evaluated once
+    assert list(tmp_path.glob("tensorboard/events.out.tfevents.*"))
+
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert on_disk == summary
+    assert summary["strategy"] == "local" and summary["world_size"] == 1 and summary["restarts"] == 0
+    assert summary["steps"] == 30 and summary["epochs"] == 2 and summary["samples"] == 30 * BATCH
+    assert summary["samples_per_second"] > 0 and summary["wall_seconds"] > 0
+    assert 0 < summary["eval_accuracy"] <= 1 and summary["eval_loss"] > 0
+    assert 0 <= summary["input_wait_fraction"] <= 1 and 0 <= summary["accelerator_idle_fraction"] <= 1
+    assert set(summary["step_breakdown"]) >= {"input_wait", "forward_backward", "communication", "optimizer"}
+    assert summary["step_breakdown"]["communication"] == pytest.approx(1e-4)
+    assert Path(summary["checkpoints"]) == tmp_path / "checkpoints"
+    assert CheckpointManager(tmp_path / "checkpoints").list_steps() == [10, 20, 30]
+
+    trace = json.loads((tmp_path / "trace" / "worker-0.json").read_text())
+    names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert {"step", "input_wait", "forward_backward", "communication", "optimizer", "eval", "checkpoint"} <= names
+    assert all(e["dur"] >= 0 and e["pid"] == 0 for e in trace["traceEvents"] if e["ph"] == "X")
+    for plot in summary["outputs"]["plots"]:
+        assert Path(plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert struct.unpack(">II", Path(plot).read_bytes()[16:24])[0] > 100  # width
+
+
+def test_evaluate_with_a_custom_metric(tmp_path, monkeypatch):
+    def top2(outputs, targets):
+        return (outputs.topk(2, dim=-1).indices == targets[:, None]).any(dim=-1).float().mean()
+
+    job = make_job(tmp_path, monkeypatch)
+    model, opt = job.prepare(*make_model())
+    trainer = Trainer(job, model, opt, nn.functional.cross_entropy, data(), eval_data=data(), metric_fn=top2,
+                      progress=False)
+    summary = trainer.fit()
+    assert "eval_accuracy" not in summary and 0 < summary["eval_top2"] <= 1 and summary["eval_loss"] > 0
+    again = trainer.evaluate()  # callable on its own; deterministic (dropout off)
+    assert again["eval_top2"] == summary["eval_top2"] and again["eval_samples"] == N
+    assert trainer.module.training  # evaluate() puts the model back in training mode
+
+
+def test_accuracy_metric():
+    logits = torch.tensor([[2.0, 1.0], [0.0, 3.0], [1.0, 0.0]])
+    assert accuracy(logits, torch.tensor([0, 1, 1])).item() == pytest.approx(2 / 3)
+    assert accuracy(torch.tensor([[1.5], [-2.0]]), torch.tensor([1, 1])).item() == 0.5  # one logit: binary
+
+
+def test_max_steps_runs_as_many_epochs_as_needed(tmp_path, monkeypatch):
+    summary, seen, _ = run(tmp_path, monkeypatch, epochs=None, max_steps=12, checkpoint_every_steps=None)
+    assert summary["steps"] == 12 and summary["epochs"] == 2  # two full passes, then 2 steps of the third
+    assert sorted(sum((seen[s] for s in range(1, 6)), [])) == list(range(N))  # every sample once per epoch
+    assert sorted(sum((seen[s] for s in range(6, 11)), [])) == list(range(N))
+    assert [seen[s] for s in range(1, 6)] != [seen[s] for s in range(6, 11)]  # reshuffled each epoch
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# resume
+
+
+@pytest.mark.parametrize("crash_after", [4, 7])  # 4: resume from step 3 in epoch 0; 7: from step 6 in epoch 1
+def test_resume_sees_the_same_samples_and_ends_with_the_same_weights(tmp_path, monkeypatch, crash_after):
+    ref_summary, ref_seen, ref_params = run(tmp_path / "reference", monkeypatch)
+    assert ref_summary["steps"] == 10 and sorted(ref_seen) == list(range(1, 11))
+
+    out = tmp_path / "crashed"
+    _, before, _ = run(out, monkeypatch, crash_after=crash_after)
+    assert sorted(before) == list(range(1, crash_after + 1))
+    summary, after, params = run(out, monkeypatch)
+
+    resumed_from = (crash_after // 3) * 3
+    assert summary["resumed_from_step"] == resumed_from and summary["steps"] == 10
+    assert sorted(after) == list(range(resumed_from + 1, 11))
+    assert {**before, **after} == ref_seen  # the same batches, in the same order: nothing lost or repeated
+    for p, q in zip(params, ref_params, strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    train = [r for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "train"]
+    assert train[0]["step"] == 2  # appended to the crashed run's records, not started over
+
+
+def test_resume_keeps_an_unseeded_pipelines_order(tmp_path, monkeypatch):
+    """A rebuilt Dataset draws a new root seed; epochs started after the resume must use the saved one."""
+    set_seed(123)
+    _, ref_seen, ref_params = run(tmp_path / "reference", monkeypatch, ds=data(seed=None))
+    set_seed(123)
+    _, before, _ = run(tmp_path / "crashed", monkeypatch, ds=data(seed=None), crash_after=4)
+    set_seed(None)
+    _, after, params = run(tmp_path / "crashed", monkeypatch, ds=data(seed=None))
+    assert {**before, **after} == ref_seen
+    for p, q in zip(params, ref_params, strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_resume_of_a_finished_run_does_nothing_more(tmp_path, monkeypatch):
+    run(tmp_path, monkeypatch)
+    summary, seen, _ = run(tmp_path, monkeypatch)
+    assert summary["steps"] == 10 and summary["steps_this_run"] == 0 and seen == {}
+    summary, seen, _ = run(tmp_path, monkeypatch, epochs=3)  # asked for more: the next epoch follows
+    assert summary["steps"] == 15 and sorted(seen) == list(range(11, 16))
+
+
+def test_no_resume_starts_over(tmp_path, monkeypatch):
+    _, ref_seen, ref_params = run(tmp_path / "reference", monkeypatch)
+    run(tmp_path / "out", monkeypatch, crash_after=7)
+    summary, seen, params = run(tmp_path / "out", monkeypatch, resume=False)
+    assert summary["resumed_from_step"] is None and seen == ref_seen
+    for p, q in zip(params, ref_params, strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    train = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if r["event"] == "train"]
+    assert [r["step"] for r in train] == [2, 4, 6, 8, 10]  # the old run's records are gone
+
+
+def fake_checkpoint(out: Path, world_size: int, workers: list[int]) -> None:
+    model, opt = make_model()
+    state = {"format": "conveyor.trainer.data", "version": 1, "epoch": 0, "batches": 1, "root_seed": 1,
+             "iterator": None, "rng": None}
+    CheckpointManager(out / "checkpoints", fsync=False).save(
+        3, model.state_dict(), opt.state_dict(), extra={"epoch": 0, "world_size": world_size},
+        data_states={f"worker-{r}": state for r in workers})
+
+
+def test_a_checkpoint_from_another_world_size_is_refused(tmp_path, monkeypatch):
+    fake_checkpoint(tmp_path, world_size=2, workers=[0, 1])
+    with pytest.raises(ResumeError, match=r"2 worker\(s\); this job has 1.*-n 2.*--no-resume"):
+        run(tmp_path, monkeypatch)
+    summary, _, _ = run(tmp_path, monkeypatch, resume=False)  # the named fix works
+    assert summary["steps"] == 10
+
+
+def test_a_checkpoint_without_this_workers_data_state_is_refused(tmp_path, monkeypatch):
+    fake_checkpoint(tmp_path, world_size=1, workers=[])
+    with pytest.raises(ResumeError, match=r"no data-iterator state for \['worker-0'\].*--no-resume"):
+        run(tmp_path, monkeypatch)
+
+
+def test_time_based_checkpoints(tmp_path, monkeypatch):
+    run(tmp_path, monkeypatch, checkpoint_every_steps=None, checkpoint_every_seconds=1e-6, keep_checkpoints=None)
+    assert CheckpointManager(tmp_path / "checkpoints").list_steps() == list(range(1, 11))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# configuration and display
+
+
+def test_options_are_validated(tmp_path, monkeypatch):
+    job = make_job(tmp_path, monkeypatch)
+    model, opt = make_model()
+    with pytest.raises(TypeError, match="unknown option.*'epocs'"):
+        Trainer(job, model, opt, nn.functional.cross_entropy, data(), epocs=2)
+    with pytest.raises(ValueError, match="log_every_steps must be a positive integer"):
+        Trainer(job, model, opt, nn.functional.cross_entropy, data(), log_every_steps=0)
+    with pytest.raises(ValueError, match="progress must be"):
+        TrainConfig(progress="yes")
+    with pytest.raises(TypeError, match="conveyor.data Dataset"):
+        Trainer(job, model, opt, nn.functional.cross_entropy, [(1, 2)])
+    cfg = TrainConfig(epochs=4, log_every_steps=5)
+    assert Trainer(job, model, opt, nn.functional.cross_entropy, data(), config=cfg, epochs=1).config == TrainConfig(
+        epochs=1, log_every_steps=5
+    )
+
+
+def test_batches_must_be_pairs(tmp_path, monkeypatch):
+    job = make_job(tmp_path, monkeypatch)
+    model, opt = make_model()
+    ds = Dataset.from_tensor_slices(np.zeros((8, 4), np.float32)).batch(4)
+    with pytest.raises(TypeError, match=r"\(inputs, targets\) batches"):
+        Trainer(job, model, opt, nn.functional.cross_entropy, ds, progress=False).fit()
+
+
+def test_progress_prints_lines_when_not_a_terminal(tmp_path, monkeypatch, capsys):
+    run(tmp_path, monkeypatch, progress=True, log_every_steps=5)
+    err = capsys.readouterr().err
+    assert "step 5  epoch 0  loss" in err and "step 10/10  epoch 1  loss" in err  # the total is known after epoch 0
+    assert "samples/s  input wait" in err and "\r" not in err
+
+
+
+def test_progress_bar_when_forced_and_silence_elsewhere():
+    import io
+
+    from conveyor.train.progress import Progress
+
+    stream = io.StringIO()
+    bar = Progress(enabled=True, mode="always", total=4, stream=stream)
+    assert bar.is_bar
+    bar.advance()
+    bar.write({"event": "train", "step": 1, "loss": 0.5, "samples_per_second": 1234.0, "input_wait_fraction": 0.25})
+    bar.advance()
+    bar.close()
+    assert "loss=0.5000 samples/s=1234 input-wait=25.0%" in stream.getvalue() and "2/4" in stream.getvalue()
+    for progress in (Progress(enabled=False, stream=stream), Progress(enabled=True, mode=False, stream=stream)):
+        before = stream.getvalue()
+        progress.advance()
+        progress.write({"event": "train", "step": 2, "loss": 0.4})
+        progress.close()
+        assert stream.getvalue() == before and not progress.is_bar
+
+
+def test_jsonl_sink_writes_strict_json(tmp_path):
+    from conveyor.train.sinks import JsonlSink
+
+    sink = JsonlSink(tmp_path / "m.jsonl")
+    sink.write({"step": 1, "loss": float("nan")})
+    assert read_jsonl(tmp_path / "m.jsonl") == [{"step": 1, "loss": None}]  # flushed at once, NaN as null
+    sink.close()
+    JsonlSink(tmp_path / "m.jsonl", append=True).write({"step": 2})
+    assert [r["step"] for r in read_jsonl(tmp_path / "m.jsonl")] == [1, 2]
+
+# ---------------------------------------------------------------------------------------------------------------------
+# two workers (conveyor.init(), allreduce: DDP over gloo on 127.0.0.1): a killed worker, resume, uneven
+# shards, time-based checkpoints
+
+WORKER = r'''
+import json, os, sys, warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+import conveyor
+from conveyor.data import Dataset
+from conveyor.train.trainer import Trainer
+
+out, kill_at, every_seconds = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]) or None
+job = conveyor.init()  # RANK, WORLD_SIZE, MASTER_ADDR/PORT, CONVEYOR_OUTPUT_DIR
+rng = np.random.default_rng(0)
+x = rng.normal(size=(49, 4)).astype(np.float32)
+x[:, 0] = np.arange(49, dtype=np.float32)  # sample ids
+y = (x[:, 1] > 0).astype(np.int64)
+# 49 samples: worker 0 gets 25 (7 batches of 4), worker 1 gets 24 (6 batches): worker 0 drops one per epoch
+ds = Dataset.from_tensor_slices((x, y)).shard(2, job.rank).shuffle(8, seed=3).batch(4)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Dropout(0.3), nn.Linear(8, 2))
+model, opt = job.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05))
+seen_path = out / f"seen-{job.rank}.json"
+seen = json.loads(seen_path.read_text()) if seen_path.exists() else {}
+
+
+def record(event):
+    seen[str(event.step)] = [int(v) for v in event.inputs[:, 0]]
+    seen_path.write_text(json.dumps(seen))
+    if event.step == kill_at and job.rank == 1:
+        os._exit(9)  # like kill -9: no cleanup, no finally
+
+
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    summary = Trainer(job, model, opt, nn.functional.cross_entropy, ds, epochs=2, checkpoint_every_steps=3,
+                      checkpoint_every_seconds=every_seconds, keep_checkpoints=None, log_every_steps=2,
+                      progress=False, callbacks=[record]).fit()
+params = [p.detach().flatten().tolist() for p in model.module.parameters()]
+(out / f"result-{job.rank}.json").write_text(json.dumps(
+    {"params": params, "summary": summary, "warnings": [str(w.message) for w in caught]}))
+job.shutdown()
+'''
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_workers(script: Path, out: Path, kill_at: int = 0, every_seconds: float = 0.0):
+    import os
+    import subprocess
+    import sys
+
+    port = str(_free_port())
+    procs = [subprocess.Popen([sys.executable, str(script), str(out), str(kill_at), str(every_seconds)],
+                              env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
+                                   "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                                   "CONVEYOR_OUTPUT_DIR": str(out), "CONVEYOR_TIMEOUT": "60"},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
+    codes, logs = [], []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=90)[0].decode(errors="replace"))
+        finally:
+            p.kill()
+        codes.append(p.returncode)
+    assert codes == [0, 0] or kill_at, logs
+    return codes, logs
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(300)  # three two-process jobs; each process imports torch (several seconds on a busy machine)
+def test_two_workers_killed_one_resumes_to_the_uninterrupted_result(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    ref, out = tmp_path / "reference", tmp_path / "killed"
+    ref.mkdir()
+    out.mkdir()
+    _two_workers(script, ref)
+    codes, logs = _two_workers(script, out, kill_at=8, every_seconds=0.01)  # worker 1 dies after step 8
+    assert codes[1] == 9 and codes[0] != 0  # the chief's next collective fails: the job is down ...
+    assert "PeerError" in logs[0] and "rank 1" in logs[0]  # ... and says who is gone
+    _two_workers(script, out, every_seconds=0.01)  # the launcher's restart, in short
+
+    expected = [json.loads((ref / f"result-{r}.json").read_text()) for r in range(2)]
+    got = [json.loads((out / f"result-{r}.json").read_text()) for r in range(2)]
+    assert got[0]["params"] == expected[0]["params"] == expected[1]["params"] == got[1]["params"]
+    for r in range(2):
+        ref_seen = json.loads((ref / f"seen-{r}.json").read_text())
+        assert json.loads((out / f"seen-{r}.json").read_text()) == ref_seen  # same batches per step, per worker
+        assert sorted(map(int, ref_seen)) == list(range(1, 13))  # 6 steps per epoch: the shorter shard decides
+    assert any("skips the rest of its shard" in w for w in expected[0]["warnings"])
+    summary = got[0]["summary"]
+    assert summary["world_size"] == 2 and summary["steps"] == 12 and summary["resumed_from_step"] >= 6
+    assert summary["strategy"] == "allreduce" and summary["samples"] == 4 * 2 * (12 - summary["resumed_from_step"])
+    steps = CheckpointManager(out / "checkpoints").list_steps()
+    assert len(steps) > 12 // 3 and steps[-1] == 12  # time-based saves on top of every 3rd step, all ranks agreeing
