@@ -1,5 +1,6 @@
 # make test  — set up .venv if needed, lint, run the test suite
-# make demo  — set up .venv if needed, run the demo
+# make demo  — set up .venv if needed, train the digits demo on two workers
+# make bench — the benchmarks (input pipeline, all-reduce)
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -23,11 +24,14 @@ lint: setup
 test: setup lint
 	$(VENV)/bin/pytest -q
 
+# Two workers train on scikit-learn's bundled digits (written as TFRecord shards on first use).
 demo: setup
-	$(PY) benchmarks/pipeline.py --quick
+	rm -rf runs/demo
+	$(VENV)/bin/conveyor run -n 2 --data-dir data --output-dir runs/demo examples/digits/train.py --epochs 20
 
 bench: setup
 	$(PY) benchmarks/pipeline.py
+	$(PY) benchmarks/allreduce.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -54,6 +54,8 @@ __all__ = [
 
 RESTART_COUNT_VAR = "CONVEYOR_RESTART_COUNT"
 RESUME_VAR = "CONVEYOR_RESUME"
+# Set by the supervisor when its own output is a terminal: the chief may draw a progress bar.
+TTY_VAR = "CONVEYOR_TTY"
 TIMEOUT_VAR = "CONVEYOR_TIMEOUT"
 
 #: The strategy names `--strategy` accepts (``ps-ssp:K`` with a staleness bound K >= 0).

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -39,11 +40,12 @@ from typing import IO, Protocol
 
 import psutil
 
-from conveyor.launch.plan import RESTART_COUNT_VAR, RESUME_VAR, LaunchPlan, TaskLaunch
+from conveyor.launch.plan import RESTART_COUNT_VAR, RESUME_VAR, TTY_VAR, LaunchPlan, TaskLaunch
 
 __all__ = ["JobResult", "PeerError", "Peers", "Supervisor", "TaskExit"]
 
 TAIL_LINES = 20
+_LINE_END = re.compile(rb"\r\n|\r|\n")
 
 
 class PeerError(RuntimeError):
@@ -121,6 +123,31 @@ class JobResult:
         return 128 + self.signal if self.signal else 1
 
 
+def _segments(stream: IO[bytes]):
+    """Yield `(text, live)` for each piece of output ended by a newline (live=False) or by a
+    carriage return (live=True: it will be overwritten)."""
+    pending = b""
+    for chunk in iter(lambda: stream.read1(65536), b""):
+        pending += chunk
+        start = 0
+        for m in _LINE_END.finditer(pending):
+            piece = pending[start:m.start()]
+            start = m.end()
+            live = m.group() == b"\r"
+            if piece or not live:
+                yield piece.decode("utf-8", "replace"), live
+        pending = pending[start:]
+    if pending:
+        yield pending.decode("utf-8", "replace"), False
+
+
+def _isatty(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
 @dataclass
 class _Running:
     launch: TaskLaunch
@@ -174,6 +201,8 @@ class Supervisor:
         self.poll = poll
         self.peer_poll = peer_poll  # the other nodes are asked at most this often (a round trip each)
         self.out = out if out is not None else sys.stdout
+        self._live_ok = _isatty(self.out)  # tasks may draw progress bars only where someone sees them
+        self._live_shown = False
         self.err = err if err is not None else sys.stderr
         self.peers = peers
         self._lock = threading.Lock()
@@ -330,6 +359,8 @@ class Supervisor:
         log.flush()
         env = dict(launch.env)
         env[RESTART_COUNT_VAR] = str(attempt)
+        if self._live_ok:
+            env.setdefault(TTY_VAR, "1")
         if attempt:
             # A restart continues this job from its own latest checkpoint, even under --no-resume
             # (which only means: do not pick up checkpoints that were there before the job began).
@@ -346,17 +377,28 @@ class Supervisor:
         return rt
 
     def _pump(self, rt: _Running) -> None:
-        """Copy one task's output, line by line, to its log and (prefixed) to the launcher's stdout."""
+        """Copy one task's output, line by line, to its log and (prefixed) to the launcher's stdout.
+
+        A segment ended by a carriage return is a live update (a progress bar redrawing itself):
+        on a terminal it is redrawn in place, prefixed like any line; the log keeps only whole lines.
+        """
         prefix = f"[{rt.name}] "
         try:
-            for raw in iter(rt.proc.stdout.readline, b""):
-                line = raw.decode("utf-8", "replace").rstrip("\r\n")
-                rt.tail.append(line)
-                rt.log.write(line + "\n")
-                rt.log.flush()
+            for text, live in _segments(rt.proc.stdout):
+                if not live:
+                    rt.tail.append(text)
+                    rt.log.write(text + "\n")
+                    rt.log.flush()
+                if live and not self._live_ok:
+                    continue
                 with self._lock:
                     try:
-                        self.out.write(prefix + line + "\n")
+                        if live:
+                            self.out.write("\r" + prefix + text + "\x1b[K")
+                            self._live_shown = True
+                        else:
+                            self.out.write(("\r\x1b[K" if self._live_shown else "") + prefix + text + "\n")
+                            self._live_shown = False
                         self.out.flush()
                     except (OSError, ValueError):
                         pass  # the launcher's stdout is gone (a closed pipe); the log still gets every line

@@ -1,7 +1,8 @@
 """The chief's progress display: a tqdm bar on a terminal, plain lines in a log.
 
-`mode`: True shows a tqdm bar when stderr is a terminal and otherwise prints one line per log
-record (what a log file under `conveyor run` wants: a bar redrawn with carriage returns is
+`mode`: True shows a tqdm bar when stderr is a terminal (or when `conveyor run`, whose own
+output is a terminal, says so with CONVEYOR_TTY=1: it redraws the bar in place) and otherwise
+prints one line per log record (what a log file under `conveyor run` wants: a bar redrawn with carriage returns is
 unreadable there); "always" forces the bar; False shows nothing. Only the chief shows progress.
 
     progress = Progress(enabled=job.is_chief, mode=True, total=1000, initial=resumed_step)
@@ -12,6 +13,7 @@ unreadable there); "always" forces the bar; False shows nothing. Only the chief 
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Mapping
 from typing import Any, TextIO
@@ -28,7 +30,8 @@ class Progress:
         self._on = bool(enabled and mode)
         self._bar = None
         self._total = total
-        if self._on and (mode == "always" or _isatty(self._stream)):
+        launcher_tty = os.environ.get("CONVEYOR_TTY") == "1"
+        if self._on and (mode == "always" or _isatty(self._stream) or launcher_tty):
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=self._stream,
