@@ -225,3 +225,13 @@ def test_an_interrupted_node_stops_this_node_for_good(tmp_path):
     assert time.monotonic() - started < 5
     assert not result.ok and result.exit_code == 1 and result.restarts == 0
     assert result.message == "node 1's launcher was stopped by SIGINT"
+
+
+def test_segments_split_lines_and_live_updates():
+    import io
+
+    from conveyor.launch.supervisor import _segments
+
+    stream = io.BufferedReader(io.BytesIO(b"hello\r\n\rbar 1\rbar 2\rbar 3\ndone\npartial"))
+    assert list(_segments(stream)) == [("hello", False), ("bar 1", True), ("bar 2", True), ("bar 3", False),
+                                       ("done", False), ("partial", False)]
