@@ -172,3 +172,18 @@ def test_stats_report_workers_and_wait():
     names = [s["stage"] for s in stats["stages"]]
     assert "map_batch[processes]" in names and "prefetch" in names
     assert 0.0 <= stats["wait_fraction"] <= 1.0
+
+
+def test_finished_chunks_do_not_pile_up_behind_a_slow_one():
+    from conveyor.data.workers import TASKS_PER_WORKER
+
+    def f(x):
+        if x == 0:
+            time.sleep(1.0)  # the head chunk is slow; the other worker races ahead
+        return np.zeros(1000) + x
+
+    it = iter(Dataset.range(400).map(f, num_parallel_calls=2).batch(2))
+    next(it)
+    outstanding = len(it._root._chunks)
+    it.close()
+    assert outstanding <= (TASKS_PER_WORKER + 1) * 2

@@ -31,7 +31,7 @@ from typing import Any
 from conveyor.data.base import AUTOTUNE, Context, Iter, Node, UnaryIter, call, cpu_budget, describe_fn
 from conveyor.data.elements import from_json, to_json
 from conveyor.data.errors import InvalidArgumentError
-from conveyor.data.workers import WorkerPool
+from conveyor.data.workers import TASKS_PER_WORKER, WorkerPool
 
 # Elements per task when map is not fused with batch: large enough to amortise the pipe round
 # trip, small enough to keep both cores busy. Fixed, because chunk numbers seed the RNGs.
@@ -222,7 +222,10 @@ class ProcessMapIter(Iter):
         while self._unsent and self._pool.has_room():
             task_id = self._unsent.popleft()
             self._pool.submit(task_id, self._chunks[task_id])
-        while not self._input_done and self._pool.has_room():
+        # Bound the chunks not yet returned too, not just those running: in order, finished chunks
+        # wait for a slower one ahead of them, and must not pile up behind it without limit.
+        limit = (TASKS_PER_WORKER + 1) * self._num_workers
+        while not self._input_done and self._pool.has_room() and len(self._chunks) < limit:
             chunk = []
             try:
                 for _ in range(self._chunk_size):
