@@ -187,3 +187,36 @@ def test_finished_chunks_do_not_pile_up_behind_a_slow_one():
     outstanding = len(it._root._chunks)
     it.close()
     assert outstanding <= (TASKS_PER_WORKER + 1) * 2
+
+
+def test_ready_workers_are_read_in_turn():
+    from conveyor.data.workers import WorkerPool
+
+    pool = WorkerPool(lambda x: x, num_workers=2, batch_mode=False, seed=[0], name="test")
+    try:
+        for task in range(3):  # tasks 0 and 2 go to worker 0, task 1 to worker 1
+            pool.submit(task, [task])
+        time.sleep(0.5)  # all three finish; worker 0 has two results waiting
+        got = []
+        while len(got) < 3:
+            r = pool.receive(timeout=5)
+            if r is not None:
+                got.append(r[0])
+        assert got == [0, 1, 2]
+    finally:
+        pool.close()
+
+
+def test_terminated_worker_removes_its_shared_memory():
+    it = iter(Dataset.range(10_000).map(lambda x: np.zeros(1000) + x, num_parallel_calls=2).batch(50))
+    next(it)
+    workers = children()
+    for w in workers:
+        os.kill(w.pid, signal.SIGTERM)
+    with pytest.raises(WorkerDied, match="status 143"):
+        for _ in it:
+            pass
+    it.close()
+    assert wait_no_children() == []
+    leftovers = [n for n in os.listdir("/dev/shm") if n.startswith(f"conveyor-{os.getpid()}-")]
+    assert leftovers == []

@@ -112,9 +112,14 @@ class _Slot:
                 pass
 
 
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 def _worker_main(fn: Callable, conn: Connection, batch_mode: bool, seed: list[int],
                  inherited: list[Connection]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # run the cleanup below: no files left in /dev/shm
     for other in inherited:  # the consumer's pipe ends: holding them would hide the consumer's exit
         other.close()
     torch = sys.modules.get("torch")
@@ -145,7 +150,7 @@ def _worker_main(fn: Callable, conn: Connection, batch_mode: bool, seed: list[in
                 if batch_mode:
                     out = elements.stack(out)
                 header, bufs = elements.pack(out)
-            except BaseException as exc:  # report every failure of the user's code to the consumer
+            except Exception as exc:  # report every failure of the user's code to the consumer
                 note = {"id": task_id, "error": type(exc).__name__, "module": type(exc).__module__,
                         "message": str(exc), "traceback": traceback.format_exc()}
                 conn.send_bytes(json.dumps(note).encode())
@@ -184,6 +189,7 @@ class WorkerPool:
         self.procs: list[mp.Process] = []
         self._maps: dict[str, mmap.mmap] = {}
         self._in_flight: list[int] = []
+        self._turn = 0
         for i in range(num_workers):
             parent_end, child_end = ctx.Pipe(duplex=True)
             inherited = [*self.conns, parent_end]
@@ -224,7 +230,11 @@ class WorkerPool:
         if not ready:
             self._raise_if_dead()
             return None
-        conn = ready[0]
+        # Take the ready workers in turn: always reading the first one would starve the others
+        # while it keeps finishing tasks (a consumer waiting in order for another worker stalls).
+        order = {id(c): (self.conns.index(c) - self._turn) % len(self.conns) for c in ready}
+        conn = min(ready, key=lambda c: order[id(c)])
+        self._turn = (self.conns.index(conn) + 1) % len(self.conns)
         try:
             note = json.loads(conn.recv_bytes())
         except (EOFError, OSError):
