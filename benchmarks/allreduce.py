@@ -1,0 +1,742 @@
+"""All-reduce benchmark: conveyor's allreduce strategy against a bare hand-written DDP loop, 1 and 2 workers.
+
+    python benchmarks/allreduce.py                        # default: 3 rounds x 4 contenders, 30 steps, ~3.5-5 min
+    python benchmarks/allreduce.py --quick                # 1 round, 10 steps (~1 min)
+    python benchmarks/allreduce.py --steps 50 --repeats 5 --batch 64 --out /tmp/bench-results
+    python benchmarks/allreduce.py --model tiny --steps 3 --warmup 1 --repeats 1   # smoke run (tests)
+
+Workload: a ResNet-20-like CNN for 3x32x32 inputs and 10 classes (a 16-channel stem, 3 stages of 3
+basic blocks with 16/32/64 channels, BatchNorm, 1x1 projection shortcuts where the shape changes;
+272,474 parameters), cross-entropy, SGD with momentum 0.9 and lr 0.1, batch 64 per worker. The
+data is a few fixed random batches per worker (seed 1000 + rank) cycled through, so the measurement
+is compute + communication and never input. Every worker runs one intra-op thread
+(``OMP_NUM_THREADS=1`` and ``torch.set_num_threads(1)``): 2 workers on this 2-core machine.
+
+Contenders, each a fresh set of processes started by this script (no pickle: the worker gets its
+settings as a JSON argument and writes its result as a JSON file):
+
+- ``bare_ddp_1``: one process, the plain model (no DDP): the 1-worker baseline;
+- ``bare_ddp_2``: two processes, hand-written ``dist.init_process_group("gloo",
+  init_method="tcp://127.0.0.1:PORT")`` + ``DistributedDataParallel(model)`` with DDP's defaults;
+- ``conveyor_1``: one process with the environment ``conveyor run -n 1`` gives it (strategy
+  ``local``), ``conveyor.init()`` + ``job.prepare(model, optimizer)``;
+- ``conveyor_2``: two processes with the environment ``conveyor run -n 2`` gives them (the
+  launcher's own ``local_plan``: ``task_environment`` on a ``local_cluster``, free ports, secret),
+  ``conveyor.init()`` + ``job.prepare(model, optimizer)`` (strategy ``allreduce``).
+
+All four run the same step (``zero_grad``, forward, cross-entropy, backward, ``optimizer.step()``):
+``--warmup`` untimed steps, then ``--steps`` timed ones between two barriers; rank 0 measures
+samples/s = world x batch x steps / wall time between the barriers, and the forward / backward /
+optimizer time of each step. Rounds are interleaved (``bare_ddp_1, bare_ddp_2, conveyor_2,
+conveyor_1``, then the reverse order, ...) so that the machine's drift hits every contender alike and
+the pair that is compared (``bare_ddp_2``, ``conveyor_2``) always runs back to back; the median
+per contender is reported and every sample is kept in the JSON.
+
+Share of step time in gradient communication (2 workers, rank 0), with the method named in the output:
+
+- conveyor: ``job.strategy.comm_seconds()`` before and after the timed steps (its DDP comm hook: the
+  wall time during which at least one bucket's all-reduce was in flight), over the timed loop time;
+- bare DDP: the timed loop runs DDP's built-in all-reduce, which cannot be timed from outside, so after
+  it the same processes run a separate pass (``--comm-steps``) on a fresh DDP model with an
+  equivalent hand-written timing comm hook (divide by the world size, ``dist.all_reduce`` async, time
+  from the hook's call to its future's completion, overlapping buckets counted once); also, as a
+  reference, the median time of a standalone ``dist.all_reduce`` of one float32 tensor of the model's
+  gradient size over the median step time of the timed pass ("isolated").
+
+Both hook-timed numbers include communication that overlaps backward; they are the time the
+all-reduce took, not the time it added to the step.
+
+Table columns: samples/s (median over rounds, min, max, every round), and the medians of rank 0's
+per-step wall time, forward, backward (includes the exposed part of the all-reduce) and optimizer
+time, its process CPU time per step (all threads: extra work shows here even when wall time is
+noisy) and the communication share.
+
+Derived: ``conveyor_2 / bare_ddp_2`` (goal >= 0.97; ratio of the medians, plus the paired ratio of
+each round), scaling efficiency 1 -> 2 workers = samples/s(2) / (2 x samples/s(1)) for bare DDP and
+for conveyor, and the communication shares. Output: an aligned table and a PASS/FAIL line on stdout;
+JSON (machine, config, every sample, every run's details, derived values, goal) in
+``<out>/allreduce-<timestamp>.json`` and ``<out>/allreduce-latest.json`` (default
+``benchmarks/results/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve()
+DEFAULT_OUT = HERE.parent / "results"
+CONTENDERS = ("bare_ddp_1", "bare_ddp_2", "conveyor_2", "conveyor_1")  # round order; odd rounds reversed
+WORLD = {"bare_ddp_1": 1, "bare_ddp_2": 2, "conveyor_1": 1, "conveyor_2": 2}
+MODELS = {"resnet20": (3, (16, 32, 64)), "tiny": (1, (4, 8, 8))}  # blocks per stage, channels per stage
+GOAL = 0.97
+DATA_BATCHES = 4  # distinct fixed batches per worker, cycled
+
+COMM_METHODS = {
+    "conveyor_2": "job.strategy.comm_seconds() delta over the timed steps / timed loop time (conveyor's DDP "
+                  "comm hook; includes all-reduce time that overlaps backward)",
+    "bare_ddp_2": "separate pass after the timed steps on a fresh DDP model with an equivalent hand-written "
+                  "timing comm hook: union of bucket all-reduce intervals / pass loop time (includes overlap)",
+    "bare_ddp_2_isolated": "median standalone dist.all_reduce of one float32 tensor of the model's gradient "
+                           "size / median step time of the timed pass (no overlap, no bucketing)",
+}
+
+
+# ==================================================================================================
+# Worker side: runs in the processes this script starts.
+# ==================================================================================================
+
+
+def make_model(blocks: int = 3, widths: Sequence[int] = (16, 32, 64), classes: int = 10):
+    """ResNet-20-like CNN for 3x32x32 inputs (He et al. 2016, CIFAR variant with projection shortcuts)."""
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, cin: int, cout: int, stride: int) -> None:
+            super().__init__()
+            self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+            self.bn1 = nn.BatchNorm2d(cout)
+            self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+            self.bn2 = nn.BatchNorm2d(cout)
+            self.relu = nn.ReLU(inplace=True)
+            self.shortcut = nn.Identity()
+            if stride != 1 or cin != cout:
+                self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+        def forward(self, x):
+            out = self.relu(self.bn1(self.conv1(x)))
+            out = self.bn2(self.conv2(out))
+            return self.relu(out + self.shortcut(x))
+
+    layers: list[nn.Module] = [nn.Conv2d(3, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]),
+                               nn.ReLU(inplace=True)]
+    cin = widths[0]
+    for stage, width in enumerate(widths):
+        for i in range(blocks):
+            layers.append(Block(cin, width, 2 if stage > 0 and i == 0 else 1))
+            cin = width
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, classes)]
+    return nn.Sequential(*layers)
+
+
+def count_params(model_name: str) -> int:
+    blocks, widths = MODELS[model_name]
+    return sum(p.numel() for p in make_model(blocks, widths).parameters())
+
+
+class CommTimer:
+    """A DDP comm hook equivalent to DDP's default all-reduce, timing the union of in-flight intervals."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._since = 0.0
+        self.total = 0.0
+
+    def hook(self, state, bucket):  # no annotations: DDP checks them by identity
+        import torch.distributed as dist
+
+        tensor = bucket.buffer()
+        tensor.div_(self.world_size)
+        with self._lock:
+            if self._in_flight == 0:
+                self._since = time.perf_counter()
+            self._in_flight += 1
+        future = dist.all_reduce(tensor, async_op=True).get_future()
+
+        def done(fut):
+            try:
+                return fut.value()[0]
+            finally:
+                with self._lock:
+                    self._in_flight -= 1
+                    if self._in_flight == 0:
+                        self.total += time.perf_counter() - self._since
+
+        return future.then(done)
+
+    def seconds(self) -> float:
+        with self._lock:
+            return self.total + (time.perf_counter() - self._since if self._in_flight else 0.0)
+
+
+def _fixed_batches(rank: int, batch: int):
+    import torch
+
+    gen = torch.Generator().manual_seed(1000 + rank)
+    return [(torch.randn(batch, 3, 32, 32, generator=gen), torch.randint(0, 10, (batch,), generator=gen))
+            for _ in range(DATA_BATCHES)]
+
+
+def _train(model, optimizer, data, warmup: int, steps: int, barrier: Callable[[], None],
+           comm: Callable[[], float] | None) -> dict[str, Any]:
+    """The loop every contender runs: ``warmup`` untimed steps, then ``steps`` timed between barriers."""
+    import torch.nn.functional as F
+
+    def step(i: int):
+        x, y = data[i % len(data)]
+        optimizer.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        loss = F.cross_entropy(model(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        optimizer.step()
+        t3 = time.perf_counter()
+        return loss, t1 - t0, t2 - t1, t3 - t2
+
+    first_loss = None
+    for i in range(warmup):
+        loss = step(i)[0]
+        if first_loss is None:
+            first_loss = float(loss.item())
+    fwd, bwd, opt, step_s = [], [], [], []
+    barrier()
+    start = time.perf_counter()
+    cpu0 = time.process_time()
+    comm0 = comm() if comm else 0.0
+    prev = start
+    for i in range(warmup, warmup + steps):
+        loss, f, b, o = step(i)
+        now = time.perf_counter()
+        fwd.append(f)
+        bwd.append(b)
+        opt.append(o)
+        step_s.append(now - prev)
+        prev = now
+    loop_s = time.perf_counter() - start
+    cpu_s = time.process_time() - cpu0
+    comm_s = (comm() - comm0) if comm else None
+    barrier()
+    wall_s = time.perf_counter() - start
+    return {
+        "wall_s": wall_s, "loop_s": loop_s, "comm_s": comm_s,
+        "comm_share": None if comm_s is None else comm_s / loop_s,
+        "comm_ms_per_step": None if comm_s is None else 1e3 * comm_s / steps,
+        "cpu_ms_per_step": 1e3 * cpu_s / steps,
+        "step_ms_median": 1e3 * statistics.median(step_s),
+        "forward_ms_median": 1e3 * statistics.median(fwd),
+        "backward_ms_median": 1e3 * statistics.median(bwd),
+        "optimizer_ms_median": 1e3 * statistics.median(opt),
+        "step_ms": [round(1e3 * s, 3) for s in step_s],
+        "first_loss": first_loss, "last_loss": float(loss.item()),
+    }
+
+
+def _fingerprint(model) -> float:
+    """Sum of every parameter (float64): equal on all ranks when DDP kept them in step."""
+    return float(sum(p.detach().double().sum() for p in model.parameters()))
+
+
+def _isolated_allreduce(numel: int, repeats: int = 20) -> float:
+    import torch
+    import torch.distributed as dist
+
+    flat = torch.ones(numel)
+    times = []
+    for i in range(repeats + 3):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(flat)
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def worker(config: dict[str, Any]) -> dict[str, Any]:
+    """One contender process: build the model, train, return the result (rank 0 also writes it)."""
+    import torch
+
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    contender = config["contender"]
+    world = WORLD[contender]
+    blocks, widths = MODELS[config["model"]]
+    batch, warmup, steps = config["batch"], config["warmup"], config["steps"]
+
+    def fresh(rank: int):
+        torch.manual_seed(0)  # same start everywhere (DDP broadcasts rank 0's anyway)
+        model = make_model(blocks, widths)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    extra: dict[str, Any] = {}
+    if contender.startswith("conveyor"):
+        import conveyor
+
+        job = conveyor.init()  # the environment conveyor run's launcher plan gave this process
+        try:
+            rank = job.rank
+            model, optimizer = job.prepare(*fresh(rank))
+            extra["strategy"] = job.strategy.name
+            extra["model_class"] = type(model).__name__
+            extra["ddp"] = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+            comm = job.strategy.comm_seconds if job.world_size > 1 else None
+            result = _train(model, optimizer, _fixed_batches(rank, batch), warmup, steps, job.barrier, comm)
+            result["fingerprint"] = _fingerprint(model)
+            if result["comm_share"] is not None:
+                result["comm_method"] = COMM_METHODS["conveyor_2"]
+        finally:
+            job.shutdown()
+    elif world == 1:
+        rank = 0
+        model, optimizer = fresh(rank)
+        result = _train(model, optimizer, _fixed_batches(rank, batch), warmup, steps, lambda: None, None)
+        result["fingerprint"] = _fingerprint(model)
+    else:
+        from torch.nn.parallel import DistributedDataParallel
+
+        rank = config["rank"]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{config['port']}", rank=rank,
+                                world_size=world)
+        try:
+            data = _fixed_batches(rank, batch)
+            module, optimizer = fresh(rank)
+            model = DistributedDataParallel(module)
+            result = _train(model, optimizer, data, warmup, steps, dist.barrier, None)
+            result["fingerprint"] = _fingerprint(model)
+            # Communication share: a separate pass with an equivalent timing hook on a fresh DDP model.
+            if config["comm_steps"] > 0:
+                module2, optimizer2 = fresh(rank)
+                model2 = DistributedDataParallel(module2)
+                timer = CommTimer(world)
+                model2.register_comm_hook(None, timer.hook)
+                hooked = _train(model2, optimizer2, data, min(warmup, 3), config["comm_steps"], dist.barrier,
+                                timer.seconds)
+                result["comm_s"] = hooked["comm_s"]
+                result["comm_share"] = hooked["comm_share"]
+                result["comm_ms_per_step"] = hooked["comm_ms_per_step"]
+                result["comm_method"] = COMM_METHODS["bare_ddp_2"]
+                result["hook_pass"] = {k: hooked[k] for k in ("loop_s", "wall_s", "comm_s", "step_ms_median",
+                                                               "forward_ms_median", "backward_ms_median",
+                                                               "optimizer_ms_median", "cpu_ms_per_step")}
+                result["hook_pass"]["steps"] = config["comm_steps"]
+                result["hook_pass"]["samples_per_s"] = world * batch * config["comm_steps"] / hooked["wall_s"]
+            numel = sum(p.numel() for p in module.parameters())
+            iso = _isolated_allreduce(numel)
+            result["isolated_allreduce_ms"] = 1e3 * iso
+            result["isolated_comm_share"] = 1e3 * iso / result["step_ms_median"]
+            result["isolated_method"] = COMM_METHODS["bare_ddp_2_isolated"]
+        finally:
+            dist.destroy_process_group()
+
+    result.update(extra)
+    result.update({
+        "contender": contender, "rank": rank, "world": world, "batch": batch, "steps": steps, "warmup": warmup,
+        "samples_per_s": world * batch * steps / result["wall_s"], "threads": torch.get_num_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "pid": os.getpid(),
+    })
+    out = Path(config["result_dir"]) / f"rank{rank}.json"
+    out.write_text(json.dumps(result))
+    return result
+
+
+# ==================================================================================================
+# Parent side: starts the contenders, collects, reports.
+# ==================================================================================================
+
+
+class ContenderError(RuntimeError):
+    pass
+
+
+def _base_env() -> dict[str, str]:
+    from conveyor.launch import OWNED_VARS
+
+    env = {k: v for k, v in os.environ.items() if k not in OWNED_VARS}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    return env
+
+
+def _launches(contender: str, config: dict[str, Any], workdir: Path) -> list[tuple[list[str], dict[str, str]]]:
+    """(argv, env) of each process of ``contender``."""
+    from conveyor.launch import RunOptions, free_ports, local_plan
+
+    world = WORLD[contender]
+    env = _base_env()
+    if contender.startswith("conveyor"):
+        options = RunOptions(script=str(HERE), script_args=("--worker", json.dumps(config)), workers=world,
+                             data_dir=str(workdir / "data"), output_dir=str(workdir / "output"),
+                             python=sys.executable)
+        ports = free_ports(world + 1)  # as `conveyor run`: one per task, one for torch's store
+        plan = local_plan(options, ports[:-1], master_port=ports[-1], secret=secrets.token_bytes(32), environ=env)
+        return [(list(t.argv), dict(t.env)) for t in plan.tasks]
+    port = free_ports(1)[0]
+    return [([sys.executable, str(HERE), "--worker", json.dumps({**config, "rank": r, "port": port})], env)
+            for r in range(world)]
+
+
+def run_contender(contender: str, config: dict[str, Any], workdir: Path, timeout: float) -> list[dict[str, Any]]:
+    """Start ``contender``'s processes, wait for them, return every rank's result (rank order)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    config = {**config, "contender": contender, "result_dir": str(workdir)}
+    procs: list[tuple[subprocess.Popen, Path]] = []
+    try:
+        for r, (argv, env) in enumerate(_launches(contender, config, workdir)):
+            log = workdir / f"rank{r}.log"
+            with open(log, "wb") as f:
+                procs.append((subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                               stdin=subprocess.DEVNULL, cwd=str(workdir)), log))
+        deadline = time.monotonic() + timeout
+        failed = None
+        for proc, log in procs:
+            try:
+                code = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                failed = failed or f"timed out after {timeout:.0f} s"
+                break
+            if code != 0 and failed is None:
+                failed = f"{log.stem} exited with code {code}: {_tail(log)}"
+                break
+        if failed:
+            raise ContenderError(f"{contender}: {failed}")
+    finally:
+        for proc, _ in procs:  # only our own children, by handle
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    results = []
+    for r in range(WORLD[contender]):
+        path = workdir / f"rank{r}.json"
+        if not path.exists():
+            raise ContenderError(f"{contender}: rank {r} wrote no result ({path})")
+        results.append(json.loads(path.read_text()))
+    return results
+
+
+def _tail(path: Path, lines: int = 6) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "(no log)"
+    return " | ".join(text[-lines:]) or "(empty log)"
+
+
+def run_rounds(config: dict[str, Any], repeats: int, timeout: float, log: Callable[[str], None] = print,
+               contenders: Sequence[str] = CONTENDERS) -> dict[str, Any]:
+    """``repeats`` interleaved rounds of every contender; per contender the samples and rank-0 details."""
+    samples: dict[str, list[float]] = {c: [] for c in contenders}
+    runs: dict[str, list[dict[str, Any] | None]] = {c: [] for c in contenders}
+    errors: list[str] = []
+    order_log = []
+    with tempfile.TemporaryDirectory(prefix="conveyor-allreduce-bench-") as tmp:
+        for rnd in range(repeats):
+            order = list(contenders) if rnd % 2 == 0 else list(reversed(contenders))
+            order_log.append(order)
+            log(f"round {rnd + 1}/{repeats}: {', '.join(order)}")
+            for c in order:
+                t0 = time.perf_counter()
+                try:
+                    ranks = run_contender(c, config, Path(tmp) / f"r{rnd}-{c}", timeout)
+                except ContenderError as e:
+                    errors.append(f"round {rnd + 1}: {e}")
+                    samples[c].append(math.nan)
+                    runs[c].append(None)
+                    log(f"  {c:<11} FAILED: {e}")
+                    continue
+                head = dict(ranks[0])
+                fps = [rk["fingerprint"] for rk in ranks]
+                head["fingerprints"] = fps
+                head["ranks_in_sync"] = max(fps) - min(fps) <= 1e-9 * max(1.0, abs(fps[0]))
+                samples[c].append(head["samples_per_s"])
+                runs[c].append(head)
+                share = head.get("comm_share")
+                extra = f", comm {100 * share:.1f} %" if share is not None else ""
+                log(f"  {c:<11} {head['samples_per_s']:8.1f} samples/s  (step {head['step_ms_median']:.0f} ms"
+                    f"{extra}; {time.perf_counter() - t0:.0f} s incl. start-up)")
+    return {"samples": samples, "runs": runs, "errors": errors, "order": order_log}
+
+
+def _median(values: Sequence[float | None]) -> float:
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    return statistics.median(vals) if vals else math.nan
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if math.isfinite(a) and math.isfinite(b) and b > 0 else math.nan
+
+
+def derive(res: dict[str, Any]) -> dict[str, Any]:
+    # Contenders left out (--contenders) count as not measured: NaN everywhere they would appear.
+    s = {c: list(res["samples"].get(c, [])) for c in CONTENDERS}
+    runs = {c: list(res["runs"].get(c, [])) for c in CONTENDERS}
+    med = {c: _median(v) for c, v in s.items()}
+    n = max(len(v) for v in s.values())
+
+    def at(c: str, i: int) -> float:
+        return s[c][i] if i < len(s[c]) else math.nan
+
+    def per_round(f: Callable[[int], float]) -> list[float]:
+        return [f(i) for i in range(n)]
+
+    def field(c: str, key: str) -> list[float | None]:
+        return [None if r is None else r.get(key) for r in runs[c]]
+
+    vs = per_round(lambda i: _ratio(at("conveyor_2", i), at("bare_ddp_2", i)))
+    eff_bare = per_round(lambda i: _ratio(at("bare_ddp_2", i), 2 * at("bare_ddp_1", i)))
+    eff_conv = per_round(lambda i: _ratio(at("conveyor_2", i), 2 * at("conveyor_1", i)))
+    hook_sps = [None if r is None or "hook_pass" not in r else r["hook_pass"]["samples_per_s"]
+                for r in runs["bare_ddp_2"]]
+    return {
+        "median": med,
+        "min": {c: min((x for x in v if math.isfinite(x)), default=math.nan) for c, v in s.items()},
+        "max": {c: max((x for x in v if math.isfinite(x)), default=math.nan) for c, v in s.items()},
+        "conveyor_vs_bare_2": _ratio(med["conveyor_2"], med["bare_ddp_2"]),
+        "conveyor_vs_bare_2_per_round": vs,
+        "conveyor_vs_bare_2_paired_median": _median(vs),
+        "conveyor_vs_bare_1": _ratio(med["conveyor_1"], med["bare_ddp_1"]),
+        "scaling_efficiency": {"bare_ddp": _ratio(med["bare_ddp_2"], 2 * med["bare_ddp_1"]),
+                               "conveyor": _ratio(med["conveyor_2"], 2 * med["conveyor_1"])},
+        "scaling_efficiency_per_round": {"bare_ddp": eff_bare, "conveyor": eff_conv},
+        "comm_share": {
+            "conveyor_2": {"median": _median(field("conveyor_2", "comm_share")),
+                           "per_round": field("conveyor_2", "comm_share"), "method": COMM_METHODS["conveyor_2"]},
+            "bare_ddp_2": {"median": _median(field("bare_ddp_2", "comm_share")),
+                           "per_round": field("bare_ddp_2", "comm_share"), "method": COMM_METHODS["bare_ddp_2"]},
+            "bare_ddp_2_isolated": {"median": _median(field("bare_ddp_2", "isolated_comm_share")),
+                                    "per_round": field("bare_ddp_2", "isolated_comm_share"),
+                                    "allreduce_ms_median": _median(field("bare_ddp_2", "isolated_allreduce_ms")),
+                                    "method": COMM_METHODS["bare_ddp_2_isolated"]},
+        },
+        "bare_ddp_2_with_timing_hook_samples_per_s": {"median": _median(hook_sps), "per_round": hook_sps},
+        "step_breakdown_ms": {c: {**{k: _median(field(c, f"{k}_ms_median"))
+                                     for k in ("step", "forward", "backward", "optimizer")},
+                                  "cpu": _median(field(c, "cpu_ms_per_step")),
+                                  "comm": _median(field(c, "comm_ms_per_step"))} for c in s},
+        "ranks_in_sync": {c: all(r["ranks_in_sync"] for r in runs[c] if r is not None) for c in s
+                          if WORLD[c] > 1 and any(r is not None for r in runs[c])},
+    }
+
+
+def _fmt(x: float | None, spec: str, scale: float = 1.0) -> str:
+    return "-" if x is None or not math.isfinite(x) else format(x * scale, spec)
+
+
+def format_table(res: dict[str, Any], d: dict[str, Any], config: dict[str, Any]) -> str:
+    s = {c: res["samples"].get(c, []) for c in CONTENDERS}
+    head = (f"allreduce benchmark: {config['model']} CNN ({config['params']:,} params), batch {config['batch']}/"
+            f"worker, {config['steps']} timed steps after {config['warmup']} warm-up, "
+            f"{max(len(v) for v in s.values())} round(s), 1 thread/worker, gloo on loopback")
+    rows = [("contender", "workers", "samples/s", "min", "max", "step ms", "fwd ms", "bwd ms", "opt ms", "cpu ms",
+             "comm %", "per round")]
+    for c in ("bare_ddp_1", "bare_ddp_2", "conveyor_1", "conveyor_2"):
+        b = d["step_breakdown_ms"][c]
+        share = d["comm_share"][c]["median"] if c in d["comm_share"] else None
+        rows.append((c, str(WORLD[c]), _fmt(d["median"][c], ".1f"), _fmt(d["min"][c], ".1f"),
+                     _fmt(d["max"][c], ".1f"), _fmt(b["step"], ".0f"), _fmt(b["forward"], ".0f"),
+                     _fmt(b["backward"], ".0f"), _fmt(b["optimizer"], ".0f"), _fmt(b["cpu"], ".0f"),
+                     _fmt(share, ".1f", 100),
+                     " ".join(_fmt(x, ".1f") for x in s[c]) or "skipped"))
+    hook = d["bare_ddp_2_with_timing_hook_samples_per_s"]
+    if any(x is not None for x in hook["per_round"]):
+        rows.append(("bare_ddp_2+hook", "2", _fmt(hook["median"], ".1f"), "", "", "", "", "", "", "", "",
+                     " ".join(_fmt(x, ".1f") for x in hook["per_round"])))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [head, ""]
+    for r in rows:
+        lines.append("  ".join(v.ljust(w) if i in (0, len(r) - 1) else v.rjust(w)
+                               for i, (v, w) in enumerate(zip(r, widths, strict=True))).rstrip())
+    cs = d["comm_share"]
+    lines += [
+        "",
+        f"conveyor_2 / bare_ddp_2          {_fmt(d['conveyor_vs_bare_2'], '.3f')}  (ratio of medians; paired per "
+        f"round: {' '.join(_fmt(x, '.3f') for x in d['conveyor_vs_bare_2_per_round'])}; paired median "
+        f"{_fmt(d['conveyor_vs_bare_2_paired_median'], '.3f')})",
+        f"conveyor_1 / bare_ddp_1          {_fmt(d['conveyor_vs_bare_1'], '.3f')}",
+        f"scaling efficiency 1->2, bare    {_fmt(d['scaling_efficiency']['bare_ddp'], '.3f')}  (per round: "
+        f"{' '.join(_fmt(x, '.3f') for x in d['scaling_efficiency_per_round']['bare_ddp'])})",
+        f"scaling efficiency 1->2, conveyor {_fmt(d['scaling_efficiency']['conveyor'], '.3f')} (per round: "
+        f"{' '.join(_fmt(x, '.3f') for x in d['scaling_efficiency_per_round']['conveyor'])})",
+        f"comm share, conveyor_2           {_fmt(cs['conveyor_2']['median'], '.1f', 100)} %  "
+        f"[{cs['conveyor_2']['method']}]",
+        f"comm share, bare_ddp_2           {_fmt(cs['bare_ddp_2']['median'], '.1f', 100)} %  "
+        f"[{cs['bare_ddp_2']['method']}; that pass ran at {_fmt(hook['median'], '.1f')} samples/s "
+        f"(row bare_ddp_2+hook)]",
+        f"comm share, bare_ddp_2 isolated  {_fmt(cs['bare_ddp_2_isolated']['median'], '.1f', 100)} %  "
+        f"(all-reduce {_fmt(cs['bare_ddp_2_isolated']['allreduce_ms_median'], '.2f')} ms) "
+        f"[{cs['bare_ddp_2_isolated']['method']}]",
+        f"comm time per step: conveyor_2 {_fmt(d['step_breakdown_ms']['conveyor_2']['comm'], '.1f')} ms, bare_ddp_2 "
+        f"{_fmt(d['step_breakdown_ms']['bare_ddp_2']['comm'], '.1f')} ms (hook-timed) vs "
+        f"{_fmt(cs['bare_ddp_2_isolated']['allreduce_ms_median'], '.1f')} ms for the isolated all-reduce of the same "
+        f"bytes: the rest is overlap with backward and waiting for the slower rank",
+        f"ranks in sync (parameter sums equal after training): "
+        f"{', '.join(f'{c} {v}' for c, v in d['ranks_in_sync'].items())}",
+    ]
+    return "\n".join(lines)
+
+
+def goals(d: dict[str, Any]) -> list[dict[str, Any]]:
+    value = d["conveyor_vs_bare_2"]
+    return [{"name": "conveyor_2 samples/s >= 0.97 x bare_ddp_2 (2 workers, same run, ratio of medians)",
+             "value": value, "threshold": GOAL, "pass": bool(math.isfinite(value) and value >= GOAL)}]
+
+
+def format_goals(gs: Sequence[dict[str, Any]]) -> str:
+    out = []
+    for g in gs:
+        shown = _fmt(g["value"], ".3f") if math.isfinite(g["value"]) else "not measured"
+        out.append(f"{'PASS' if g['pass'] else 'FAIL'} {g['name']}: {shown} (goal >= {g['threshold']})")
+    return "\n".join(out)
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    try:
+        from importlib.metadata import version
+        conveyor_version = version("conveyor")
+    except Exception:
+        conveyor_version = None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"date": _now_iso(), "cores": cores, "cpu_count": os.cpu_count(), "cpu": cpu,
+            "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "conveyor": conveyor_version, "loadavg_start": _loadavg()}
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def _now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _clean(x: Any) -> Any:
+    """NaN/inf → None, so the JSON is strict."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def write_json(report: dict[str, Any], out_dir: Path) -> Path:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    path = out_dir / f"allreduce-{stamp}.json"
+    text = json.dumps(_clean(report), indent=1, allow_nan=False)
+    path.write_text(text)
+    (out_dir / "allreduce-latest.json").write_text(text)
+    return path
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=None, help="timed steps per contender (default 30; --quick 10)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5; --quick 3)")
+    p.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 3; --quick 1)")
+    p.add_argument("--batch", type=int, default=64, help="batch per worker (default 64)")
+    p.add_argument("--comm-steps", type=int, default=None,
+                   help="steps of bare DDP's timing-hook pass (default 10; --quick 5; 0 skips it)")
+    p.add_argument("--model", choices=sorted(MODELS), default="resnet20",
+                   help="resnet20 (default) or tiny (smoke tests)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON folder (default {DEFAULT_OUT})")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds per contender run before it is stopped (default 60 + 10 per step)")
+    p.add_argument("--contenders", default=",".join(CONTENDERS),
+                   help=f"comma-separated subset of {','.join(CONTENDERS)} (default all; the goal needs the "
+                   f"2-worker pair, scaling efficiency all four)")
+    p.add_argument("--quick", action="store_true", help="1 round, 10 steps, 3 warm-up")
+    p.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    defaults = {"steps": (30, 10), "warmup": (5, 3), "repeats": (3, 1), "comm_steps": (10, 5)}
+    for name, (full, quick) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    for name in ("steps", "repeats", "batch"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1")
+    for name in ("warmup", "comm_steps"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0")
+    chosen = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    unknown = sorted(set(chosen) - set(CONTENDERS))
+    if unknown or not chosen:
+        p.error(f"--contenders {args.contenders!r}: expected names from {', '.join(CONTENDERS)}")
+    args.contenders = [c for c in CONTENDERS if c in chosen]  # the interleaving order, not the order given
+    if args.timeout is None:
+        args.timeout = 60.0 + 10.0 * (args.warmup + args.steps + args.comm_steps)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker is not None:
+        worker(json.loads(args.worker))
+        return 0
+    started = time.perf_counter()
+    config = {"model": args.model, "params": count_params(args.model), "batch": args.batch, "steps": args.steps,
+              "warmup": args.warmup, "comm_steps": args.comm_steps}
+    machine = machine_info()
+    print(f"{args.model}: {config['params']:,} params, batch {args.batch}/worker, {args.steps} steps "
+          f"(+{args.warmup} warm-up), {args.repeats} round(s), {machine['cores']} cores")
+    res = run_rounds(config, args.repeats, args.timeout, contenders=args.contenders)
+    d = derive(res)
+    gs = goals(d)
+    machine["loadavg_end"] = _loadavg()
+    table = format_table(res, d, config)
+    report = {
+        "benchmark": "allreduce",
+        "command": " ".join([Path(sys.executable).name, "benchmarks/allreduce.py",
+                             *(sys.argv[1:] if argv is None else argv)]),
+        "machine": machine,
+        "config": {**config, "repeats": args.repeats, "quick": args.quick, "timeout": args.timeout,
+                   "contenders_run": args.contenders,
+                   "threads_per_worker": 1, "optimizer": "SGD(lr=0.1, momentum=0.9)",
+                   "data": f"{DATA_BATCHES} fixed random batches per worker (seed 1000 + rank), cycled",
+                   "contenders": {"bare_ddp_1": "plain model, one process",
+                                  "bare_ddp_2": "dist.init_process_group('gloo', tcp://) + DistributedDataParallel",
+                                  "conveyor_1": "conveyor.init() with conveyor run's environment for -n 1 (local)",
+                                  "conveyor_2": "conveyor.init() with conveyor run's environment for -n 2 "
+                                                "(allreduce)"},
+                   "order": res["order"]},
+        "samples": res["samples"],
+        "runs": res["runs"],
+        "derived": d,
+        "goals": gs,
+        "all_pass": all(g["pass"] for g in gs),
+        "errors": res["errors"],
+        "table": table,
+    }
+    report["wall_seconds"] = time.perf_counter() - started
+    print()
+    print(table)
+    if res["errors"]:
+        print("\nerrors:\n  " + "\n  ".join(res["errors"]))
+    print()
+    print(format_goals(gs))
+    path = write_json(report, args.out)
+    print(f"\nJSON: {path} (and {path.parent / 'allreduce-latest.json'}); total {report['wall_seconds']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
