@@ -563,33 +563,49 @@ def run_tfdata(files: Sequence[str], wl: Workload, n_records: int, warmup_batche
 
 
 def measure_idle(files: Sequence[str], wl: Workload, new_rate: float, n_batches: int,
-                 warmup_batches: int = 2, busy_fraction: float = 0.8) -> dict[str, Any]:
+                 warmup_batches: int = 2, busy_fraction: float = 0.8, block: int = 30,
+                 calibrate: int = 10) -> dict[str, Any]:
     """A consumer that 'computes' by sleeping `busy_fraction` x the pipeline's per-batch time; the
-    idle fraction is its time blocked in next() over its wall time."""
-    batch_time = wl.batch_size / new_rate
-    sleep = busy_fraction * batch_time
+    idle fraction is its time blocked in next() over its wall time.
+
+    The machine's speed drifts by tens of percent within a minute, so a per-batch time measured
+    in an earlier phase would make the consumer too fast or too slow. The run is therefore made of
+    blocks: `calibrate` batches at full speed measure the pipeline's current per-batch time T,
+    then `block` batches sleep `busy_fraction` x T each; only the sleeping batches count.
+    `new_rate` (from the timed rounds) is kept for reference.
+    """
     it = iter(new_dataset(file_pattern(files), wl))
     try:
         for _ in range(warmup_batches):
             next(it)
-        waited = 0.0
-        longest = 0.0
+        waited = wall = longest = slept = 0.0
+        counted = 0
+        sleeps = []
         with CpuProbe() as probe:
-            start = time.perf_counter()
-            for _ in range(n_batches):
+            while counted < n_batches:
                 t0 = time.perf_counter()
-                batch = next(it)
-                w = time.perf_counter() - t0
-                waited += w
-                longest = max(longest, w)
-                batch[0].shape  # noqa: B018
-                time.sleep(sleep)
-            wall = time.perf_counter() - start
+                for _ in range(calibrate):
+                    next(it)[0].shape  # noqa: B018
+                sleep = busy_fraction * (time.perf_counter() - t0) / calibrate
+                sleeps.append(sleep)
+                start = time.perf_counter()
+                for _ in range(min(block, n_batches - counted)):
+                    t0 = time.perf_counter()
+                    batch = next(it)
+                    w = time.perf_counter() - t0
+                    waited += w
+                    longest = max(longest, w)
+                    batch[0].shape  # noqa: B018
+                    time.sleep(sleep)
+                    slept += sleep
+                    counted += 1
+                wall += time.perf_counter() - start
     finally:
         it.close()
-    return {"batch_time_s": batch_time, "sleep_s": sleep, "busy_fraction": busy_fraction,
-            "batches": n_batches, "wait_s": waited, "wall_s": wall, "longest_wait_s": longest,
-            "idle_fraction": waited / wall, "cpu": probe.result}
+    return {"batch_time_s": statistics.median(sleeps) / busy_fraction, "sleep_s": statistics.median(sleeps),
+            "busy_fraction": busy_fraction, "batches": counted, "block": block, "calibrate": calibrate,
+            "reference_batch_time_s": wl.batch_size / new_rate, "wait_s": waited, "wall_s": wall,
+            "longest_wait_s": longest, "idle_fraction": waited / wall, "cpu": probe.result}
 
 
 def cpu_cores() -> int:

@@ -105,7 +105,8 @@ def test_run_workload_and_report(bench, tmp_path):
 
     idle = res["idle"]
     assert idle["batches"] == 4 and 0 <= idle["idle_fraction"] <= 1
-    assert idle["sleep_s"] == pytest.approx(0.8 * wl.batch_size / res["median"]["new"])
+    assert idle["sleep_s"] == pytest.approx(0.8 * idle["batch_time_s"])  # calibrated in the same run
+    assert idle["reference_batch_time_s"] == pytest.approx(wl.batch_size / res["median"]["new"])
 
     mem = res["memory"]
     assert mem["records_per_epoch"] == 150 and len(mem["peak_mb_per_epoch"]) == 5
