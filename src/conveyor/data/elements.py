@@ -136,6 +136,12 @@ def stack(elements: list[Element]) -> Element:
     Numbers and arrays become one numpy array with a new leading axis; `bytes` and `str` become a
     1-D numpy object array, like a string tensor.
     """
+    spec, columns = _columns(elements)
+    return unflatten(spec, [_stack_column(c) for c in columns])
+
+
+def _columns(elements: list[Element]) -> tuple[Any, list[list]]:
+    """The shared structure of `elements` and, per leaf position, the list of leaves."""
     if not elements:
         raise ValueError("cannot stack an empty list of elements")
     spec, first = flatten(elements[0])
@@ -149,25 +155,72 @@ def stack(elements: list[Element]) -> Element:
             )
         for col, leaf in zip(columns, leaves, strict=True):
             col.append(leaf)
-    return unflatten(spec, [_stack_column(c) for c in columns])
+    return spec, columns
+
+
+def _is_string_column(col: list) -> bool:
+    return isinstance(col[0], (bytes, str))
+
+
+def _check_same_shape(col: list) -> None:
+    shape = col[0].shape
+    for v in col:
+        if not isinstance(v, np.ndarray) or v.shape != shape:
+            got = getattr(v, "shape", type(v).__name__)
+            raise ValueError(f"cannot batch arrays of different shapes {shape} and {got}; resize them in map() first")
 
 
 def _stack_column(col: list) -> np.ndarray:
-    first = col[0]
-    if isinstance(first, (bytes, str)):
+    if _is_string_column(col):
         out = np.empty(len(col), dtype=object)
         out[:] = col
         return out
-    if isinstance(first, np.ndarray):
-        shape = first.shape
-        for v in col:
-            if not isinstance(v, np.ndarray) or v.shape != shape:
-                got = getattr(v, "shape", type(v).__name__)
-                raise ValueError(
-                    f"cannot batch arrays of different shapes {shape} and {got}; resize them in map() first"
-                )
+    if isinstance(col[0], np.ndarray):
+        _check_same_shape(col)
         return np.stack(col)
     return np.asarray(col)
+
+
+def stack_into(elements: list[Element], allocate) -> int:
+    """`pack_into(stack(elements))` without the intermediate batch: each array column is stacked
+    straight into the target buffer, which `allocate(nbytes)` returns (a shared-memory slot).
+
+    For large batches this saves a full copy of the batch; the layout is the one `unpack` reads.
+    Returns the number of bytes written.
+    """
+    spec, columns = _columns(elements)
+    metas, plans = [], []
+    for col in columns:
+        if _is_string_column(col):
+            metas.append(["o", [len(col)], [_obj_leaf(v) for v in col]])
+            continue
+        if isinstance(col[0], np.ndarray):
+            _check_same_shape(col)
+            dtype, shape, source = col[0].dtype, (len(col), *col[0].shape), col
+            if dtype.kind == "O":
+                metas.append(["o", list(shape), [_obj_leaf(v) for v in np.stack(col).ravel().tolist()]])
+                continue
+        else:
+            source = np.asarray(col)
+            dtype, shape = source.dtype, source.shape
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        metas.append(["a", dtype.str, list(shape), nbytes, False])
+        plans.append((source, dtype, shape, nbytes))
+    header = json.dumps([_spec_json(spec), metas], separators=(",", ":")).encode()
+    total = _LEN.size + len(header) + sum(p[3] for p in plans)
+    target = allocate(total)
+    _LEN.pack_into(target, 0, len(header))
+    pos = _LEN.size
+    target[pos:pos + len(header)] = header
+    pos += len(header)
+    for source, dtype, shape, nbytes in plans:
+        dest = np.frombuffer(target, dtype=dtype, count=int(np.prod(shape)), offset=pos).reshape(shape)
+        if isinstance(source, list):
+            np.stack(source, out=dest)
+        else:
+            dest[...] = source
+        pos += nbytes
+    return pos
 
 
 def unstack(batch: Element) -> list[Element]:

@@ -104,6 +104,11 @@ class _Slot:
         finally:
             os.close(fd)
 
+    def reserve(self, nbytes: int) -> memoryview:
+        """A writable view of the first `nbytes` of this slot (grown if needed)."""
+        self.ensure(nbytes)
+        return memoryview(self.mm)[:nbytes]
+
     def remove(self) -> None:
         if self.path is not None:
             try:
@@ -147,20 +152,19 @@ def _worker_main(fn: Callable, conn: Connection, batch_mode: bool, seed: list[in
             try:
                 _seed_everything(seed + [task_id])
                 out = [call(fn, x) for x in chunk]
-                if batch_mode:
-                    out = elements.stack(out)
-                header, bufs = elements.pack(out)
+                slot = slots[done % len(slots)]
+                if batch_mode:  # stacked straight into shared memory: one copy of the batch, not two
+                    nbytes = elements.stack_into(out, slot.reserve)
+                else:
+                    header, bufs = elements.pack(out)
+                    nbytes = elements.pack_into(slot.reserve(elements.packed_size(header, bufs)), header, bufs)
             except Exception as exc:  # report every failure of the user's code to the consumer
                 note = {"id": task_id, "error": type(exc).__name__, "module": type(exc).__module__,
                         "message": str(exc), "traceback": traceback.format_exc()}
                 conn.send_bytes(json.dumps(note).encode())
                 done += 1
                 continue
-            nbytes = elements.packed_size(header, bufs)
-            slot = slots[done % len(slots)]
             done += 1
-            slot.ensure(nbytes)
-            elements.pack_into(memoryview(slot.mm), header, bufs)
             busy = time.perf_counter() - t0
             conn.send_bytes(json.dumps({"id": task_id, "path": slot.path, "nbytes": nbytes,
                                         "busy": busy, "n": len(chunk)}).encode())
@@ -243,7 +247,11 @@ class WorkerPool:
         self._in_flight[self.conns.index(conn)] -= 1
         if "error" in note:
             raise _rebuild_error(note)
-        view = self._view(note["path"])
+        try:
+            view = self._view(note["path"])
+        except FileNotFoundError:  # the worker was stopped and removed its buffer
+            self._raise_if_dead(wait_seconds=2.0)
+            raise WorkerDied(f"a {self.name} worker removed its result buffer before it was read") from None
         result = elements.unpack(view[:note["nbytes"]], copy=True)
         return note["id"], result, note["busy"]
 
