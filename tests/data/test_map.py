@@ -220,3 +220,27 @@ def test_terminated_worker_removes_its_shared_memory():
     assert wait_no_children() == []
     leftovers = [n for n in os.listdir("/dev/shm") if n.startswith(f"conveyor-{os.getpid()}-")]
     assert leftovers == []
+
+
+def test_batches_held_by_the_consumer_are_never_overwritten():
+    """Batches are views of the workers' shared memory; a slot is reused only once every array
+    viewing it is gone, so batches kept around stay intact."""
+    def f(x):
+        return np.full((64, 64), x, np.float32), x
+
+    ds = Dataset.range(300).map(f, num_parallel_calls=2).batch(10)
+    kept = list(ds)  # hold every batch while the workers keep producing
+    want = list(Dataset.range(300).map(f).batch(10))
+    assert [canon(b) for b in kept] == [canon(b) for b in want]
+    images = kept[0][0]
+    assert images.flags.aligned and images.flags.writeable
+
+
+def test_slots_are_reused_once_batches_are_dropped():
+    it = iter(Dataset.range(2000).map(lambda x: np.zeros(256) + x, num_parallel_calls=2).batch(20))
+    for _ in range(100):
+        next(it)
+    pool = it._root._pool
+    made = sum(pool._slots_made)
+    it.close()
+    assert made <= 2 * 6  # a handful per worker, not one per batch

@@ -207,13 +207,16 @@ def stack_into(elements: list[Element], allocate) -> int:
         metas.append(["a", dtype.str, list(shape), nbytes, False])
         plans.append((source, dtype, shape, nbytes))
     header = json.dumps([_spec_json(spec), metas], separators=(",", ":")).encode()
-    total = _LEN.size + len(header) + sum(p[3] for p in plans)
+    total = _LEN.size + len(header)
+    for plan in plans:
+        total = _align(total) + plan[3]
     target = allocate(total)
     _LEN.pack_into(target, 0, len(header))
     pos = _LEN.size
     target[pos:pos + len(header)] = header
     pos += len(header)
     for source, dtype, shape, nbytes in plans:
+        pos = _align(pos)
         dest = np.frombuffer(target, dtype=dtype, count=int(np.prod(shape)), offset=pos).reshape(shape)
         if isinstance(source, list):
             np.stack(source, out=dest)
@@ -250,6 +253,7 @@ def _describe(x: Element) -> str:
 # --------------------------------------------------------------------------- binary form
 
 _LEN = struct.Struct("<I")
+_ALIGN = 64
 
 
 def pack(x: Element) -> tuple[bytes, list[memoryview]]:
@@ -302,17 +306,27 @@ def _spec_from_json(j):
     return (j[0], [_spec_from_json(s) for s in j[1]])
 
 
+def _align(pos: int) -> int:
+    """Buffers start on 64-byte boundaries, so arrays viewing a page-aligned slot are aligned."""
+    return (pos + _ALIGN - 1) & ~(_ALIGN - 1)
+
+
 def packed_size(header: bytes, bufs: list[memoryview]) -> int:
-    return _LEN.size + len(header) + sum(b.nbytes for b in bufs)
+    pos = _LEN.size + len(header)
+    for b in bufs:
+        pos = _align(pos) + b.nbytes
+    return pos
 
 
 def pack_into(target: memoryview, header: bytes, bufs: list[memoryview]) -> int:
-    """Write `[u32 header length][header][buffers...]` into `target`; return bytes written."""
+    """Write `[u32 header length][header]` then each buffer at the next 64-byte boundary into
+    `target`; return the bytes written."""
     _LEN.pack_into(target, 0, len(header))
     pos = _LEN.size
     target[pos:pos + len(header)] = header
     pos += len(header)
     for b in bufs:
+        pos = _align(pos)
         n = b.nbytes
         target[pos:pos + n] = b
         pos += n
@@ -336,6 +350,8 @@ def unpack(source: memoryview | bytes, copy: bool = True) -> Element:
     leaves = []
     for m in metas:
         kind = m[0]
+        if kind in ("a", "b"):
+            pos = _align(pos)
         if kind == "b":
             leaves.append(bytes(src[pos:pos + m[1]]))
             pos += m[1]

@@ -4,9 +4,10 @@ Threads cannot run a Python map function on two cores at once (the GIL). So `map
 `num_parallel_calls` forks worker processes. The function reaches them by fork — lambdas and
 closures work, nothing is pickled. Work goes down a pipe as chunks of elements in the
 `elements.pack` form; each result (a list of mapped elements, or a whole stacked batch when map
-and batch are fused) is written by the worker into a shared-memory file of its own, and only a
-small JSON note travels back through the pipe. The consumer copies the result out, so the
-worker can reuse its buffer at once.
+and batch are fused) is written by the worker into a shared-memory slot, and only a small JSON
+note travels back through the pipe. The consumer hands the arrays out as views of that slot — no
+copy — and lends the slot back to the worker only when the last of those arrays is garbage
+collected: the consumer picks the slot for every task, from the slots it holds no arrays of.
 
 Lifetime rules, so that nothing hangs and nothing is orphaned:
 - workers ignore SIGINT (the consumer's process handles Ctrl-C and stops them);
@@ -17,6 +18,7 @@ Lifetime rules, so that nothing hangs and nothing is orphaned:
 
 from __future__ import annotations
 
+import collections
 import json
 import mmap
 import multiprocessing as mp
@@ -131,11 +133,7 @@ def _worker_main(fn: Callable, conn: Connection, batch_mode: bool, seed: list[in
     if torch is not None:  # one thread per worker: the workers already fill the cores
         torch.set_num_threads(1)
     parent = os.getppid()
-    # The k-th task's result goes to slot k % TASKS_PER_WORKER: the consumer never has more than
-    # that many tasks in flight on one worker and copies each result out on arrival, so a slot is
-    # free again by the time its number comes round.
-    slots = [_Slot(i) for i in range(TASKS_PER_WORKER)]
-    done = 0
+    slots: dict[int, _Slot] = {}  # the consumer names the slot for each task (one it holds no views of)
     try:
         while True:
             if not conn.poll(_POLL_SECONDS):
@@ -147,12 +145,13 @@ def _worker_main(fn: Callable, conn: Connection, batch_mode: bool, seed: list[in
             except (EOFError, OSError):
                 return
             task_id = int.from_bytes(msg[:8], "little")
-            chunk = elements.unpack(memoryview(msg)[8:], copy=False)
+            slot_id = int.from_bytes(msg[8:12], "little")
+            chunk = elements.unpack(memoryview(msg)[12:], copy=False)
             t0 = time.perf_counter()
             try:
                 _seed_everything(seed + [task_id])
                 out = [call(fn, x) for x in chunk]
-                slot = slots[done % len(slots)]
+                slot = slots.get(slot_id) or slots.setdefault(slot_id, _Slot(slot_id))
                 if batch_mode:  # stacked straight into shared memory: one copy of the batch, not two
                     nbytes = elements.stack_into(out, slot.reserve)
                 else:
@@ -162,16 +161,14 @@ def _worker_main(fn: Callable, conn: Connection, batch_mode: bool, seed: list[in
                 note = {"id": task_id, "error": type(exc).__name__, "module": type(exc).__module__,
                         "message": str(exc), "traceback": traceback.format_exc()}
                 conn.send_bytes(json.dumps(note).encode())
-                done += 1
                 continue
-            done += 1
             busy = time.perf_counter() - t0
-            conn.send_bytes(json.dumps({"id": task_id, "path": slot.path, "nbytes": nbytes,
+            conn.send_bytes(json.dumps({"id": task_id, "slot": slot_id, "path": slot.path, "nbytes": nbytes,
                                         "busy": busy, "n": len(chunk)}).encode())
     except (BrokenPipeError, EOFError, KeyboardInterrupt):
         return
     finally:
-        for slot in slots:
+        for slot in slots.values():
             slot.remove()
 
 
@@ -194,6 +191,9 @@ class WorkerPool:
         self._maps: dict[str, mmap.mmap] = {}
         self._in_flight: list[int] = []
         self._turn = 0
+        self._slots_made: list[int] = []                  # per worker: slot ids handed out so far
+        self._free: list[collections.deque] = []          # per worker: slots that hold no live arrays
+        self._task_slot: dict[int, tuple[int, int]] = {}  # task id -> (worker, slot)
         for i in range(num_workers):
             parent_end, child_end = ctx.Pipe(duplex=True)
             inherited = [*self.conns, parent_end]
@@ -204,6 +204,8 @@ class WorkerPool:
             self.conns.append(parent_end)
             self.procs.append(proc)
             self._in_flight.append(0)
+            self._slots_made.append(0)
+            self._free.append(collections.deque())
         self._finalizer = weakref.finalize(self, _shutdown, list(self.procs), list(self.conns))
 
     @property
@@ -217,13 +219,21 @@ class WorkerPool:
         worker = self._in_flight.index(min(self._in_flight))
         if self._in_flight[worker] >= TASKS_PER_WORKER:
             raise RuntimeError("WorkerPool.submit called while every worker is full; check has_room()")
+        free = self._free[worker]
+        if free:
+            slot = free.popleft()
+        else:  # every slot of this worker still backs arrays the consumer holds: add one
+            slot = self._slots_made[worker]
+            self._slots_made[worker] += 1
         header, bufs = elements.pack(chunk)
-        buf = bytearray(8 + elements.packed_size(header, bufs))
+        buf = bytearray(12 + elements.packed_size(header, bufs))
         buf[:8] = task_id.to_bytes(8, "little")
-        elements.pack_into(memoryview(buf)[8:], header, bufs)
+        buf[8:12] = slot.to_bytes(4, "little")
+        elements.pack_into(memoryview(buf)[12:], header, bufs)
         try:
             self.conns[worker].send_bytes(buf)
             self._in_flight[worker] += 1
+            self._task_slot[task_id] = (worker, slot)
         except (BrokenPipeError, OSError):
             self._raise_if_dead()
             raise
@@ -245,27 +255,35 @@ class WorkerPool:
             self._raise_if_dead(wait_seconds=1.0)
             raise WorkerDied(f"a {self.name} worker closed its pipe unexpectedly") from None
         self._in_flight[self.conns.index(conn)] -= 1
+        worker, slot = self._task_slot.pop(note["id"])
+        free = self._free[worker]
         if "error" in note:
+            free.append(slot)
             raise _rebuild_error(note)
         try:
-            view = self._view(note["path"])
+            mm = self._mapping(note["path"])
         except FileNotFoundError:  # the worker was stopped and removed its buffer
             self._raise_if_dead(wait_seconds=2.0)
             raise WorkerDied(f"a {self.name} worker removed its result buffer before it was read") from None
-        result = elements.unpack(view[:note["nbytes"]], copy=True)
+        # Every array of the result is a view of `lease`; when the last one is collected, the
+        # slot goes back to the worker's free list.
+        lease = np.frombuffer(mm, dtype=np.uint8, count=note["nbytes"])
+        result = elements.unpack(lease, copy=False)
+        weakref.finalize(lease, free.append, slot)
         return note["id"], result, note["busy"]
 
-    def _view(self, path: str) -> memoryview:
+    def _mapping(self, path: str) -> mmap.mmap:
         mm = self._maps.get(path)
         if mm is None:
-            # The worker replaced its buffer: map the new one, drop the old, and unlink the file
-            # at once — both mappings stay valid and nothing is left behind in /dev/shm.
+            # A new slot, or a slot the worker grew: map it and unlink the file at once — the
+            # mappings stay valid and nothing is left behind in /dev/shm. An older mapping of the
+            # same slot is only dropped from the cache: arrays may still view it.
             prefix = path.rsplit("-", 1)[0] + "-"
             for old in [p for p in self._maps if p.startswith(prefix)]:
-                self._maps.pop(old).close()
-            fd = os.open(path, os.O_RDONLY)
+                del self._maps[old]
+            fd = os.open(path, os.O_RDWR)
             try:
-                mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+                mm = mmap.mmap(fd, 0)  # writable: the batches handed out are ordinary writable arrays
             finally:
                 os.close(fd)
             try:
@@ -273,7 +291,7 @@ class WorkerPool:
             except FileNotFoundError:
                 pass
             self._maps[path] = mm
-        return memoryview(mm)
+        return mm
 
     def _raise_if_dead(self, wait_seconds: float = 0.0) -> None:
         deadline = time.monotonic() + wait_seconds
@@ -291,12 +309,7 @@ class WorkerPool:
             time.sleep(0.05)
 
     def close(self) -> None:
-        for mm in self._maps.values():
-            try:
-                mm.close()
-            except BufferError:  # a consumer still holds a view; the mapping goes with it
-                pass
-        self._maps.clear()
+        self._maps.clear()  # mappings close when the last array viewing them is collected
         self._finalizer()
 
 
