@@ -66,7 +66,6 @@ import datetime as _dt
 import json
 import math
 import os
-import platform
 import secrets
 import statistics
 import subprocess
@@ -77,6 +76,9 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by file path
+from machine import machine_facts  # noqa: E402
 
 HERE = Path(__file__).resolve()
 DEFAULT_OUT = HERE.parent / "results"
@@ -595,23 +597,7 @@ def format_goals(gs: Sequence[dict[str, Any]]) -> str:
 
 
 def machine_info() -> dict[str, Any]:
-    import torch
-
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    try:
-        from importlib.metadata import version
-        conveyor_version = version("conveyor")
-    except Exception:
-        conveyor_version = None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"date": _now_iso(), "cores": cores, "cpu_count": os.cpu_count(), "cpu": cpu,
-            "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "conveyor": conveyor_version, "loadavg_start": _loadavg()}
+    return {**machine_facts(("torch",)), "loadavg_start": _loadavg()}
 
 
 def _loadavg() -> list[float] | None:
@@ -619,10 +605,6 @@ def _loadavg() -> list[float] | None:
         return [round(x, 2) for x in os.getloadavg()]
     except (AttributeError, OSError):
         return None
-
-
-def _now_iso() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
 def _clean(x: Any) -> Any:

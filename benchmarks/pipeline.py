@@ -65,7 +65,6 @@ import json
 import math
 import multiprocessing as mp
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -78,7 +77,6 @@ from typing import Any
 
 import numpy as np
 import psutil
-import torch
 from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from tqdm import tqdm
@@ -93,6 +91,9 @@ from conveyor.data import (
     parse_single_example,
 )
 from conveyor.data.records import TFRecordReader
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by file path
+from machine import cpu_cores, machine_facts, now_iso  # noqa: E402
 
 GENERATOR_VERSION = 1
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -263,7 +264,7 @@ def generate_workload(wl: Workload, data_root: Path, progress: bool = True) -> t
                 w.close()
         manifest = {
             "params": wl.generator_params(),
-            "generated": _now_iso(),
+            "generated": now_iso(),
             "generation_seconds": round(time.perf_counter() - t0, 2),
             "shards": [{"file": n, "records": c, "bytes": (tmp / n).stat().st_size}
                        for n, c in zip(names, counts, strict=True)],
@@ -606,13 +607,6 @@ def measure_idle(files: Sequence[str], wl: Workload, new_rate: float, n_batches:
             "busy_fraction": busy_fraction, "batches": counted, "block": block, "calibrate": calibrate,
             "reference_batch_time_s": wl.batch_size / new_rate, "wait_s": waited, "wall_s": wall,
             "longest_wait_s": longest, "idle_fraction": waited / wall, "cpu": probe.result}
-
-
-def cpu_cores() -> int:
-    """Cores this process may run on."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return os.cpu_count() or 1
 
 
 def tree_rss(proc: psutil.Process | None = None) -> int:
@@ -1126,39 +1120,10 @@ def _loadavg() -> list[float] | None:
         return None
 
 
-def _now_iso() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-
-
 def machine_info() -> dict[str, Any]:
-    import PIL
-
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    try:
-        from importlib.metadata import version
-        conveyor_version = version("conveyor")
-    except Exception:
-        conveyor_version = None
-    return {
-        "date": _now_iso(),
-        "cores": cpu_cores(),
-        "cpu_count": os.cpu_count(),
-        "cpu": cpu,
-        "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "torch": torch.__version__,
-        "pillow": PIL.__version__,
-        "psutil": psutil.__version__,
-        "conveyor": conveyor_version,
-        "tensorflow": "installed" if tensorflow_available() else None,
-    }
+    return {**machine_facts(("numpy", "torch", "Pillow", "psutil")),
+            "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+            "tensorflow": "installed" if tensorflow_available() else None}
 
 
 def write_json(report: dict[str, Any], out_dir: Path) -> Path:
@@ -1253,7 +1218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     table = QUICK_WORKLOADS if args.quick else WORKLOADS
     started = time.perf_counter()
-    started_at = _now_iso()
+    started_at = now_iso()
     with_tf = tensorflow_available()
     if not with_tf:
         print("tf.data: skipped (TensorFlow not installed)")
