@@ -80,3 +80,16 @@ def test_killed_worker_restarts_from_checkpoint_and_matches_uninterrupted_run(tm
     assert got.keys() == want.keys()
     for name in want:
         assert (got[name] == want[name]).all(), f"{name} differs from the uninterrupted run"
+
+
+def test_ps_async_trains_the_digits_demo(tmp_path):
+    cmd = [sys.executable, "-m", "conveyor.cli.main", "run", "-n", "2", "--ps", "1", "--strategy", "ps-async",
+           "--data-dir", str(tmp_path / "data"), "--output-dir", str(tmp_path / "out"), str(SCRIPT),
+           "--epochs", "6"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-3000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["strategy"] == "ps-async"
+    assert summary["eval_accuracy"] >= 0.93
+    assert summary["communication"]["push_seconds"] > 0
+    assert "every worker is done" in run.stdout  # the ps task ended by itself

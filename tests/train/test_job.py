@@ -92,12 +92,12 @@ def test_argument_beats_environment(env: dict[str, str]) -> None:
 
 @pytest.mark.parametrize(("name", "message"), [
     ("sgd", "unknown strategy 'sgd'"),
-    ("ps-async", "recognised but not implemented yet"),
-    ("ps-sync", "recognised but not implemented yet"),
-    ("ps-ssp:4", "recognised but not implemented yet"),
+    ("ps-async", "needs parameter servers, but this job has none"),
+    ("ps-sync", "needs parameter servers, but this job has none"),
+    ("ps-ssp:4", "needs parameter servers, but this job has none"),
+    ("ps-ssp:0", "needs parameter servers, but this job has none"),
     ("pipeline", "recognised but not implemented yet"),
     ("ps-ssp", "staleness bound K"),
-    ("ps-ssp:0", "staleness bound K"),
     ("ps-ssp:x", "staleness bound K"),
 ])
 def test_bad_or_unimplemented_strategy_is_refused(env: dict[str, str], name: str, message: str) -> None:
@@ -121,11 +121,10 @@ def test_local_strategy_refuses_a_multi_worker_job(env: dict[str, str]) -> None:
     assert not dist.is_initialized(), "refused before any rendezvous"
 
 
-def test_parameter_server_task_is_not_served_yet(env: dict[str, str]) -> None:
+def test_parameter_server_task_refuses_a_non_ps_strategy(env: dict[str, str]) -> None:
     tf_config = ClusterSpec(worker=("127.0.0.1:2001",), ps=("127.0.0.1:2002",)).to_tf_config("ps", 0)
-    with pytest.raises(NotImplementedError, match="parameter-server strategies are not implemented yet") as info:
-        init(environ=env | {"TF_CONFIG": tf_config})
-    assert "ps:0" in str(info.value)
+    with pytest.raises(ValueError, match="parameter server ps:0, but the strategy is 'allreduce'"):
+        init("allreduce", environ=env | {"TF_CONFIG": tf_config})
 
 
 @pytest.mark.parametrize("value", ["abc", "0", "-3", "inf"])

@@ -2,9 +2,10 @@
 
     strategy = get_strategy("allreduce")
 
-Implemented: ``local`` (one process, no communication) and ``allreduce`` (DistributedDataParallel).
-Recognised but not implemented yet: ``ps-sync``, ``ps-async``, ``ps-ssp:K`` (parameter servers with
-bounded staleness K) and ``pipeline``; asking for one raises a ``ValueError`` that says so.
+Implemented: ``local`` (one process, no communication), ``allreduce`` (DistributedDataParallel) and
+the parameter-server strategies ``ps-sync``, ``ps-async``, ``ps-ssp:K`` (bounded staleness K;
+:mod:`conveyor.strategies.ps.strategy`). Recognised but not implemented yet: ``pipeline``; asking for
+it raises a ``ValueError`` that says so.
 """
 
 from __future__ import annotations
@@ -12,14 +13,16 @@ from __future__ import annotations
 from conveyor.strategies.allreduce import AllReduceStrategy
 from conveyor.strategies.base import Strategy, check_optimizer
 from conveyor.strategies.local import LocalStrategy
+from conveyor.strategies.ps.strategy import PSStrategy
 
-__all__ = ["NAMES", "AllReduceStrategy", "LocalStrategy", "Strategy", "check_optimizer", "get_strategy"]
+__all__ = ["NAMES", "AllReduceStrategy", "LocalStrategy", "PSStrategy", "Strategy", "check_optimizer", "get_strategy"]
 
 _IMPLEMENTED: dict[str, type[Strategy]] = {"local": LocalStrategy, "allreduce": AllReduceStrategy}
-_PLANNED = ("ps-sync", "ps-async", "ps-ssp:K", "pipeline")
+_PS = ("ps-sync", "ps-async", "ps-ssp:K")
+_PLANNED = ("pipeline",)
 
 #: Every strategy name conveyor knows, implemented or not, as the command line spells them.
-NAMES: tuple[str, ...] = (*_IMPLEMENTED, *_PLANNED)
+NAMES: tuple[str, ...] = (*_IMPLEMENTED, *_PS, *_PLANNED)
 
 
 def get_strategy(name: str) -> Strategy:
@@ -31,13 +34,15 @@ def get_strategy(name: str) -> Strategy:
         return _IMPLEMENTED[key]()
     if key.startswith("ps-ssp"):
         _, _, k = key.partition(":")
-        if not (k.isascii() and k.isdigit() and int(k) >= 1):
-            raise ValueError(f"strategy = {name!r}: ps-ssp needs its staleness bound K, a whole number >= 1, "
+        if not (k.isascii() and k.isdigit()):
+            raise ValueError(f"strategy = {name!r}: ps-ssp needs its staleness bound K, a whole number >= 0, "
                              f"e.g. 'ps-ssp:4'")
-        key = "ps-ssp:K"
+        return PSStrategy("ssp", int(k))
+    if key in ("ps-sync", "ps-async"):
+        return PSStrategy(key[3:])
     if key in _PLANNED:
         raise ValueError(f"strategy {name!r} is recognised but not implemented yet (implemented: "
-                         f"{_quoted(_IMPLEMENTED)}); use 'allreduce' for synchronous data parallelism")
+                         f"{_quoted((*_IMPLEMENTED, *_PS))}); use 'allreduce' for synchronous data parallelism")
     raise ValueError(f"unknown strategy {name!r}; expected one of {_quoted(NAMES)}")
 
 

@@ -18,7 +18,9 @@ rendezvous and every collective), ``CONVEYOR_RESTART_COUNT`` (default 0), ``CONV
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
@@ -31,6 +33,7 @@ from torch import nn
 from conveyor.cluster import Discovered, discover
 from conveyor.comm.process_group import collective_guard, init_process_group
 from conveyor.strategies import Strategy, get_strategy
+from conveyor.strategies.ps.server import serve_task
 
 __all__ = ["DEFAULT_TIMEOUT", "RESTART_COUNT_VAR", "RESUME_VAR", "TIMEOUT_VAR", "Job", "init", "threads_per_worker"]
 
@@ -46,21 +49,26 @@ def init(strategy: str | None = None, *, timeout: float | None = None,
          environ: Mapping[str, str] | None = None) -> Job:
     """This process's :class:`Job`, its process group joined and its strategy set up.
 
-    ``strategy``: the argument, else ``CONVEYOR_STRATEGY``, else ``"allreduce"`` with several training
-    processes and ``"local"`` with one. ``timeout`` (seconds): the argument, else ``CONVEYOR_TIMEOUT``,
-    else 300. ``environ`` replaces ``os.environ`` (tests, tools); nothing is written to it.
+    ``strategy``: the argument, else ``CONVEYOR_STRATEGY``, else ``"ps-sync"`` when the cluster has ps
+    tasks, ``"allreduce"`` with several training processes and ``"local"`` with one. ``timeout``
+    (seconds): the argument, else ``CONVEYOR_TIMEOUT``, else 300. ``environ`` replaces ``os.environ``
+    (tests, tools); nothing is written to it.
+
+    On a parameter-server task (``ps`` in TF_CONFIG) this does not return: the task serves its share of
+    the parameters (:mod:`conveyor.strategies.ps.server`) until every worker has said it is done, then
+    the process exits with status 0 — TensorFlow's ``server.join()`` pattern, so one script serves every
+    role. Workers with a ``ps-*`` strategy still join the gloo process group among themselves (the ps
+    tasks are not in it) for ``barrier``/``all_gather_bytes``/``all_reduce``.
     """
     env: Mapping[str, str] = os.environ if environ is None else environ
     found = discover(env)
     if found.task.type == "ps":
-        raise NotImplementedError(
-            f"this process is the parameter server {found.task} of the cluster, but parameter-server strategies "
-            f"are not implemented yet, so conveyor.init() cannot serve variables here. Start the job without "
-            f"parameter servers (no --ps, or no 'ps' job in TF_CONFIG) and use the 'allreduce' strategy")
+        _serve_ps(found, strategy)  # does not return: the process exits when the job ends
     if found.rank is None:
         raise NotImplementedError(f"this process is the {found.task} task, which has no training rank; only "
                                   f"chief and worker tasks can call conveyor.init() for now")
-    name = strategy or found.strategy or ("allreduce" if found.world_size > 1 else "local")
+    has_ps = found.spec is not None and found.spec.num_tasks("ps") > 0
+    name = strategy or found.strategy or ("ps-sync" if has_ps else "allreduce" if found.world_size > 1 else "local")
     chosen = get_strategy(name)
     if found.world_size > 1 and not chosen.distributed:
         raise ValueError(f"strategy {chosen.name!r} trains in one process, but this job has {found.world_size} "
@@ -93,7 +101,8 @@ class Job:
     Attributes: ``rank``, ``world_size``, ``local_rank``, ``local_world_size``, ``is_chief``, ``task_type``,
     ``task_index``, ``cluster`` (``ClusterSpec`` or ``None``), ``strategy``, ``device``, ``data_dir``,
     ``output_dir``, ``restart_count``, ``resume``, ``timeout`` (seconds), ``backend``, ``source`` (which
-    launcher's variables described this process).
+    launcher's variables described this process), ``secret`` (the job's message-signing key, or ``None``;
+    kept out of ``repr``).
     """
 
     def __init__(self, found: Discovered, strategy: Strategy, *, timeout: float, device: torch.device,
@@ -116,6 +125,7 @@ class Job:
         self.restart_count = restart_count
         self.resume = resume
         self.timeout = timeout
+        self.secret = found.secret  # signs parameter-server messages (never printed: not in repr)
         self._owns_group = owns_group
         self._closed = False
         # nccl moves only CUDA tensors; gloo only CPU ones here. Byte collectives build their tensors there.
@@ -270,6 +280,24 @@ def _device(local_rank: int) -> torch.device:
                          f"{count} training processes per machine (one per GPU)")
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
+
+
+def _serve_ps(found: Discovered, strategy: str | None) -> None:
+    """Run this ps task's parameter server until every worker is done, then exit the process (``server.join()``)."""
+    name = strategy or found.strategy or "ps-sync"  # the launcher's default when there are ps tasks
+    if not name.strip().lower().startswith("ps-"):
+        raise ValueError(f"this process is the parameter server {found.task}, but the strategy is {name!r}: "
+                         f"start the job with --strategy ps-sync, ps-async or ps-ssp:K (CONVEYOR_STRATEGY)")
+    if not found.secret:
+        raise ValueError(f"parameter server {found.task} needs the job secret (CONVEYOR_JOB_SECRET) that signs "
+                         f"its messages; `conveyor run` sets it")
+    assert found.spec is not None  # a ps task always comes from a cluster spec
+    address = found.spec.task_address("ps", found.task.index)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {found.task} %(levelname)s %(message)s")
+    print(f"{found.task}: serving {name} for {found.world_size} worker(s) on {address}", flush=True)
+    serve_task(address, found.secret, index=found.task.index, num_workers=found.world_size, strategy=name)
+    print(f"{found.task}: every worker is done; exiting", flush=True)
+    sys.exit(0)
 
 
 def _join_group(found: Discovered, backend: str, timeout: float, env: Mapping[str, str]) -> bool:

@@ -551,6 +551,12 @@ class _Run:
             "outputs": outputs,
         }
         if self.chief:
+            # Strategies with more to say (parameter servers: push / pull / wait-for-servers
+            # seconds, bytes and staleness per server) add it to the summary.
+            strategy_stats = getattr(self.job.strategy, "stats", None)
+            details = strategy_stats() if callable(strategy_stats) else None
+            if details:
+                self.summary["communication"] = details
             _write_json_atomic(self.out / "summary.json", self.summary)
 
     def close(self) -> None:

@@ -1,0 +1,259 @@
+"""Data parallelism with parameter servers: ``ps-sync``, ``ps-async`` and ``ps-ssp:K``.
+
+    conveyor run -n 2 --ps 2 --strategy ps-sync train.py      # the same script on every task
+    job = conveyor.init()                 # on a ps task: serves until the workers are done, then exits
+    model, optimizer = job.prepare(model, optimizer)          # workers: hooks installed, servers initialised
+    loss_fn(model(x), y).backward()       # gradients leave for the servers as backward produces them
+    optimizer.step()                      # commit the step, pull the new parameters into the model
+
+The servers (:mod:`.server`) own the parameters and the optimizer: it is rebuilt there from the
+optimizer passed to ``job.prepare`` (:class:`~conveyor.strategies.ps.optim.OptimizerSpec`), and the
+worker's own torch optimizer never updates anything. ``prepare`` returns the model unwrapped and a
+thin :class:`PSOptimizer` whose ``step()`` finishes the pushes, commits the step and pulls; it shares
+``param_groups`` with the real optimizer (an LR scheduler built on either may change them: the change
+is sent with the next commit), and ``zero_grad()`` is the real optimizer's.
+
+Update rules:
+
+- ``ps-sync``: the servers average the gradients of all workers for a step (in rank order) and apply
+  one update; every worker then pulls the same parameters: numerically an all-reduce.
+- ``ps-async``: each push is applied when it arrives; the pull returns the latest parameters.
+- ``ps-ssp:K``: as async, but a worker's pull waits while it is more than K steps ahead of the slowest
+  worker.
+
+Overlap: every parameter's gradient is pushed from an autograd hook as soon as backward has
+accumulated it. With ``ps-async``/``ps-ssp`` ``step()`` only *sends* the pull for the next step; a
+forward pre-hook (and a ``state_dict`` pre-hook) on the model receives it, so the round trip overlaps
+whatever the worker does before its next forward, typically fetching the next batch. Code that reads
+``param.data`` directly right after ``step()`` sees the previous values until then. ``ps-sync`` must
+wait for every worker's gradients anyway, so its ``step()`` returns with the new parameters in place.
+
+Staleness (the worker's step minus the slowest worker's committed steps in the parameters it computed
+on) is recorded by the servers; :meth:`PSStrategy.stats` gathers the histogram.
+
+Timing (:meth:`PSStrategy.comm_seconds`): push (sending from the hooks plus collecting the replies),
+pull, and wait-for-servers (pull rounds the servers answered with ``wait``). :meth:`PSStrategy.stats`
+adds bytes per server and the servers' own counters (staleness, drops).
+
+Buffers (BatchNorm statistics) are not parameters and do not go to the servers: ``prepare`` broadcasts
+rank 0's over the workers' process group, and after that each worker keeps its own (as DDP with
+``broadcast_buffers=False``); rank 0's are the ones a chief checkpoint holds.
+
+The workers keep their gloo process group for ``job.barrier``/``all_gather_bytes``/``all_reduce``
+(the trainer uses them); the ps tasks are not in it. Checkpoints: the model's parameters are on the
+workers after every pull, and ``optimizer.state_dict()`` on the proxy fetches the servers' optimizer
+state *and* parameters (``load_state_dict`` sends both back to the servers and pulls), so a chief
+checkpoint carries everything and the trainer's resume restores it. Loading weights into the model
+alone after ``prepare`` does not reach the servers: the next pull overwrites them — load them before
+``prepare`` (worker 0's values initialise the servers) or restore the optimizer state too. Out of scope
+for now: checkpoints written by the ps tasks themselves (server shards on the ps), a ps task that dies
+mid-run (the launcher restarts the job from the last checkpoint), and GPU workers.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+from collections import Counter, OrderedDict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from conveyor.comm.process_group import collective_guard
+from conveyor.strategies.base import Strategy, check_optimizer
+from conveyor.strategies.ps.client import PSClient
+from conveyor.strategies.ps.server import parse_mode
+
+__all__ = ["PSOptimizer", "PSStrategy"]
+
+_STATE_FORMAT = "conveyor.ps.servers_state"
+
+
+class PSStrategy(Strategy):
+    """Parameter servers with the update rule ``mode`` (``"sync"``, ``"async"``, ``"ssp"`` with ``staleness``)."""
+
+    def __init__(self, mode: str = "sync", staleness: int = 0) -> None:
+        super().__init__()
+        if mode not in ("sync", "async", "ssp"):
+            raise ValueError(f"mode = {mode!r}; expected 'sync', 'async' or 'ssp'")
+        self.mode = mode
+        self.staleness = int(staleness)
+        self.client: PSClient | None = None
+        #: async/ssp: step() only sends the pull, the next forward (or state_dict()) receives it.
+        self.prefetch = mode != "sync"
+
+    @classmethod
+    def from_name(cls, name: str) -> PSStrategy:
+        return cls(*parse_mode(name))
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return f"ps-ssp:{self.staleness}" if self.mode == "ssp" else f"ps-{self.mode}"
+
+    def setup(self, job: Any) -> None:
+        super().setup(job)
+        spec = job.cluster
+        num_ps = spec.num_tasks("ps") if spec is not None else 0
+        if not num_ps:
+            raise ValueError(f"strategy {self.name!r} needs parameter servers, but this job has none: start it "
+                             f"with `conveyor run --ps M ...` or list a 'ps' job in TF_CONFIG")
+        secret = getattr(job, "secret", None)
+        if not secret:
+            raise ValueError(f"strategy {self.name!r} needs the job secret that signs the parameter-server "
+                             f"messages (CONVEYOR_JOB_SECRET, set by `conveyor run`)")
+        addresses = [spec.task_address("ps", i) for i in range(num_ps)]
+        self.client = PSClient(addresses, secret, rank=job.rank, num_workers=job.world_size,
+                               sender=f"{job.task_type}:{job.task_index}", timeout=job.timeout)
+        atexit.register(self.shutdown)
+
+    def prepare(self, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
+        check_optimizer(model, optimizer)
+        if self.client is None:
+            raise RuntimeError(f"strategy {self.name!r} is not set up: get it from conveyor.init()")
+        if self.job.device.type != "cpu":
+            raise ValueError("parameter-server strategies run on CPU workers for now; use 'allreduce' on GPUs")
+        model = model.to(self.job.device)
+        placement = self.client.connect(model, optimizer)
+        buffers = [b for b in model.buffers() if b.is_floating_point() or b.dtype in (torch.int64, torch.int32)]
+        if self.job.world_size > 1 and buffers:
+            # Buffers (BatchNorm statistics) are not on the servers: start every worker from rank 0's.
+            with collective_guard(self.job, "buffer broadcast from rank 0"):
+                for buffer in buffers:
+                    dist.broadcast(buffer, src=0)
+        if self.prefetch:
+            # The pull sent by step() is collected when the parameters are next needed.
+            client = self.client
+            model.register_forward_pre_hook(lambda module, args: client.finish_pull())
+            model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: client.finish_pull())
+        if self.job.is_chief:
+            print(placement.describe(), flush=True)
+        return model, PSOptimizer(optimizer, self)
+
+    def comm_seconds(self) -> float:
+        """Push + pull + wait-for-servers seconds so far."""
+        if self.client is None:
+            return 0.0
+        return float(sum(self.client.seconds.values()))
+
+    def stats(self) -> dict[str, Any]:
+        """Push/pull/wait seconds, bytes per server, and each server's counters (staleness, drops)."""
+        client = self.client
+        if client is None:
+            return {}
+        servers = [reply.header for reply in client.request_all("stats")]
+        staleness: Counter[int] = Counter()
+        for s in servers:
+            staleness.update({int(k): v for k, v in s["staleness"].items()})
+        return {"strategy": self.name, "step": client.step,
+                "push_seconds": client.seconds["push"], "pull_seconds": client.seconds["pull"],
+                "wait_seconds": client.seconds["wait"],
+                "staleness": {str(k): v for k, v in sorted(staleness.items())},
+                "max_staleness": max(staleness) if staleness else 0,
+                "bytes_out_per_server": list(client.bytes_out), "bytes_in_per_server": list(client.bytes_in),
+                "servers": servers}
+
+    def shutdown(self) -> None:
+        """Tell the servers this worker is done (they exit when every worker is).
+
+        The chief first prints the parameter-server breakdown (push / pull / wait-for-servers seconds,
+        bytes per server, staleness, drops) and writes it to ``<output_dir>/ps-stats.json``.
+        """
+        if self.client is None:
+            return
+        if self._job is not None and self._job.is_chief and self.client.placement is not None:
+            try:
+                self._report(self.stats())
+            except Exception as exc:  # noqa: BLE001 - a report must not stop the shutdown
+                print(f"parameter servers: no statistics ({type(exc).__name__}: {exc})", flush=True)
+        client, self.client = self.client, None
+        client.close()
+
+    def _report(self, stats: dict[str, Any]) -> None:
+        load = ", ".join(f"ps:{i} {(o + n) / 2**20:.1f} MiB"
+                         for i, (o, n) in enumerate(zip(stats["bytes_out_per_server"], stats["bytes_in_per_server"],
+                                                        strict=True)))
+        print(f"parameter servers ({self.name}, {stats['step']} steps): push {stats['push_seconds']:.2f} s, "
+              f"pull {stats['pull_seconds']:.2f} s, wait for servers {stats['wait_seconds']:.2f} s; traffic per "
+              f"server: {load}; staleness {stats['staleness']}; dropped messages "
+              f"{[s['dropped'] for s in stats['servers']]}", flush=True)
+        out = getattr(self._job, "output_dir", None)
+        if out is not None:
+            (Path(out) / "ps-stats.json").write_text(json.dumps(stats, indent=1))
+
+
+class PSOptimizer(torch.optim.Optimizer):
+    """What ``job.prepare`` returns for the optimizer: the servers update; ``step()`` commits and pulls.
+
+    A ``torch.optim.Optimizer`` (so LR schedulers accept it) that shares ``param_groups``, ``defaults``
+    and ``state`` with the optimizer passed to ``prepare``: a scheduler's change to a group's ``lr`` (or
+    any hyperparameter) is sent to the servers with the next step's commit. Its own torch ``step`` never
+    runs. ``add_param_group`` is not supported (the servers' placement is fixed at ``prepare``).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, strategy: PSStrategy) -> None:
+        # Not Optimizer.__init__: that would build new param groups; these are the user's optimizer's.
+        self.optimizer = optimizer
+        self.defaults = optimizer.defaults
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+                     "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+                     "_optimizer_load_state_dict_post_hooks"):
+            setattr(self, name, OrderedDict())
+        self._strategy = strategy
+
+    def step(self, closure: Any = None) -> Any:
+        loss = closure() if closure is not None else None
+        client = self._strategy.client
+        if client is None:
+            raise RuntimeError("optimizer.step() after the job was shut down")
+        client.finish_step(prefetch=self._strategy.prefetch)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError("add_param_group() with parameter servers: the servers' placement is fixed when "
+                                  "job.prepare() runs; build the optimizer with every group first")
+
+    def state_dict(self) -> dict[str, Any]:
+        """The servers' pieces and optimizer state, fetched now: ``{"format", "servers": [{"meta", "tensors"}]}``.
+
+        ``meta`` is JSON, ``tensors`` a flat ``{name: tensor}`` dict (no pickle: the trainer's checkpoints
+        put the tensors in safetensors and the rest in JSON).
+        """
+        client = self._strategy.client
+        if client is None:
+            raise RuntimeError("optimizer.state_dict() after the job was shut down")
+        servers = []
+        for reply in client.request_all("state"):
+            tensors = {n: torch.from_numpy(np.array(a, copy=True))
+                       for n, a in zip(reply.header["names"], reply.tensors, strict=True)}
+            servers.append({"meta": reply.header["meta"], "tensors": tensors})
+        return {"format": _STATE_FORMAT, "servers": servers}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Send what :meth:`state_dict` returned back to the servers, then pull the restored parameters."""
+        client = self._strategy.client
+        if client is None:
+            raise RuntimeError("optimizer.load_state_dict() after the job was shut down")
+        if state.get("format") != _STATE_FORMAT or len(state.get("servers", ())) != len(client.clients):
+            raise ValueError(f"not a parameter-server optimizer state for {len(client.clients)} ps tasks (a "
+                             f"checkpoint of another strategy or another number of ps tasks?)")
+        headers, tensors = [], []
+        for entry in state["servers"]:
+            names = list(entry["tensors"])
+            headers.append({"rank": client.rank, "meta": entry["meta"], "names": names})
+            tensors.append([entry["tensors"][n].contiguous() for n in names])
+        for reply in client.request_all("load_state", headers, tensors):
+            if reply.kind != "ok":
+                raise RuntimeError(f"a server refused the optimizer state ({reply.kind})")
+        client.pull()
+
+    def __repr__(self) -> str:
+        return f"PSOptimizer({type(self.optimizer).__name__}, strategy={self._strategy.name!r})"

@@ -1,0 +1,388 @@
+"""Parameter-server strategies across real processes: 2 ps tasks + 2 workers on 127.0.0.1.
+
+Each launch starts this file as a script four times (``python test_ps.py SCENARIO OUT_DIR``) with the
+environment conveyor's launcher gives each task (``task_environment`` on ``local_cluster(2, 2)``): the
+same code entry for every role, as ``conveyor run`` does. On a ps task ``conveyor.init()`` serves and
+exits the process when the workers are done; the workers train and write what they saw to JSON.
+
+    pytest tests/strategies/test_ps.py -m multiprocess --durations=5
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import conveyor
+from conveyor.cluster import local_cluster, task_environment
+from conveyor.comm.transport import Client, RemoteError
+from conveyor.strategies import PSStrategy, get_strategy
+from conveyor.strategies.ps import OptimizerSpec, ServerOptimizer, mean_of_gradients, place
+from conveyor.strategies.ps.server import ParameterServer, parse_mode
+
+WORLD = 2
+NUM_PS = 2
+BATCH = 8  # per worker; the single-process reference uses WORLD * BATCH
+STEPS = 10
+SECRET = b"ps-test-secret"
+_FOREIGN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG",
+            "OMP_NUM_THREADS")
+
+
+# -- shared by the tasks and the reference --------------------------------------------------------------------------
+
+
+def make_mlp(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def make_optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
+    if kind == "plain":
+        return torch.optim.SGD(model.parameters(), lr=0.05)
+    if kind == "adam":
+        return torch.optim.Adam(model.parameters(), lr=0.01)
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def make_data(steps: int = STEPS) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(steps * WORLD * BATCH, 4, generator=g)
+    return x, x.sum(dim=1, keepdim=True).sin() + 0.1 * torch.randn(len(x), 1, generator=g)
+
+
+def flat(model: nn.Module) -> list[float]:
+    return torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
+
+
+def reference(kind: str) -> list[float]:
+    """One process, the combined batch of both workers, the same optimizer."""
+    model = make_mlp(0)
+    optimizer = make_optimizer(kind, model)
+    scheduler = make_scheduler(kind, optimizer)
+    x, y = make_data()
+    for k in range(STEPS):
+        lo = k * WORLD * BATCH
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x[lo:lo + WORLD * BATCH]), y[lo:lo + WORLD * BATCH]).backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+    return flat(model)
+
+
+def make_scheduler(kind: str, optimizer: torch.optim.Optimizer):
+    """SGD runs under a StepLR: the servers must follow the workers' learning-rate changes."""
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5) if kind == "sgd" else None
+
+
+# -- the task script ------------------------------------------------------------------------------------------------
+
+
+def attack(ports: list[int]) -> None:
+    """Random bytes, a wrong-secret connection, and forged (badly signed) messages at every ps port."""
+    import zmq
+
+    from conveyor.comm.framing import encode, next_seq, sender_id
+    from conveyor.comm.transport import _password
+
+    for port in ports:
+        with socket.create_connection(("127.0.0.1", port)) as raw:
+            raw.sendall(os.urandom(4096))
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.linger = 0
+        sock.plain_username = b"conveyor"
+        sock.plain_password = _password(SECRET)  # passes the gate; the messages themselves are forged
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        for _ in range(5):
+            ps = f"ps:{ports.index(port)}"
+            forged = encode("push", {"rank": 0, "step": 0, "keys": ["0.weight[0:64]"], "read": 0},
+                            [torch.full((64,), 1e6)], secret=b"not-the-secret", sender=sender_id("worker:0"),
+                            seq=next_seq(), recipient=ps)
+            sock.send_multipart([bytes(f) for f in forged])
+            sock.send_multipart([os.urandom(64), os.urandom(32)])
+        time.sleep(0.2)
+        sock.close(linger=0)
+
+
+def task_main(scenario: str, out: Path) -> None:
+    job = conveyor.init()  # a ps task serves here and exits the process when the workers are done
+    kind = {"adam": "adam", "async": "plain", "ssp": "plain"}.get(scenario, "sgd")
+    model = make_mlp(job.rank)  # different seeds: the servers' copy (worker 0's) must win
+    optimizer = make_optimizer(kind, model)
+    model, optimizer = job.prepare(model, optimizer)
+    scheduler = make_scheduler(kind, optimizer)  # on the proxy, as a user would write it
+    steps = 40 if scenario in ("async", "ssp") else STEPS
+    x, y = make_data(steps)
+    with torch.no_grad():
+        first = nn.functional.mse_loss(model(x), y).item()
+    losses = []
+    for k in range(steps):
+        lo = k * WORLD * BATCH + job.rank * BATCH
+        if scenario == "garbage" and k == 3 and job.rank == 0:
+            attack([int(a.rsplit(":", 1)[1]) for a in job.cluster.ps])
+        if scenario == "ssp" and job.rank == 1:
+            time.sleep(0.03)
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x[lo:lo + BATCH]), y[lo:lo + BATCH])
+        loss.backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(loss.item())
+    job.barrier()  # both workers' last pushes are on the servers: pull the final parameters
+    if scenario in ("async", "ssp"):
+        optimizer.step()  # nothing left to push: commits an empty step and pulls the latest
+    with torch.no_grad():
+        last = nn.functional.mse_loss(model(x), y).item()
+    stats = job.strategy.stats()
+    state = optimizer.state_dict()
+    result = {"ok": True, "params": flat(model), "losses": losses, "first": first, "last": last, "stats": stats,
+              "comm": job.strategy.comm_seconds(), "state_servers": len(state["servers"])}
+    (out / f"rank{job.rank}.json").write_text(json.dumps(result))
+    job.shutdown()
+
+
+# -- launching ------------------------------------------------------------------------------------------------------
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def launch(scenario: str, strategy: str, out: Path, deadline: float = 50.0) -> tuple[list[dict], list[int]]:
+    """Run SCENARIO on 2 ps + 2 workers; each worker's JSON and every process's exit code (ps last)."""
+    out.mkdir(parents=True, exist_ok=True)
+    ports = free_ports(WORLD + NUM_PS + 1)
+    spec = local_cluster(num_workers=WORLD, num_ps=NUM_PS, ports=ports[:-1])
+    base = {k: v for k, v in os.environ.items()
+            if k not in _FOREIGN and not k.startswith(("CONVEYOR_", "SLURM_", "TORCHELASTIC_"))}
+    procs = []
+    for i, task in enumerate((*spec.training_tasks, *(t for t in spec.tasks if t.type == "ps"))):
+        env = base | task_environment(spec, task, secret=SECRET, data_dir=out / "data", output_dir=out / "output",
+                                      master_addr="127.0.0.1", master_port=ports[-1], strategy=strategy,
+                                      local_rank=min(i, WORLD - 1), local_world_size=WORLD)
+        env["CONVEYOR_TIMEOUT"] = "30"
+        env["OMP_NUM_THREADS"] = "1"
+        log = open(out / f"{task.type}{task.index}.log", "wb")
+        procs.append((subprocess.Popen([sys.executable, __file__, scenario, str(out)], env=env, stdout=log,
+                                       stderr=subprocess.STDOUT), log))
+    end = time.monotonic() + deadline
+    try:
+        for proc, _ in procs:
+            proc.wait(timeout=max(0.1, end - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{scenario}: tasks still running after {deadline:g} s\n{logs(out)}")
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
+    results = []
+    for rank in range(WORLD):
+        path = out / f"rank{rank}.json"
+        assert path.exists(), logs(out)
+        results.append(json.loads(path.read_text()))
+    return results, [proc.returncode for proc, _ in procs]
+
+
+def logs(out: Path) -> str:
+    return "\n".join(f"--- {p.name} ---\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(out.glob("*.log")))
+
+
+# -- in-process tests of the server's rules ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def served():
+    """A started ParameterServer factory on a free port and a client factory for it; all closed afterwards."""
+    made = []
+
+    def make(mode: str, staleness: int = 0, workers: int = 2):
+        port = free_ports(1)[0]
+        server = ParameterServer(f"127.0.0.1:{port}", SECRET, index=0, num_workers=workers, mode=mode,
+                                 staleness=staleness).start()
+        clients = [Client(f"127.0.0.1:{port}", SECRET, name="ps:0", timeout=10.0, sender=f"worker:{r}")
+                   for r in range(workers)]
+        made.append((server, clients))
+        return server, clients
+
+    yield make
+    for server, clients in made:
+        for c in clients:
+            c.close()
+        server.close()
+
+
+def _init(client: Client, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int = 0):
+    placement = place([(n, p.shape, p.dtype) for n, p in model.named_parameters()], 1)
+    header = {"fingerprint": placement.fingerprint, "rank": rank}
+    tensors = []
+    if rank == 0:
+        spec = OptimizerSpec.from_optimizer(optimizer, model.named_parameters())
+        header.update(spec=spec.to_json(), keys=[p.key for p in placement.pieces])
+        flat_ = {n: p.detach().reshape(-1) for n, p in model.named_parameters()}
+        tensors = [flat_[p.param][p.start:p.stop].clone() for p in placement.pieces]
+    return placement, client.request("init", header, tensors)
+
+
+def test_strategy_names() -> None:
+    assert parse_mode("ps-ssp:3") == ("ssp", 3) and parse_mode("ps-sync") == ("sync", 0)
+    assert isinstance(get_strategy("ps-async"), PSStrategy) and get_strategy("ps-ssp:2").name == "ps-ssp:2"
+    with pytest.raises(ValueError, match="staleness bound K"):
+        get_strategy("ps-ssp:x")
+
+
+@pytest.mark.timeout(30)
+def test_init_first_wins_and_a_mismatched_placement_is_refused(served) -> None:
+    server, (w0, w1) = served("sync")
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert w1.request("pull", {"rank": 1, "step": 0}).kind == "wait"  # nothing to serve before worker 0's init
+    assert _init(w1, model, optimizer, rank=1)[1].kind == "wait"
+    _, reply = _init(w0, model, optimizer)
+    assert reply.kind == "ok"
+    assert _init(w1, model, optimizer, rank=1)[1].kind == "ok"
+    with pytest.raises(RemoteError, match="placement"):
+        _init(w1, nn.Linear(3, 3), torch.optim.SGD(nn.Linear(3, 3).parameters(), lr=0.1), rank=1)
+
+
+@pytest.mark.timeout(30)
+def test_sync_averages_in_rank_order_and_applies_once(served) -> None:
+    server, (w0, w1) = served("sync")
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    placement, _ = _init(w0, model, optimizer)
+    keys = [p.key for p in placement.pieces]
+    g = {r: [torch.randn(p.numel) for p in placement.pieces] for r in range(2)}
+    assert w1.request("push", {"rank": 1, "step": 0, "read": 0, "keys": keys}, g[1]).kind == "ok"
+    assert w0.request("push", {"rank": 0, "step": 0, "read": 0, "keys": keys}, g[0]).kind == "ok"
+    w0.request("commit", {"rank": 0, "step": 0, "read": 0})
+    assert w0.request("pull", {"rank": 0, "step": 1}).kind == "wait"  # worker 1 has not committed
+    w1.request("commit", {"rank": 1, "step": 0, "read": 0})
+    reply = w0.request("pull", {"rank": 0, "step": 1})
+    expected = ServerOptimizer(OptimizerSpec.from_optimizer(optimizer, model.named_parameters()),
+                               {p.key: v for p, v in zip(placement.pieces, [model.weight.reshape(-1),
+                                                                            model.bias.reshape(-1)], strict=True)})
+    expected.apply({k: mean_of_gradients([g[0][i], g[1][i]]) for i, k in enumerate(keys)})
+    assert reply.kind == "params" and reply.header["version"] == 1
+    for key, value in zip(reply.header["keys"], reply.torch_tensors(), strict=True):
+        assert torch.equal(value, expected.params[key])
+    assert server.staleness == {0: 2}
+
+
+@pytest.mark.timeout(30)
+def test_ssp_pull_waits_beyond_the_bound_and_staleness_is_recorded(served) -> None:
+    server, (w0, w1) = served("ssp", staleness=1)
+    model = nn.Linear(2, 1)
+    placement, _ = _init(w0, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    keys = [p.key for p in placement.pieces]
+    grads = [torch.ones(p.numel) for p in placement.pieces]
+    for step in range(2):  # worker 0 runs ahead; worker 1 stays at clock 0
+        assert w0.request("pull", {"rank": 0, "step": step}).kind == "params"
+        w0.request("push", {"rank": 0, "step": step, "read": 0, "keys": keys}, grads)
+        w0.request("commit", {"rank": 0, "step": step, "read": 0})
+    assert w0.request("pull", {"rank": 0, "step": 2}).kind == "wait"  # 2 steps ahead of the slowest, K = 1
+    w1.request("push", {"rank": 1, "step": 0, "read": 0, "keys": keys}, grads)
+    w1.request("commit", {"rank": 1, "step": 0, "read": 0})
+    assert w0.request("pull", {"rank": 0, "step": 2}).kind == "params"
+    assert server.staleness == {0: 2, 1: 1}  # pushes of (step - read): 0, 1 from worker 0, 0 from worker 1
+    assert server.counters["updates"] == 3
+
+
+# -- tests across processes -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_ps_sync_matches_one_process_on_the_combined_batch(tmp_path: Path, kind: str) -> None:
+    results, codes = launch(kind, "ps-sync", tmp_path)
+    assert codes == [0] * (WORLD + NUM_PS), logs(tmp_path)  # the ps tasks exit cleanly when the workers finish
+    expected = torch.tensor(reference(kind))
+    for r in results:
+        assert torch.allclose(torch.tensor(r["params"]), expected, atol=1e-5, rtol=0), r["params"][:5]
+        assert r["stats"]["max_staleness"] == 0 and r["stats"]["step"] == STEPS
+        assert r["state_servers"] == NUM_PS
+        assert all(s["version"] == STEPS for s in r["stats"]["servers"])
+        assert r["comm"] > 0
+    assert results[0]["params"] == results[1]["params"]
+    assert "parameter placement" in (tmp_path / "worker0.log").read_text()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_ps_async_trains(tmp_path: Path) -> None:
+    results, codes = launch("async", "ps-async", tmp_path)
+    assert codes == [0] * (WORLD + NUM_PS), logs(tmp_path)
+    for r in results:
+        assert r["last"] < 0.9 * r["first"], (r["first"], r["last"], r["losses"])
+    assert all(s["counters"]["updates"] > 0 for s in results[0]["stats"]["servers"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_ps_ssp_bounds_staleness(tmp_path: Path) -> None:
+    results, codes = launch("ssp", "ps-ssp:2", tmp_path)
+    assert codes == [0] * (WORLD + NUM_PS), logs(tmp_path)
+    stats = results[0]["stats"]  # gathered from the servers: every push of both workers
+    seen = {int(k) for k in stats["staleness"]}
+    assert max(seen) <= 2, stats["staleness"]
+    assert max(seen) > 0, stats["staleness"]
+    assert results[0]["stats"]["wait_seconds"] > 0  # the fast worker waited for the slow one
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_garbage_and_forged_messages_change_nothing(tmp_path: Path) -> None:
+    results, codes = launch("garbage", "ps-sync", tmp_path)
+    assert codes == [0] * (WORLD + NUM_PS), logs(tmp_path)
+    expected = torch.tensor(reference("sgd"))
+    params = torch.tensor(results[0]["params"])
+    undisturbed, _ = launch("sgd", "ps-sync", tmp_path / "undisturbed")
+    assert results[0]["params"] == undisturbed[0]["params"]
+    assert torch.allclose(params, expected, atol=1e-5, rtol=0)
+    servers = results[0]["stats"]["servers"]
+    assert all(s["dropped"] > 0 for s in servers), servers
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_conveyor_run_starts_ps_tasks_that_exit_cleanly(tmp_path: Path) -> None:
+    """`conveyor run -n 2 --ps 2 --strategy ps-sync` on this same script: the launcher's path end to end."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in _FOREIGN and not k.startswith(("CONVEYOR_", "SLURM_", "TORCHELASTIC_"))}
+    env["OMP_NUM_THREADS"] = "1"
+    out = tmp_path / "results"
+    out.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "conveyor.cli.main", "run", "-n", "2", "--ps", "2", "--strategy",
+                           "ps-sync", "--output-dir", str(tmp_path / "output"), __file__, "sgd", str(out)],
+                          env=env, capture_output=True, text=True, timeout=55)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    assert "still running" not in text, text  # the ps tasks exited by themselves, not stopped by the launcher
+    assert "every worker is done; exiting" in text
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    assert torch.allclose(torch.tensor(results[0]["params"]), torch.tensor(reference("sgd")), atol=1e-5, rtol=0)
+    assert (tmp_path / "output" / "ps-stats.json").exists()
+
+
+if __name__ == "__main__":
+    task_main(sys.argv[1], Path(sys.argv[2]))
