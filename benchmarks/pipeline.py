@@ -564,16 +564,17 @@ def run_tfdata(files: Sequence[str], wl: Workload, n_records: int, warmup_batche
 
 
 def measure_idle(files: Sequence[str], wl: Workload, new_rate: float, n_batches: int,
-                 warmup_batches: int = 2, busy_fraction: float = 0.8, block: int = 30,
-                 calibrate: int = 10) -> dict[str, Any]:
+                 warmup_batches: int = 2, busy_fraction: float = 0.8, block: int = 60,
+                 calibrate: int = 16, drain: int = 16) -> dict[str, Any]:
     """A consumer that 'computes' by sleeping `busy_fraction` x the pipeline's per-batch time; the
     idle fraction is its time blocked in next() over its wall time.
 
     The machine's speed drifts by tens of percent within a minute, so a per-batch time measured
     in an earlier phase would make the consumer too fast or too slow. The run is therefore made of
-    blocks: `calibrate` batches at full speed measure the pipeline's current per-batch time T,
-    then `block` batches sleep `busy_fraction` x T each; only the sleeping batches count.
-    `new_rate` (from the timed rounds) is kept for reference.
+    blocks: `drain` batches at full speed empty the pipeline's buffers (batches taken from a
+    buffer would make it look faster than it produces), `calibrate` more measure its current
+    per-batch time T, then `block` batches sleep `busy_fraction` x T each; only the sleeping
+    batches count. `new_rate` (from the timed rounds) is kept for reference.
     """
     it = iter(new_dataset(file_pattern(files), wl))
     try:
@@ -584,6 +585,8 @@ def measure_idle(files: Sequence[str], wl: Workload, new_rate: float, n_batches:
         sleeps = []
         with CpuProbe() as probe:
             while counted < n_batches:
+                for _ in range(drain):
+                    next(it)
                 t0 = time.perf_counter()
                 for _ in range(calibrate):
                     next(it)[0].shape  # noqa: B018
@@ -605,6 +608,7 @@ def measure_idle(files: Sequence[str], wl: Workload, new_rate: float, n_batches:
         it.close()
     return {"batch_time_s": statistics.median(sleeps) / busy_fraction, "sleep_s": statistics.median(sleeps),
             "busy_fraction": busy_fraction, "batches": counted, "block": block, "calibrate": calibrate,
+            "drain": drain,
             "reference_batch_time_s": wl.batch_size / new_rate, "wait_s": waited, "wall_s": wall,
             "longest_wait_s": longest, "idle_fraction": waited / wall, "cpu": probe.result}
 

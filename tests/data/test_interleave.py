@@ -258,3 +258,24 @@ def test_state_holds_elements_read_ahead():
         time.sleep(0.01)
     assert sum(len(s["buffer"]) for s in slots if s) >= 2
     it.close()
+
+
+def test_autotune_starts_one_reader_and_adds_more_when_the_consumer_waits():
+    import time as _time
+
+    from conveyor.data import AUTOTUNE, Dataset
+
+    def slow(x):
+        _time.sleep(0.002)
+        return x
+
+    inner = lambda i: Dataset.range(i * 100, i * 100 + 40).map(slow)  # noqa: E731
+    it = iter(Dataset.range(4).interleave(inner, cycle_length=4, num_parallel_calls=AUTOTUNE))
+    first = next(it)
+    stage = next(s for s in it.stats()["stages"] if s["stage"] == "interleave")
+    assert first == 0 and stage["max_parallel_calls"] >= 1
+    rest = list(it)
+    stage = next(s for s in it.stats()["stages"] if s["stage"] == "interleave")
+    assert sorted([first, *rest]) == sorted(x for i in range(4) for x in range(i * 100, i * 100 + 40))
+    if stage["max_parallel_calls"] > 1:  # slow readers: the consumer waited, so readers were added
+        assert stage["consumer_waits"] >= 16 and stage["num_parallel_calls"] > 1

@@ -46,6 +46,7 @@ from conveyor.data.errors import InvalidArgumentError
 _WAIT = 0.05  # seconds between checks of the stop flag in every blocking wait
 _JOIN_TIMEOUT = 5.0  # how long close() waits for a reader stuck inside an inner dataset's next()
 
+_GROW_AFTER = 16  # consumer waits per added reader thread under AUTOTUNE
 _MIN_READ_AHEAD = 16  # elements a slot may hold read ahead (at least two blocks)
 _READ_BATCH = 16  # most elements a reader takes from one slot before handing it back
 
@@ -275,7 +276,13 @@ class ParallelInterleaveIter(_InterleaveBase):
     def __init__(self, node: InterleaveNode, ctx: Context):
         super().__init__(node, ctx)
         self._deterministic = node.deterministic is not False
-        self._threads_wanted = max(1, min(_resolve(node.num_parallel_calls), self._cycle))
+        # AUTOTUNE starts one reader and adds one (up to a core each, at most one per slot) whenever
+        # the consumer has had to wait for data `_GROW_AFTER` times: reading TFRecords is usually
+        # far faster than what follows it, and idle reader threads still cost GIL switches.
+        self._threads_max = max(1, min(_resolve(node.num_parallel_calls), self._cycle))
+        self._autotune = node.num_parallel_calls == AUTOTUNE
+        self._threads_wanted = 1 if self._autotune else self._threads_max
+        self._consumer_waits = 0
         self._capacity = max(2 * self._block, _MIN_READ_AHEAD)  # per slot, in elements
         self._lock = threading.Lock()
         self._data_ready = threading.Condition(self._lock)  # consumer / snapshot wait here
@@ -286,14 +293,27 @@ class ParallelInterleaveIter(_InterleaveBase):
         self._fatal: BaseException | None = None
         self._consumer_waits_for: object = None  # a slot, _ANY_SLOT, or None
         self.stats.extra["num_parallel_calls"] = self._threads_wanted
+        self.stats.extra["max_parallel_calls"] = self._threads_max
 
     # ---- reader threads
 
     def _start(self) -> None:
-        for i in range(self._threads_wanted):
-            t = threading.Thread(target=self._reader, name=f"conveyor-interleave-{id(self):x}-{i}", daemon=True)
-            self._threads.append(t)
-            t.start()
+        for _ in range(self._threads_wanted):
+            self._add_reader()
+
+    def _add_reader(self) -> None:
+        t = threading.Thread(target=self._reader, name=f"conveyor-interleave-{id(self):x}-{len(self._threads)}",
+                             daemon=True)
+        self._threads.append(t)
+        t.start()
+        self.stats.extra["num_parallel_calls"] = len(self._threads)
+
+    def _consumer_waited(self) -> None:
+        """Called with the lock held each time the consumer finds no data: AUTOTUNE's measure."""
+        self._consumer_waits += 1
+        self.stats.extra["consumer_waits"] = self._consumer_waits
+        if self._autotune and len(self._threads) < self._threads_max and self._consumer_waits % _GROW_AFTER == 0:
+            self._add_reader()
 
     def _pick(self) -> _Slot | None:
         """The slot most in need of reading: the one whose turn it is first, then in cycle order."""
@@ -379,6 +399,7 @@ class ParallelInterleaveIter(_InterleaveBase):
                     if not self._end_of_input:  # open empty slots early so they start reading
                         need_open = next((j for j in range(n) if self._slots[j] is None), -1)
                 if need_open < 0:
+                    self._consumer_waited()
                     self._consumer_waits_for = slot if self._deterministic else _ANY_SLOT
                     self._data_ready.wait(_WAIT)
                     self._consumer_waits_for = None
