@@ -25,8 +25,8 @@ EPOCHS = 10
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-def launch(data: Path, out: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "conveyor.cli.main", "run", "-n", "2", "--data-dir", str(data),
+def launch(data: Path, out: Path, *job: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "conveyor.cli.main", "run", "-n", "2", *job, "--data-dir", str(data),
            "--output-dir", str(out), "--max-restarts", "2", str(SCRIPT), "--epochs", str(EPOCHS),
            "--checkpoint-every", "20"]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -37,21 +37,26 @@ def final_parameters(out: Path) -> dict:
     return load_file(str(out / "checkpoints" / latest / "model.safetensors"))
 
 
-def worker(launcher: subprocess.Popen, index: int) -> psutil.Process | None:
+def task(launcher: subprocess.Popen, task_type: str, index: int) -> psutil.Process | None:
     for p in psutil.Process(launcher.pid).children(recursive=True):
         try:
             env = p.environ()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        if env.get("CONVEYOR_TASK_INDEX") == str(index) and env.get("CONVEYOR_RESTART_COUNT") == "0":
+        if (env.get("CONVEYOR_TASK_TYPE") == task_type and env.get("CONVEYOR_TASK_INDEX") == str(index)
+                and env.get("CONVEYOR_RESTART_COUNT") == "0"):
             if "train.py" in " ".join(p.cmdline()):
                 return p
     return None
 
 
-def test_killed_worker_restarts_from_checkpoint_and_matches_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize(("job", "victim"), [
+    pytest.param((), ("worker", 1), id="allreduce-worker"),
+    pytest.param(("--ps", "1", "--strategy", "ps-sync"), ("ps", 0), id="ps-sync-ps-task"),
+])
+def test_killed_task_restarts_from_checkpoint_and_matches_uninterrupted_run(tmp_path, job, victim):
     data = tmp_path / "data"
-    reference = launch(data, tmp_path / "reference")
+    reference = launch(data, tmp_path / "reference", *job)
     log, _ = reference.communicate(timeout=240)
     assert reference.returncode == 0, log[-3000:]
     ref_summary = json.loads((tmp_path / "reference" / "summary.json").read_text())
@@ -59,16 +64,16 @@ def test_killed_worker_restarts_from_checkpoint_and_matches_uninterrupted_run(tm
     assert ref_summary["restarts"] == 0
 
     out = tmp_path / "killed"
-    run = launch(data, out)
+    run = launch(data, out, *job)
     deadline = time.monotonic() + 120
-    victim = None
-    while time.monotonic() < deadline:  # wait for the second checkpoint, then kill worker 1 mid-run
+    process = None
+    while time.monotonic() < deadline:  # wait for the second checkpoint, then kill the task mid-run
         if (out / "checkpoints" / "step-00000040").is_dir():
-            victim = worker(run, 1)
+            process = task(run, *victim)
             break
         time.sleep(0.02)
-    assert victim is not None, "the run never reached step 40"
-    os.kill(victim.pid, signal.SIGKILL)
+    assert process is not None, "the run never reached step 40"
+    os.kill(process.pid, signal.SIGKILL)
     log, _ = run.communicate(timeout=240)
     assert run.returncode == 0, log[-3000:]
     assert "restart" in log
