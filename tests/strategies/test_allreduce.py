@@ -102,18 +102,14 @@ def launch(scenario: str, out: Path, timeout: float, deadline: float = 60.0,
         log = open(out / f"rank{rank}.log", "wb")  # closed below, after the process ends
         procs.append((subprocess.Popen([sys.executable, __file__, scenario, str(out)], env=env, stdout=log,
                                        stderr=subprocess.STDOUT), log))
-    end = time.monotonic() + deadline
-    try:
-        for proc, _ in procs[:1] if only_rank0 else procs:
-            proc.wait(timeout=max(0.1, end - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{scenario}: workers still running after {deadline:g} s\n{logs(out)}")
-    finally:
-        for proc, log in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            log.close()
+    from taskrun import wait_all  # here: this file also runs as the workers' script, outside pytest
+
+    wait_all(procs[:1] if only_rank0 else procs, deadline, f"{scenario}: workers", lambda: logs(out))
+    for proc, log in procs:  # with only_rank0 the others were not waited for: stop them too
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
     results = []
     for rank in range(WORLD):
         path = out / f"rank{rank}.json"

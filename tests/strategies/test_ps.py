@@ -183,18 +183,9 @@ def launch(scenario: str, strategy: str, out: Path, deadline: float = 50.0) -> t
         log = open(out / f"{task.type}{task.index}.log", "wb")
         procs.append((subprocess.Popen([sys.executable, __file__, scenario, str(out)], env=env, stdout=log,
                                        stderr=subprocess.STDOUT), log))
-    end = time.monotonic() + deadline
-    try:
-        for proc, _ in procs:
-            proc.wait(timeout=max(0.1, end - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{scenario}: tasks still running after {deadline:g} s\n{logs(out)}")
-    finally:
-        for proc, log in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            log.close()
+    from taskrun import wait_all  # here: this file also runs as the workers' script, outside pytest
+
+    wait_all(procs, deadline, f"{scenario}: tasks", lambda: logs(out))
     results = []
     for rank in range(WORLD):
         path = out / f"rank{rank}.json"
