@@ -32,6 +32,7 @@ demo: setup
 bench: setup
 	$(PY) benchmarks/pipeline.py
 	$(PY) benchmarks/allreduce.py
+	$(PY) benchmarks/ps.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
