@@ -62,7 +62,6 @@ JSON (machine, config, every sample, every run's details, derived values, goal) 
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import math
 import os
@@ -78,7 +77,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by file path
-from machine import machine_facts  # noqa: E402
+from machine import loadavg, machine_facts, publish, write_results  # noqa: E402
 
 HERE = Path(__file__).resolve()
 DEFAULT_OUT = HERE.parent / "results"
@@ -597,36 +596,11 @@ def format_goals(gs: Sequence[dict[str, Any]]) -> str:
 
 
 def machine_info() -> dict[str, Any]:
-    return {**machine_facts(("torch",)), "loadavg_start": _loadavg()}
-
-
-def _loadavg() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except (AttributeError, OSError):
-        return None
-
-
-def _clean(x: Any) -> Any:
-    """NaN/inf → None, so the JSON is strict."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    return x
+    return {**machine_facts(("torch",)), "loadavg_start": loadavg()}
 
 
 def write_json(report: dict[str, Any], out_dir: Path) -> Path:
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    path = out_dir / f"allreduce-{stamp}.json"
-    text = json.dumps(_clean(report), indent=1, allow_nan=False)
-    path.write_text(text)
-    (out_dir / "allreduce-latest.json").write_text(text)
-    return path
+    return write_results("allreduce", report, out_dir)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -683,7 +657,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     res = run_rounds(config, args.repeats, args.timeout, contenders=args.contenders)
     d = derive(res)
     gs = goals(d)
-    machine["loadavg_end"] = _loadavg()
+    machine["loadavg_end"] = loadavg()
     table = format_table(res, d, config)
     report = {
         "benchmark": "allreduce",
@@ -709,14 +683,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "table": table,
     }
     report["wall_seconds"] = time.perf_counter() - started
-    print()
-    print(table)
-    if res["errors"]:
-        print("\nerrors:\n  " + "\n  ".join(res["errors"]))
-    print()
-    print(format_goals(gs))
-    path = write_json(report, args.out)
-    print(f"\nJSON: {path} (and {path.parent / 'allreduce-latest.json'}); total {report['wall_seconds']:.0f} s")
+    publish("allreduce", report, format_goals(gs), args.out)
     return 0
 
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import datetime as _dt
+import json
+import math
 import os
 import platform
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import Any
 
 
@@ -36,3 +39,56 @@ def machine_facts(packages: tuple[str, ...] = ()) -> dict[str, Any]:
         except PackageNotFoundError:
             facts[name.lower()] = None
     return facts
+
+
+def loadavg() -> list[float] | None:
+    """The 1/5/15-minute load averages, to show how busy the machine was around a measurement."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def write_results(name: str, report: dict[str, Any], out_dir: str | os.PathLike) -> Path:
+    """Write `report` to `<out_dir>/<name>-<UTC stamp>.json` and `<name>-latest.json`.
+
+    The JSON is strict: a failed sample (NaN, inf) is written as null; numpy values and paths as
+    their plain equivalents.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    text = json.dumps(_strict(report), indent=1, default=_plain, allow_nan=False)
+    path = out / f"{name}-{stamp}.json"
+    path.write_text(text)
+    (out / f"{name}-latest.json").write_text(text)
+    return path
+
+
+def _strict(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _strict(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_strict(v) for v in x]
+    return x
+
+
+def _plain(x: Any) -> Any:
+    if hasattr(x, "tolist"):  # numpy scalars and arrays
+        return _strict(x.tolist())
+    return str(x)
+
+
+def publish(name: str, report: dict[str, Any], goal_lines: str, out_dir: str | os.PathLike) -> Path:
+    """Print the report's table, its errors and the PASS/FAIL lines, then write the JSON."""
+    print()
+    print(report["table"])
+    if report.get("errors"):
+        print("\nerrors:\n  " + "\n  ".join(report["errors"]))
+    print()
+    print(goal_lines)
+    path = write_results(name, report, out_dir)
+    print(f"\nJSON: {path} (and {path.parent / f'{name}-latest.json'}); total {report['wall_seconds']:.0f} s")
+    return path

@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as _dt
 import gc
 import importlib.util
 import io
@@ -93,7 +92,7 @@ from conveyor.data import (
 from conveyor.data.records import TFRecordReader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by file path
-from machine import cpu_cores, machine_facts, now_iso  # noqa: E402
+from machine import cpu_cores, loadavg, machine_facts, now_iso, write_results  # noqa: E402
 
 GENERATOR_VERSION = 1
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -862,7 +861,7 @@ def run_workload(wl: Workload, data_root: Path, n_records: int | None = None, re
         errors.append(msg)
         return None, msg
 
-    load_before = _loadavg()
+    load_before = loadavg()
     samples: dict[str, list[float]] = {name: [] for name in runners}
     sample_info: dict[str, list[dict]] = {name: [] for name in runners}
     for r in range(repeats):
@@ -961,7 +960,7 @@ def run_workload(wl: Workload, data_root: Path, n_records: int | None = None, re
         "samples": samples,
         "sample_info": sample_info,
         "errors": errors,
-        "load_average": {"before": load_before, "after": _loadavg()},
+        "load_average": {"before": load_before, "after": loadavg()},
         "median": med,
         "min": {k: min(_finite(v), default=None) for k, v in samples.items()},
         "max": {k: max(_finite(v), default=None) for k, v in samples.items()},
@@ -1147,13 +1146,6 @@ def format_goals(goals: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def _loadavg() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except (AttributeError, OSError):
-        return None
-
-
 def machine_info() -> dict[str, Any]:
     return {**machine_facts(("numpy", "torch", "Pillow", "psutil")),
             "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
@@ -1161,35 +1153,7 @@ def machine_info() -> dict[str, Any]:
 
 
 def write_json(report: dict[str, Any], out_dir: Path) -> Path:
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    path = out_dir / f"pipeline-{stamp}.json"
-    text = json.dumps(_strict(report), indent=1, default=_json_default, allow_nan=False)
-    path.write_text(text)
-    (out_dir / "pipeline-latest.json").write_text(text)
-    return path
-
-
-def _strict(x: Any) -> Any:
-    """JSON has no NaN: a failed sample (NaN) is written as null."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _strict(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_strict(v) for v in x]
-    return x
-
-
-def _json_default(x: Any) -> Any:
-    if isinstance(x, np.generic):
-        return x.item()
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    if isinstance(x, Path):
-        return str(x)
-    return str(x)
+    return write_results("pipeline", report, out_dir)
 
 
 def build_report(results: dict[str, dict], config: dict[str, Any]) -> dict[str, Any]:

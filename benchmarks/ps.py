@@ -36,7 +36,6 @@ derived values, goals) in ``<out>/ps-<timestamp>.json`` and ``<out>/ps-latest.js
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import math
 import os
@@ -52,7 +51,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by file path
-from machine import machine_facts  # noqa: E402
+from conveyor.launch.ports import free_ports  # noqa: E402
+from machine import loadavg, machine_facts, publish, write_results  # noqa: E402
 
 HERE = Path(__file__).resolve()
 DEFAULT_OUT = HERE.parent / "results"
@@ -228,17 +228,6 @@ ROLES = {"ps_server": ps_server, "ps_client": ps_client, "gloo": gloo, "tcp": tc
 # ==================================================================================================
 
 
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def _spawn(config: dict[str, Any], env: dict[str, str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(HERE), "--worker", json.dumps(config)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -382,33 +371,8 @@ def format_goals(gs: Sequence[dict[str, Any]]) -> str:
                      f"(goal >= {g['threshold']})" for g in gs)
 
 
-def _loadavg() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except (AttributeError, OSError):
-        return None
-
-
-def _clean(x: Any) -> Any:
-    """NaN/inf → None, so the JSON is strict."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    return x
-
-
 def write_json(report: dict[str, Any], out_dir: Path) -> Path:
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    path = out_dir / f"ps-{stamp}.json"
-    text = json.dumps(_clean(report), indent=1, allow_nan=False)
-    path.write_text(text)
-    (out_dir / "ps-latest.json").write_text(text)
-    return path
+    return write_results("ps", report, out_dir)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -441,12 +405,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     nbytes = int(args.mb * MB) // (4 * args.tensors) * 4 * args.tensors  # whole float32 tensors of equal size
     settings = {"bytes": nbytes, "tensors": args.tensors, "iters": args.iters}
-    machine = {**machine_facts(("torch", "pyzmq")), "loadavg_start": _loadavg()}
+    machine = {**machine_facts(("torch", "pyzmq")), "loadavg_start": loadavg()}
     print(f"{nbytes / MB:.0f} MB, {args.repeats} round(s) x {args.iters} iteration(s), {machine['cores']} cores")
     res = run_rounds(settings, args.repeats, args.timeout)
     d = derive(res)
     gs = goals(d)
-    machine["loadavg_end"] = _loadavg()
+    machine["loadavg_end"] = loadavg()
     table = format_table(res, d, settings, args.repeats)
     report = {
         "benchmark": "ps",
@@ -468,14 +432,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "table": table,
     }
     report["wall_seconds"] = time.perf_counter() - started
-    print()
-    print(table)
-    if res["errors"]:
-        print("\nerrors:\n  " + "\n  ".join(res["errors"]))
-    print()
-    print(format_goals(gs))
-    path = write_json(report, args.out)
-    print(f"\nJSON: {path} (and {path.parent / 'ps-latest.json'}); total {report['wall_seconds']:.0f} s")
+    publish("ps", report, format_goals(gs), args.out)
     return 0
 
 

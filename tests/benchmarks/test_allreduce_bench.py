@@ -5,36 +5,21 @@ Not a performance assertion: rates are only checked to be positive and finite, s
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from conveyor.launch import OWNED_VARS
+from numbers_check import finite_positive
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--model", "tiny", "--batch", "8", "--steps", "3", "--warmup", "1", "--comm-steps", "2", "--repeats", "1"]
 
 
-@pytest.fixture(scope="module")
-def bench():
-    name = "conveyor_benchmarks_allreduce"
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "allreduce.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop(name, None)
-
-
-def finite_positive(x) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+BENCHMARK = "allreduce"
 
 
 def test_parse_args(bench):

@@ -5,32 +5,17 @@ Not a performance assertion: rates are only checked to be positive and finite, r
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import math
-import sys
 from pathlib import Path
 
 import pytest
 
+from numbers_check import finite_positive
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def bench():
-    name = "conveyor_benchmarks_ps"
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "ps.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop(name, None)
-
-
-def finite_positive(x) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+BENCHMARK = "ps"
 
 
 def test_parse_args(bench):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from torch import nn
 import conveyor
 from conveyor.cluster import local_cluster, task_environment
 from conveyor.comm.process_group import PeerError, collective_guard
+from conveyor.launch.ports import free_ports
 
 pytestmark = pytest.mark.multiprocess
 
@@ -70,17 +70,6 @@ def flat(model: nn.Module) -> torch.Tensor:
 
 
 # -- launching ------------------------------------------------------------------------------------------------------
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def launch(scenario: str, out: Path, timeout: float, deadline: float = 60.0,

@@ -25,6 +25,7 @@ from torch import nn
 import conveyor
 from conveyor.cluster import local_cluster, task_environment
 from conveyor.comm.transport import Client, RemoteError
+from conveyor.launch.ports import free_ports
 from conveyor.strategies import PSStrategy, get_strategy
 from conveyor.strategies.ps import OptimizerSpec, ServerOptimizer, mean_of_gradients, place
 from conveyor.strategies.ps.server import ParameterServer, parse_mode
@@ -153,17 +154,6 @@ def task_main(scenario: str, out: Path) -> None:
 
 
 # -- launching ------------------------------------------------------------------------------------------------------
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def launch(scenario: str, strategy: str, out: Path, deadline: float = 50.0) -> tuple[list[dict], list[int]]:
