@@ -333,6 +333,8 @@ def worker(config: dict[str, Any]) -> dict[str, Any]:
             result["isolated_allreduce_ms"] = 1e3 * iso
             result["isolated_comm_share"] = 1e3 * iso / result["step_ms_median"]
             result["isolated_method"] = COMM_METHODS["bare_ddp_2_isolated"]
+            # Rank 0 hosts the tcp:// store: leaving before the others are done with it aborts them at exit.
+            dist.barrier()
         finally:
             dist.destroy_process_group()
 

@@ -15,6 +15,7 @@ from hypothesis.extra import numpy as hnp
 from conveyor.comm.framing import (
     ALLOWED_DTYPES,
     MAX_HEADER_BYTES,
+    VERSION,
     BadMessage,
     ReplayGuard,
     Wire,
@@ -50,7 +51,7 @@ def signed(meta: dict, tensor_frames=()) -> list:
 
 
 def base_meta(**extra):
-    meta = {"v": 1, "kind": "push", "sender": "w#1", "seq": next_seq(), "ts": time.time(), "tensors": []}
+    meta = {"v": VERSION, "kind": "push", "sender": "w#1", "seq": next_seq(), "ts": time.time(), "tensors": []}
     meta.update(extra)
     return meta
 
@@ -241,9 +242,10 @@ def test_replay_guard_forgets_senders_only_once_their_messages_are_stale():
     [
         ("raw", b"\xc1\xc1not msgpack", (), "header"),
         ("obj", [1, 2, 3], (), "header"),
-        ("obj", {"v": 1}, (), "header"),
+        ("obj", {"v": VERSION}, (), "header"),
         ("base", {}, (), None),  # the control: the base header is fine
-        ("base", {"v": 2}, (), "version"),
+        ("base", {"v": VERSION + 1}, (), "version"),
+        ("base", {"v": VERSION - 1}, (), "version"),
         ("base", {"v": True}, (), "version"),
         ("base", {"kind": 7}, (), "header"),
         ("base", {"seq": True}, (), "header"),

@@ -88,9 +88,12 @@ def test_killed_task_restarts_from_checkpoint_and_matches_uninterrupted_run(tmp_
 
 
 def test_ps_async_trains_the_digits_demo(tmp_path):
+    # Stale gradients act like extra momentum, so asynchronous updates want a smaller step than the demo's
+    # synchronous 0.05: at 0.05 and 6 epochs the accuracy ranged 0.92-0.99 over runs, at 0.02 and 8 epochs
+    # 0.986-0.992 (6 runs on a loaded machine).
     cmd = [sys.executable, "-m", "conveyor.cli.main", "run", "-n", "2", "--ps", "1", "--strategy", "ps-async",
            "--data-dir", str(tmp_path / "data"), "--output-dir", str(tmp_path / "out"), str(SCRIPT),
-           "--epochs", "6"]
+           "--epochs", "8", "--lr", "0.02"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout[-3000:]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
