@@ -29,6 +29,8 @@ from conveyor.launch.ports import free_ports
 from conveyor.strategies import PSStrategy, get_strategy
 from conveyor.strategies.ps import OptimizerSpec, ServerOptimizer, mean_of_gradients, place
 from conveyor.strategies.ps.server import ParameterServer, parse_mode
+from conveyor.train.checkpoint import CheckpointManager
+from conveyor.train.job import shard_stores
 
 WORLD = 2
 NUM_PS = 2
@@ -196,10 +198,10 @@ def served():
     """A started ParameterServer factory on a free port and a client factory for it; all closed afterwards."""
     made = []
 
-    def make(mode: str, staleness: int = 0, workers: int = 2):
+    def make(mode: str, staleness: int = 0, workers: int = 2, shards=None):
         port = free_ports(1)[0]
         server = ParameterServer(f"127.0.0.1:{port}", SECRET, index=0, num_workers=workers, mode=mode,
-                                 staleness=staleness).start()
+                                 staleness=staleness, shards=shards).start()
         clients = [Client(f"127.0.0.1:{port}", SECRET, name="ps:0", timeout=10.0, sender=f"worker:{r}")
                    for r in range(workers)]
         made.append((server, clients))
@@ -286,6 +288,42 @@ def test_ssp_pull_waits_beyond_the_bound_and_staleness_is_recorded(served) -> No
     assert w0.request("pull", {"rank": 0, "step": 2}).kind == "params"
     assert server.staleness == {0: 2, 1: 1}  # pushes of (step - read): 0, 1 from worker 0, 0 from worker 1
     assert server.counters["updates"] == 3
+
+
+@pytest.mark.timeout(30)
+def test_a_ps_shard_saved_into_a_checkpoint_restores_a_fresh_server(served, tmp_path: Path) -> None:
+    stores = shard_stores(tmp_path)
+    server, (w0, w1) = served("async", shards=stores)
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    placement, _ = _init(w0, model, optimizer)
+    keys = [p.key for p in placement.pieces]
+    for step in range(3):
+        w0.request("push", {"rank": 0, "step": step, "read": 0, "keys": keys},
+                   [torch.randn(p.numel) for p in placement.pieces])
+        reply = w0.request("commit", {"rank": 0, "step": step, "read": 0, "plan": 10})
+    w1.request("commit", {"rank": 1, "step": 0, "read": 0})
+    assert reply.header["plan"] == 10 and w0.request("commit", {"rank": 0, "step": 3}).header["total"] == 5
+
+    root = str(tmp_path / "checkpoints")
+    parts = w0.request("save", {"rank": 0, "step": 7, "root": root}).header["parts"]
+    assert parts == ["ps-0.safetensors", "ps-0.json"]
+    CheckpointManager(root).finalize(7, parts)  # what the chief's save does with the parts
+    saved, _ = server.opt.state_dict()
+
+    fresh, (f0, _) = served("async", shards=stores)
+    _init(f0, model, optimizer)  # the model's initial values, not the trained ones
+    assert f0.request("restore", {"rank": 0, "step": 7, "root": root}).kind == "ok"
+    restored, _ = fresh.opt.state_dict()
+    assert saved.keys() == restored.keys() and all(torch.equal(saved[k], restored[k]) for k in saved)
+
+    with pytest.raises(RemoteError, match="outside this task's output folder"):
+        w0.request("save", {"rank": 0, "step": 8, "root": str(tmp_path.parent / "elsewhere")})
+    other, (o0, _) = served("async", shards=stores)
+    wider = nn.Linear(3, 3)
+    _init(o0, wider, torch.optim.Adam(wider.parameters()))
+    with pytest.raises(RemoteError, match="another model or ps layout"):
+        o0.request("restore", {"rank": 0, "step": 7, "root": root})
 
 
 # -- tests across processes -----------------------------------------------------------------------------------------

@@ -383,6 +383,28 @@ def test_parts_from_other_tasks_join_the_step(tmp_path):
     with pytest.raises(CheckpointError, match="too late"):
         ps.save_part(100, "ps-1.safetensors", b"late")
 
+    # What the ps task reads back on resume: checked against the manifest.
+    assert ps.read_part(100, "data/worker-1.json") == json.dumps({"pos": 9}).encode()
+    with pytest.raises(CheckpointError, match="no part 'ps-1.safetensors'"):
+        ps.read_part(100, "ps-1.safetensors")
+    target = path / "ps-0.safetensors"
+    damaged = bytearray(target.read_bytes())
+    damaged[-1] ^= 1
+    target.write_bytes(bytes(damaged))
+    with pytest.raises(CheckpointError, match="damaged"):
+        ps.read_part(100, "ps-0.safetensors")
+
+
+def test_published_positions_replace_each_other(tmp_path):
+    mgr = CheckpointManager(tmp_path, fsync=False)
+    assert mgr.latest_position("worker-1") is None
+    mgr.publish_position("worker-1", b'{"step": 10}')
+    mgr.publish_position("worker-1", b'{"step": 20}')
+    assert mgr.latest_position("worker-1") == b'{"step": 20}'
+    assert [p.name for p in (tmp_path / ".positions").iterdir()] == ["worker-1.json"]  # no temp files left
+    with pytest.raises(ValueError):
+        mgr.publish_position("../escape", b"{}")
+
 
 def test_missing_part_fails_the_save_and_keeps_latest(tmp_path, monkeypatch):
     mgr = CheckpointManager(tmp_path, fsync=False)

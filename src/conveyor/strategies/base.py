@@ -31,6 +31,10 @@ class Strategy(ABC):
 
     name: ClassVar[str] = ""
     distributed: ClassVar[bool] = True
+    #: Whether the workers move one step at a time together. When False (asynchronous parameter
+    #: servers), the trainer lets each worker run at its own pace and stops on the strategy's shared
+    #: step count (:meth:`global_progress`) instead of synchronising every step.
+    lockstep: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self._job: Any = None
@@ -57,6 +61,27 @@ class Strategy(ABC):
     def comm_seconds(self) -> float:
         """Total wall time spent in gradient communication so far (seconds); see each strategy for details."""
         return 0.0
+
+    def save_optimizer(self, optimizer: Any, checkpoints: Any, step: int) -> tuple[Any, list[str]]:
+        """What the chief's checkpoint of ``step`` holds for ``optimizer``, and the files other tasks add.
+
+        ``checkpoints`` is the trainer's checkpoint manager (its ``root`` is the folder). The default is
+        the optimizer's own ``state_dict()`` and no other files; parameter servers write their shards
+        themselves and return a reference to them.
+        """
+        return optimizer.state_dict(), []
+
+    def restore_optimizer(self, optimizer: Any, state: Any, checkpoints: Any, step: int) -> None:
+        """Undo :meth:`save_optimizer` on resume (every rank calls it)."""
+        optimizer.load_state_dict(state)
+
+    def global_progress(self) -> tuple[int, int | None]:
+        """For strategies that are not ``lockstep``: (steps all workers committed, the total they stop at)."""
+        raise NotImplementedError(f"strategy {self.name!r} moves in lockstep and counts no shared steps")
+
+    def announce_total(self, total: int) -> None:
+        """Tell the other workers the total number of steps (over all of them) this job stops at."""
+        raise NotImplementedError(f"strategy {self.name!r} moves in lockstep and counts no shared steps")
 
     def __str__(self) -> str:
         return self.name

@@ -15,6 +15,7 @@ Layout of `root` (normally `<output_dir>/checkpoints`):
         ps-0.safetensors, ...       parts contributed by other tasks (below)
     .tmp-step-00002000-1a2b3c4d/    being written; never read
     .parts-step-00002000/           parts other tasks have contributed to step 2000 so far
+    .positions/worker-1.json        newest data position of a worker training apart (publish_position)
     .trash-step-00000500-.../       being deleted by rotation; never read
 
 Why it is safe to read at any moment: a step folder is written under a `.tmp-*` name, every file
@@ -515,6 +516,49 @@ class CheckpointManager:
             if name.startswith("data/") and name.endswith(".json"):
                 ckpt.data_states[name[len("data/") : -len(".json")]] = _read_json(folder / name)
         return ckpt
+
+    def read_part(self, step: int, name: str) -> bytes:
+        """The bytes of part `name` of complete step `step`, checked against its manifest (size and sha256).
+
+        What a task that contributed a part (a parameter server's shard) reads back on resume.
+        """
+        _check_part_name(name)
+        folder = self.step_dir(step)
+        expected = _read_manifest(folder)["parts"].get(name)
+        if expected is None:
+            raise CheckpointError(f"{folder} has no part {name!r}: it was written by a job without it (another "
+                                  f"strategy or number of tasks?); resume with the same setup or start over")
+        data = (folder / name).read_bytes()
+        if len(data) != expected["size"] or hashlib.sha256(data).hexdigest() != expected["sha256"]:
+            raise CheckpointError(f"{folder / name}: damaged (size or sha256 differ from the manifest); delete "
+                                  f"{folder} to resume from the previous checkpoint")
+        return data
+
+    def publish_position(self, task: str, data: bytes) -> Path:
+        """Replace `task`'s newest data position (`.positions/<task>.json`, atomic) for the chief to pick up.
+
+        Workers that train apart (asynchronous parameter servers) are never at the chief's step
+        when it saves, so each publishes where it is every few steps, and the chief's checkpoint
+        holds the newest position of each; see `latest_position`.
+        """
+        _check_part_name(f"{task}.json")
+        target = self.root / ".positions" / f"{task}.json"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".tmp-{target.name}-{secrets.token_hex(4)}")
+        try:
+            self._write_file(tmp, bytes(data))
+            os.replace(tmp, target)
+        except BaseException:
+            _unlink(tmp)
+            raise
+        return target
+
+    def latest_position(self, task: str) -> bytes | None:
+        """What `task` last published with `publish_position` (None: nothing yet)."""
+        try:
+            return (self.root / ".positions" / f"{task}.json").read_bytes()
+        except FileNotFoundError:
+            return None
 
     def _read_tree(self, folder: Path, name: str, map_location: str) -> Any:
         path = folder / f"{name}.safetensors"

@@ -34,6 +34,7 @@ from conveyor.cluster import Discovered, discover
 from conveyor.comm.process_group import collective_guard, init_process_group
 from conveyor.strategies import Strategy, get_strategy
 from conveyor.strategies.ps.server import serve_task
+from conveyor.train.checkpoint import CheckpointManager
 
 __all__ = ["DEFAULT_TIMEOUT", "RESTART_COUNT_VAR", "RESUME_VAR", "TIMEOUT_VAR", "Job", "init", "threads_per_worker"]
 
@@ -282,6 +283,21 @@ def _device(local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def shard_stores(output_dir: Path):
+    """What a ps task opens the checkpoint folders named in its requests with: only under ``output_dir``."""
+    output_dir = output_dir.resolve()
+
+    def open_root(root: str) -> CheckpointManager:
+        # The folder comes in a signed request; still, a ps task writes only under its own output folder.
+        folder = Path(root).resolve()
+        if not folder.is_relative_to(output_dir):
+            raise ValueError(f"checkpoint folder {folder} is outside this task's output folder {output_dir}; give "
+                             f"every task the same --output-dir")
+        return CheckpointManager(folder, keep=None)
+
+    return open_root
+
+
 def _serve_ps(found: Discovered, strategy: str | None) -> None:
     """Run this ps task's parameter server until every worker is done, then exit the process (``server.join()``)."""
     name = strategy or found.strategy or "ps-sync"  # the launcher's default when there are ps tasks
@@ -295,7 +311,8 @@ def _serve_ps(found: Discovered, strategy: str | None) -> None:
     address = found.spec.task_address("ps", found.task.index)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {found.task} %(levelname)s %(message)s")
     print(f"{found.task}: serving {name} for {found.world_size} worker(s) on {address}", flush=True)
-    serve_task(address, found.secret, index=found.task.index, num_workers=found.world_size, strategy=name)
+    serve_task(address, found.secret, index=found.task.index, num_workers=found.world_size, strategy=name,
+               shards=shard_stores(Path(found.output_dir or "output")))
     print(f"{found.task}: every worker is done; exiting", flush=True)
     sys.exit(0)
 

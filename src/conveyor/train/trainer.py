@@ -43,6 +43,16 @@ every rank still has a batch (an epoch ends for all ranks together; a rank whose
 drops its surplus batches with a warning, instead of DDP hanging) and carries the chief's
 "checkpoint now" decision when `checkpoint_every_seconds` is set (the chief's clock decides, and
 every rank saves at the end of the following step, so all ranks save the same step).
+
+Workers apart. Strategies that are not `lockstep` (`ps-async`, `ps-ssp:K`) exist so that a fast
+worker does not wait for a slow one, so there the loop has no per-step collective: each worker
+runs through its own shard at its own pace (into further epochs of it if need be), and all stop
+when the steps committed by all workers together reach the job's total — epochs × steps per epoch
+× workers, or `max_steps` × workers — as TensorFlow's global step. Log records are then the
+chief's own figures; every worker publishes its data position every checkpoint interval and the
+chief's checkpoint holds the newest of each, so a resumed job may repeat or skip up to that many
+steps of another worker's data (asynchronous updates promise no exact replay anyway). Only the end
+(evaluation, the last checkpoint, the summary) and `eval_every_steps` bring the workers together.
 """
 
 from __future__ import annotations
@@ -267,6 +277,11 @@ class _Run:
         self.dropped_epochs = 0  # epochs in which this rank had batches left when another ran out
         self.started = time.perf_counter()
         self.win = _Window(self.device)
+        strategy = getattr(self.job, "strategy", None)
+        #: workers run apart (see the module docstring): no per-step collective
+        self.apart = self.world > 1 and not getattr(strategy, "lockstep", True)
+        self.global_offset = 0  # apart: steps all workers committed before this run (from the checkpoint)
+        self.planned: int | None = None  # apart: the total of all workers' steps the job stops at
 
     # ---- resume
 
@@ -279,6 +294,10 @@ class _Run:
                 state = self._load(chosen)
         if state is None:  # a fresh start, also for a second fit() of the same trainer with resume off
             t.step, t.epoch = 0, 0
+            self.it = self._iterator(0)
+            return
+        if state.get("fresh"):  # apart: this worker had published no position yet
+            t.step, t.epoch = t.step, 0
             self.it = self._iterator(0)
             return
         self.root_seed = int(state["root_seed"])
@@ -309,13 +328,18 @@ class _Run:
                 + fix(saved_world)
             )
         missing = [f"worker-{r}" for r in range(self.world) if f"worker-{r}" not in ckpt.data_states]
-        if missing:  # checked for every rank on every rank, so all ranks refuse together
+        if missing and self.apart and "worker-0" in ckpt.data_states:
+            if f"worker-{self.rank}" in missing:
+                warnings.warn(f"worker {self.rank}: checkpoint {ckpt.path} has no data position for this worker (it "
+                              f"had published none yet); its data starts over from the first epoch", stacklevel=2)
+        elif missing:  # checked for every rank on every rank, so all ranks refuse together
             raise ResumeError(
                 f"checkpoint {ckpt.path} has no data-iterator state for {missing} (it has "
                 f"{sorted(ckpt.data_states)}), so those workers cannot continue where they were: "
                 + fix(saved_world)
             )
-        state = ckpt.data_states[f"worker-{self.rank}"]
+        state = ckpt.data_states.get(f"worker-{self.rank}", {"format": DATA_STATE_FORMAT, "fresh": True,
+                                                                 "version": DATA_STATE_VERSION})
         if not isinstance(state, dict) or state.get("format") != DATA_STATE_FORMAT:
             raise ResumeError(f"{ckpt.path}/data/worker-{self.rank}.json is not a conveyor Trainer data state; "
                               f"it was written by another program: start over with --no-resume (CONVEYOR_RESUME=0)")
@@ -324,7 +348,11 @@ class _Run:
                               f"{DATA_STATE_VERSION}; resume with the conveyor version that wrote it")
         t.module.load_state_dict(ckpt.model_state)
         if ckpt.optimizer_state is not None:
-            t.optimizer.load_state_dict(ckpt.optimizer_state)
+            _strategy_call(self.job, "restore_optimizer", t.optimizer, ckpt.optimizer_state, t.checkpoints, ckpt.step,
+                           default=lambda: t.optimizer.load_state_dict(ckpt.optimizer_state))
+        self.global_offset = int(ckpt.extra.get("global_steps") or 0)
+        if ckpt.extra.get("steps_per_epoch"):
+            self.steps_per_epoch = int(ckpt.extra["steps_per_epoch"])
         rng = _rng_from_json(state["rng"]) if state.get("rng") else ckpt.rng
         if rng is not None:
             set_rng_state(rng)
@@ -349,10 +377,12 @@ class _Run:
     # ---- steps
 
     def loop(self) -> None:
-        t, cfg = self.t, self.cfg
+        t = self.t
         t.model.train()
         self.policy.should_save(t.step)  # starts its seconds clock now (and never re-saves the step resumed from)
-        while self.it is not None and not (cfg.max_steps is not None and t.step >= cfg.max_steps):
+        if self.apart:
+            self._plan()
+        while self.it is not None and not self._reached_end():
             self.prof.begin_step()
             batch, save_flag = self._next_batch()
             if batch is None:
@@ -379,8 +409,31 @@ class _Run:
                 for callback in t.callbacks:
                     callback(event)
 
+    def _reached_end(self) -> bool:
+        if self.apart:
+            done, _ = self.job.strategy.global_progress()
+            return self.planned is not None and self.global_offset + done >= self.planned
+        return self.cfg.max_steps is not None and self.t.step >= self.cfg.max_steps
+
+    def _plan(self) -> None:
+        """Apart: the total of all workers' steps to stop at, once this worker can tell it; announced to all."""
+        cfg, totals = self.cfg, []
+        if cfg.max_steps is not None:
+            totals.append(cfg.max_steps * self.world)
+        if cfg.total_epochs is not None and self.steps_per_epoch:
+            totals.append(cfg.total_epochs * self.steps_per_epoch * self.world)
+        if totals and self.planned is None:
+            self.planned = min(totals)
+            self.job.strategy.announce_total(max(0, self.planned - self.global_offset))
+        if self.planned is None:  # another worker may have announced it
+            _, announced = self.job.strategy.global_progress()
+            if announced is not None:
+                self.planned = self.global_offset + int(announced)
+
     def _after_step(self, save_flag: bool) -> None:
         t, cfg = self.t, self.cfg
+        if self.apart and self.planned is None:
+            self._plan()
         if t.step % cfg.log_every_steps == 0:
             self._log()
         if t.eval_data is not None and cfg.eval_every_steps and t.step % cfg.eval_every_steps == 0:
@@ -412,7 +465,7 @@ class _Run:
     def _sync(self, have_batch: bool) -> tuple[bool, bool]:
         """One all-reduce per step when there are several workers: does every rank have a batch, and
         has the chief asked for a checkpoint (time-based)?"""
-        if self.world == 1:
+        if self.world == 1 or self.apart:
             return have_batch, False
         flags = torch.tensor([1.0 if have_batch else 0.0, 1.0 if (self.chief and self.save_request) else 0.0],
                              device=self.device)
@@ -439,6 +492,10 @@ class _Run:
 
     def _done_epochs(self) -> bool:
         total = self.cfg.total_epochs
+        if self.apart and total is not None:
+            # Apart, a worker goes on into further epochs of its shard until the shared total is reached;
+            # it stops by itself only if it alone did every worker's share (the others are gone).
+            return self.t.epoch >= total * self.world
         return total is not None and self.t.epoch >= total
 
     def _iterator(self, epoch: int):
@@ -449,7 +506,8 @@ class _Run:
     def _log(self) -> None:
         if self.win.steps == 0:
             return
-        record = {"event": "train", "step": self.t.step, "epoch": self.t.epoch, **self.win.record(self.job, self.world),
+        world = 1 if self.apart else self.world  # apart: no collective, the chief's own figures
+        record = {"event": "train", "step": self.t.step, "epoch": self.t.epoch, **self.win.record(self.job, world),
                   "lr": _lr(self.t.optimizer), "time": time.time()}
         self.win.reset()
         if self.it is not None:
@@ -475,7 +533,7 @@ class _Run:
 
     def _should_save(self, save_flag: bool) -> bool:
         step = self.t.step
-        if self.world == 1:
+        if self.world == 1 or self.apart:
             return self.policy.should_save(step)
         every = self.cfg.checkpoint_every_steps
         save = save_flag or bool(every and step % every == 0)
@@ -486,19 +544,33 @@ class _Run:
                 self.save_request = False
         return save
 
-    def _save(self) -> None:
+    def _save(self, final: bool = False) -> None:
+        """Checkpoint this step: collectively, or (workers apart, before the end) from published positions."""
         t = self.t
         if self.last_saved == t.step:
             return
         with self.prof.span("checkpoint", step=t.step):
             mine = json.dumps(self._data_state(), separators=(",", ":")).encode()
-            gathered = self.job.all_gather_bytes(mine)
+            if self.apart and not final:
+                if not self.chief:
+                    t.checkpoints.publish_position(f"worker-{self.rank}", mine)
+                gathered = [mine] + [t.checkpoints.latest_position(f"worker-{r}") for r in range(1, self.world)]
+            else:
+                gathered = self.job.all_gather_bytes(mine)
             if self.chief:
-                data_states = {f"worker-{r}": json.loads(bytes(b).decode()) for r, b in enumerate(gathered)}
+                data_states = {f"worker-{r}": json.loads(bytes(b).decode())
+                               for r, b in enumerate(gathered) if b is not None}
                 extra = {"epoch": t.epoch, "world_size": self.world, "strategy": _strategy_name(self.job),
-                         "restarts": int(getattr(self.job, "restart_count", 0))}
-                t.checkpoints.save(t.step, t.module.state_dict(), t.optimizer.state_dict(), extra=extra,
-                                   data_states=data_states, rng=rng_state())
+                         "restarts": int(getattr(self.job, "restart_count", 0)),
+                         "steps_per_epoch": self.steps_per_epoch}
+                if self.apart:
+                    extra["global_steps"] = self.global_offset + self.job.strategy.global_progress()[0]
+                optimizer_state, parts = _strategy_call(
+                    self.job, "save_optimizer", t.optimizer, t.checkpoints, t.step,
+                    default=lambda: (t.optimizer.state_dict(), []))
+                t.checkpoints.save(t.step, t.module.state_dict(), optimizer_state, extra=extra,
+                                   data_states=data_states, rng=rng_state(), parts=parts,
+                                   parts_timeout=float(getattr(self.job, "timeout", 60.0)))
         self.last_saved = t.step
 
     def _data_state(self) -> dict[str, Any]:
@@ -513,7 +585,7 @@ class _Run:
         self._log()
         if t.eval_data is not None:
             self._evaluate()
-        self._save()
+        self._save(final=True)
         wall = time.perf_counter() - self.started
         prof = self.prof.summary()
         totals = torch.tensor([prof["samples"], prof["input_wait_seconds"] / max(wall, 1e-9),
@@ -621,6 +693,12 @@ def _check_prepared(job, model) -> None:
 def _strategy_name(job) -> str:
     strategy = getattr(job, "strategy", None)
     return str(getattr(strategy, "name", None) or strategy or "local")
+
+
+def _strategy_call(job, method: str, *args: Any, default: Callable[[], Any]) -> Any:
+    """``job.strategy.<method>(*args)``, or ``default()`` for a job without a strategy (a stand-in job)."""
+    fn = getattr(getattr(job, "strategy", None), method, None)
+    return fn(*args) if fn is not None else default()
 
 
 def _comm_seconds(job) -> float:

@@ -62,6 +62,10 @@ class PSClient:
         self.bytes_out = [0] * len(self.clients)
         self.bytes_in = [0] * len(self.clients)
         self.hooks_enabled = True
+        #: steps committed by all workers together, and the total they stop at (from ps:0's commit replies)
+        self.global_steps = 0
+        self.plan: int | None = None
+        self.announce: int | None = None  # a plan to send with the next commit
         self._pending: list[tuple[int, int]] = []  # (server, request id) of pushes in flight
         self._pushed: set[str] = set()  # parameters pushed this step
         self._keep: list[torch.Tensor] = []  # gradient copies in flight (must not change until replied)
@@ -152,12 +156,20 @@ class PSClient:
         hyper = group_hyperparameters(self._optimizer) if self._optimizer is not None else None
         changed = hyper if hyper != self._hyper else None
         self._hyper = hyper
+        commits = []
         for server, client in enumerate(self.clients):
-            header = {"rank": self.rank, "step": self.step, "read": self.read[server], "hyper": changed}
-            self._pending.append((server, client.send("commit", header)))
+            header = {"rank": self.rank, "step": self.step, "read": self.read[server], "hyper": changed,
+                      "plan": self.announce}
+            commits.append(client.send("commit", header))
         for server, rid in self._pending:
             self._check(self.clients[server].receive(rid), "push")
         self._pending.clear()
+        for server, rid in enumerate(commits):
+            reply = self.clients[server].receive(rid)
+            self._check(reply, "commit")
+            if server == 0:
+                self.global_steps = int(reply.header.get("total", 0))
+                self.plan = reply.header.get("plan")
         self._keep.clear()
         self._pushed.clear()
         self.seconds["push"] += time.perf_counter() - start

@@ -14,10 +14,13 @@ port cannot change the parameters. Requests (all from workers, all signed):
            A worker that asks before any init arrived is told ``wait`` and asks again.
 ``push``   ``{"rank", "step", "read", "keys"}`` + one gradient per key. ``sync``: kept until the step
            is complete; ``async``/``ssp``: applied at once (one optimizer step over those pieces).
-``commit`` ``{"rank", "step", "read", "hyper"?}``: the worker has pushed everything of step ``step``.
-           ``sync``: when all workers committed a step, each piece's gradients are averaged with
-           :func:`~conveyor.strategies.ps.optim.mean_of_gradients` in rank order (a worker that sent
-           none for a piece counts as zeros, like DDP's unused parameters) and applied once.
+``commit`` ``{"rank", "step", "read", "hyper"?, "plan"?}``: the worker has pushed everything of step
+           ``step``. ``sync``: when all workers committed a step, each piece's gradients are averaged
+           with :func:`~conveyor.strategies.ps.optim.mean_of_gradients` in rank order (a worker that
+           sent none for a piece counts as zeros, like DDP's unused parameters) and applied once.
+           The reply carries ``total`` (steps committed by all workers together) and ``plan`` (the
+           largest total any worker announced it will stop at): the shared step count that workers
+           running apart (``async``/``ssp``) stop on, as TensorFlow's global step.
 ``pull``   ``{"rank", "step"}``: the parameters the worker needs to compute step ``step``; answered
            ``wait`` while the update rule does not allow it (the worker asks again; its wait time is
            measured): ``sync`` until the version (steps applied) reaches ``step``; ``ssp:K`` while
@@ -26,6 +29,9 @@ port cannot change the parameters. Requests (all from workers, all signed):
 ``stats``  counters: version, clocks, staleness histogram, pushes, bytes in and out, drops.
 ``state`` / ``load_state``: the pieces and optimizer state (safetensors-style tensors + JSON meta),
            so a worker's checkpoint can carry the servers' optimizer state.
+``save``   ``{"step", "root"}``: write this server's shard (pieces + optimizer state) as ``ps-<i>.safetensors`` and
+           ``ps-<i>.json`` into checkpoint step ``step`` (as a part the chief collects); reply: the names.
+``restore`` ``{"step", "root"}``: load this server's shard back from the complete checkpoint step ``step``.
 ``done``   ``{"rank"}``: that worker has finished; when all have, :meth:`serve` returns.
 
 **Staleness.** Every push and commit says which version ``read`` (the server's ``min(clock)`` when the
@@ -33,27 +39,33 @@ worker pulled the parameters it computed on) and ``step`` it is; the server reco
 how many steps the slowest worker's updates lagged behind the gradient's own step. ``sync`` records
 only zeros, ``ssp:K`` never more than K (the pull rule guarantees it), ``async`` whatever happens.
 
-Checkpointing of the server shards on the ps tasks themselves is out of scope for now: the state is
-served to the workers (``state``) and restored by them (``load_state``), and a ps task that dies loses
-its shard (the launcher restarts the job from the workers' last checkpoint).
+**Checkpoints.** A ps task writes its own shard into the checkpoint folder it shares with the
+workers. ``save``/``restore`` name the checkpoint root; ``shards``, which ``conveyor.init()`` hands
+the server, opens it as the job's checkpoint manager after checking it lies in the task's output
+folder. So the shard lands in the step folder in the same atomic rename as the chief's files, and
+is checked against the step's manifest when read back. A ps task that dies loses nothing written:
+the launcher restarts the job, and the restarted ps tasks are restored from the last step.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 from collections import Counter
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import numpy as np
+import safetensors.torch
 import torch
 
 from conveyor.comm.framing import Message
 from conveyor.comm.transport import Server
 from conveyor.strategies.ps.optim import OptimizerSpec, ServerOptimizer, mean_of_gradients
 
-__all__ = ["MODES", "ParameterServer", "parse_mode"]
+__all__ = ["MODES", "ParameterServer", "ShardStore", "parse_mode"]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +87,17 @@ def parse_mode(strategy: str) -> tuple[str, int]:
                      f"(K a whole number, e.g. ps-ssp:2)")
 
 
+class ShardStore(Protocol):
+    """A checkpoint root a ps task writes its shards to: the job's ``conveyor.train.checkpoint`` manager."""
+
+    def save_part(self, step: int, name: str, data: bytes) -> Any: ...
+
+    def read_part(self, step: int, name: str) -> bytes: ...
+
+
+SHARD_FORMAT = "conveyor.ps.shard"
+
+
 def _torch(array: np.ndarray) -> torch.Tensor:
     # A copy: the received frame is ZeroMQ's buffer (maybe read-only) and may be kept across messages.
     return torch.from_numpy(np.array(array, copy=True)).reshape(-1)
@@ -84,7 +107,8 @@ class ParameterServer:
     """One ps task's state and request handler (see the module docstring)."""
 
     def __init__(self, address: str, secret: bytes, *, index: int, num_workers: int, mode: str,
-                 staleness: int = 0, max_skew: float = 300.0) -> None:
+                 staleness: int = 0, max_skew: float = 300.0,
+                 shards: Callable[[str], ShardStore] | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode = {mode!r}; expected one of {MODES}")
         self.index = index
@@ -100,6 +124,8 @@ class ParameterServer:
         self.staleness: Counter[int] = Counter()
         self.counters: Counter[str] = Counter()
         self.done: set[int] = set()
+        self.plan: int | None = None  # the global step count the workers stop at, once one announced it
+        self.shards = shards
         self._grads: dict[int, dict[str, dict[int, torch.Tensor]]] = {}  # sync: step -> key -> rank -> grad
         self._commits: dict[int, set[int]] = {}
         self._finished = threading.Event()
@@ -194,17 +220,19 @@ class ParameterServer:
         rank, step = self._rank(header), int(header["step"])
         if header.get("hyper") is not None:
             self.opt.update_hyperparameters(header["hyper"])
-        if self.mode != "sync":
-            self.clock[rank] = max(self.clock[rank], step + 1)
-            self.version = min(self.clock)
-            return "ok", {"version": self.version}, []
-        self._record(step - int(header.get("read", step)))
-        commits = self._commits.setdefault(step, set())
-        commits.add(rank)
+        plan = header.get("plan")
+        if isinstance(plan, int) and not isinstance(plan, bool) and plan >= 0:
+            self.plan = max(self.plan or 0, plan)
         self.clock[rank] = max(self.clock[rank], step + 1)
-        if len(commits) == self.num_workers and step == self.version:
-            self._apply_step(step)
-        return "ok", {"version": self.version}, []
+        if self.mode != "sync":
+            self.version = min(self.clock)
+        else:
+            self._record(step - int(header.get("read", step)))
+            commits = self._commits.setdefault(step, set())
+            commits.add(rank)
+            if len(commits) == self.num_workers and step == self.version:
+                self._apply_step(step)
+        return "ok", {"version": self.version, "total": sum(self.clock), "plan": self.plan}, []
 
     def _apply_step(self, step: int) -> None:
         slot = self._grads.pop(step, {})
@@ -258,6 +286,38 @@ class ParameterServer:
         self.opt.load_state_dict(tensors, header["meta"])
         return "ok", {}, []
 
+    def _shard_store(self, header: dict[str, Any]) -> tuple[ShardStore, str, str]:
+        if self.shards is None:
+            raise ValueError(f"{self.name} has no checkpoint folder to write its shard to (it was started without "
+                             f"one); save the optimizer's state_dict() from a worker instead")
+        return self.shards(str(header["root"])), f"ps-{self.index}.safetensors", f"ps-{self.index}.json"
+
+    def _on_save(self, header: dict[str, Any], arrays: list[np.ndarray]):
+        step = int(header["step"])
+        store, tensors_name, meta_name = self._shard_store(header)
+        tensors, meta = self.opt.state_dict()
+        shard = {"format": SHARD_FORMAT, "version": 1, "ps": self.index, "fingerprint": self.fingerprint,
+                 "keys": self.keys, "optimizer": meta}
+        store.save_part(step, tensors_name, safetensors.torch.save({k: v.contiguous() for k, v in tensors.items()}))
+        store.save_part(step, meta_name, json.dumps(shard, sort_keys=True).encode())
+        self.counters["checkpoints"] += 1
+        return "ok", {"parts": [tensors_name, meta_name]}, []
+
+    def _on_restore(self, header: dict[str, Any], arrays: list[np.ndarray]):
+        step = int(header["step"])
+        store, tensors_name, meta_name = self._shard_store(header)
+        shard = json.loads(store.read_part(step, meta_name))
+        if shard.get("format") != SHARD_FORMAT or shard.get("ps") != self.index:
+            raise ValueError(f"{meta_name} of checkpoint step {step} is not {self.name}'s shard")
+        if shard.get("fingerprint") != self.fingerprint:
+            raise ValueError(f"checkpoint step {step} holds a shard of another model or ps layout (placement "
+                             f"{shard.get('fingerprint')}, this job {self.fingerprint}): resume with the same model "
+                             f"and number of ps tasks, or start over with --no-resume")
+        tensors = safetensors.torch.load(store.read_part(step, tensors_name))
+        self.opt.load_state_dict(tensors, shard["optimizer"])
+        log.info("%s: restored its shard from checkpoint step %d", self.name, step)
+        return "ok", {}, []
+
     def _on_done(self, header: dict[str, Any], arrays: list[np.ndarray]):
         self.done.add(self._rank(header))
         if len(self.done) == self.num_workers:
@@ -267,10 +327,12 @@ class ParameterServer:
         return "ok", {}, []
 
 
-def serve_task(address: str, secret: bytes, *, index: int, num_workers: int, strategy: str) -> bool:
+def serve_task(address: str, secret: bytes, *, index: int, num_workers: int, strategy: str,
+               shards: Callable[[str], ShardStore] | None = None) -> bool:
     """Run ps task ``index`` for ``strategy`` until the workers are done (what ``conveyor.init()`` does on a ps)."""
     mode, staleness = parse_mode(strategy)
-    server = ParameterServer(address, secret, index=index, num_workers=num_workers, mode=mode, staleness=staleness)
+    server = ParameterServer(address, secret, index=index, num_workers=num_workers, mode=mode, staleness=staleness,
+                             shards=shards)
     started = time.monotonic()
     finished = server.serve()
     log.info("%s: served for %.1f s", server.name, time.monotonic() - started)

@@ -40,14 +40,21 @@ rank 0's over the workers' process group, and after that each worker keeps its o
 ``broadcast_buffers=False``); rank 0's are the ones a chief checkpoint holds.
 
 The workers keep their gloo process group for ``job.barrier``/``all_gather_bytes``/``all_reduce``
-(the trainer uses them); the ps tasks are not in it. Checkpoints: the model's parameters are on the
-workers after every pull, and ``optimizer.state_dict()`` on the proxy fetches the servers' optimizer
-state *and* parameters (``load_state_dict`` sends both back to the servers and pulls), so a chief
-checkpoint carries everything and the trainer's resume restores it. Loading weights into the model
-alone after ``prepare`` does not reach the servers: the next pull overwrites them — load them before
-``prepare`` (worker 0's values initialise the servers) or restore the optimizer state too. Out of scope
-for now: checkpoints written by the ps tasks themselves (server shards on the ps), a ps task that dies
-mid-run (the launcher restarts the job from the last checkpoint), and GPU workers.
+(the trainer uses them); the ps tasks are not in it.
+
+Checkpoints. The trainer calls :meth:`PSStrategy.save_optimizer`: every ps task writes its own shard
+(pieces + optimizer state, ``ps-<i>.safetensors`` + ``ps-<i>.json``) into the step folder the chief is
+building, and the chief's ``optimizer`` entry only names them; on resume rank 0 has every ps task read
+its shard back (checked against the step's manifest) and all workers pull. Outside the trainer,
+``optimizer.state_dict()`` on the proxy fetches the servers' state *and* parameters to the worker, and
+``load_state_dict`` sends them back. Loading weights into the model alone after ``prepare`` does not
+reach the servers: the next pull overwrites them — load them before ``prepare`` (worker 0's values
+initialise the servers) or restore the optimizer state too. Out of scope for now: GPU workers.
+
+Pace. ``ps-sync`` is ``lockstep``. ``ps-async`` and ``ps-ssp:K`` are not: the trainer lets each worker go
+at its own speed and stops when the steps committed by all workers together (counted by ps:0, like
+TensorFlow's global step) reach the total one of them announced, so a fast worker does more of the
+work instead of waiting for a straggler.
 """
 
 from __future__ import annotations
@@ -85,6 +92,7 @@ class PSStrategy(Strategy):
         self.client: PSClient | None = None
         #: async/ssp: step() only sends the pull, the next forward (or state_dict()) receives it.
         self.prefetch = mode != "sync"
+        self.lockstep = mode == "sync"  # type: ignore[misc]  (an instance value for the class-level flag)
 
     @classmethod
     def from_name(cls, name: str) -> PSStrategy:
@@ -138,6 +146,49 @@ class PSStrategy(Strategy):
         if self.client is None:
             return 0.0
         return float(sum(self.client.seconds.values()))
+
+    def save_optimizer(self, optimizer: Any, checkpoints: Any, step: int) -> tuple[Any, list[str]]:
+        """Every ps task writes its shard into step ``step`` under ``checkpoints.root``; returns a reference."""
+        client = self._client("checkpoint")
+        root = str(Path(checkpoints.root).resolve())  # the ps tasks may run in another folder
+        parts = []
+        header = {"rank": client.rank, "step": step, "root": root}
+        for reply in client.request_all("save", [header] * len(client.clients)):
+            if reply.kind != "ok":
+                raise RuntimeError(f"a ps task did not write its checkpoint shard ({reply.kind!r} reply)")
+            parts += [str(p) for p in reply.header["parts"]]
+        return {"format": _STATE_FORMAT, "num_ps": len(client.clients), "shards": parts}, parts
+
+    def restore_optimizer(self, optimizer: Any, state: Any, checkpoints: Any, step: int) -> None:
+        """Rank 0 has every ps task load its shard of step ``step``; then every worker pulls."""
+        client = self._client("resume")
+        if not (isinstance(state, dict) and "shards" in state):
+            optimizer.load_state_dict(state)  # a state fetched to the worker (PSOptimizer.state_dict)
+            return
+        if state.get("format") != _STATE_FORMAT or state.get("num_ps") != len(client.clients):
+            raise ValueError(f"checkpoint step {step} holds shards of {state.get('num_ps')} ps tasks; this job has "
+                             f"{len(client.clients)}: resume with --ps {state.get('num_ps')} or start over "
+                             f"with --no-resume")
+        if self.job.rank == 0:
+            header = {"rank": 0, "step": step, "root": str(Path(checkpoints.root).resolve())}
+            for reply in client.request_all("restore", [header] * len(client.clients)):
+                if reply.kind != "ok":
+                    raise RuntimeError(f"a ps task did not restore its checkpoint shard ({reply.kind!r} reply)")
+        self.job.barrier()  # no worker pulls before every shard is back
+        client.pull()
+
+    def global_progress(self) -> tuple[int, int | None]:
+        client = self._client("global_progress")
+        return client.global_steps, client.plan
+
+    def announce_total(self, total: int) -> None:
+        self._client("announce_total").announce = int(total)
+
+    def _client(self, what: str) -> PSClient:
+        if self.client is None:
+            raise RuntimeError(f"{what} with strategy {self.name!r} before conveyor.init() set it up or after "
+                               f"job.shutdown()")
+        return self.client
 
     def stats(self) -> dict[str, Any]:
         """Push/pull/wait seconds, bytes per server, and each server's counters (staleness, drops)."""
@@ -242,6 +293,10 @@ class PSOptimizer(torch.optim.Optimizer):
         client = self._strategy.client
         if client is None:
             raise RuntimeError("optimizer.load_state_dict() after the job was shut down")
+        if "shards" in state:
+            raise ValueError("this optimizer state names shards the ps tasks wrote into a checkpoint folder; "
+                             "job.strategy.restore_optimizer(optimizer, state, checkpoints, step) restores it "
+                             "(the Trainer does this on resume)")
         if state.get("format") != _STATE_FORMAT or len(state.get("servers", ())) != len(client.clients):
             raise ValueError(f"not a parameter-server optimizer state for {len(client.clients)} ps tasks (a "
                              f"checkpoint of another strategy or another number of ps tasks?)")
