@@ -33,6 +33,7 @@ bench: setup
 	$(PY) benchmarks/pipeline.py
 	$(PY) benchmarks/allreduce.py
 	$(PY) benchmarks/ps.py
+	$(PY) benchmarks/ps_training.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

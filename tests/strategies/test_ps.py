@@ -117,8 +117,28 @@ def attack(ports: list[int]) -> None:
         sock.close(linger=0)
 
 
+def apart_main(job, out: Path) -> None:
+    """The Trainer with ps-async and worker 1 slowed down: the workers must not wait for each other."""
+    from conveyor.data import Dataset
+
+    model = make_mlp(0)
+    model, optimizer = job.prepare(model, make_optimizer("plain", model))
+    x, y = make_data(20)  # 20 steps per worker per epoch
+    data = Dataset.from_tensor_slices((x.numpy(), y.numpy())).shard(WORLD, job.rank).batch(BATCH, drop_remainder=True)
+    slow = (lambda event: time.sleep(0.05)) if job.rank == 1 else (lambda event: None)
+    held_out = Dataset.from_tensor_slices((x[:64].numpy(), y[:64].numpy())).shard(WORLD, job.rank).batch(BATCH)
+    trainer = conveyor.Trainer(job, model, optimizer, nn.functional.mse_loss, data, epochs=2,
+                               eval_data=held_out, metric_fn=lambda out, target: 0.0, eval_every_steps=7,
+                               checkpoint_every_steps=10, callbacks=[slow], progress=False)
+    summary = trainer.fit()
+    (out / f"rank{job.rank}.json").write_text(json.dumps({"steps": trainer.step, "summary": summary}))
+    job.shutdown()
+
+
 def task_main(scenario: str, out: Path) -> None:
     job = conveyor.init()  # a ps task serves here and exits the process when the workers are done
+    if scenario == "apart":
+        return apart_main(job, out)
     kind = {"adam": "adam", "async": "plain", "ssp": "plain"}.get(scenario, "sgd")
     model = make_mlp(job.rank)  # different seeds: the servers' copy (worker 0's) must win
     optimizer = make_optimizer(kind, model)
@@ -366,6 +386,27 @@ def test_ps_ssp_bounds_staleness(tmp_path: Path) -> None:
     assert max(seen) <= 2, stats["staleness"]
     assert max(seen) > 0, stats["staleness"]
     assert results[0]["stats"]["wait_seconds"] > 0  # the fast worker waited for the slow one
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_trainer_lets_async_workers_run_apart_and_stops_on_the_shared_step_count(tmp_path: Path) -> None:
+    results, codes = launch("apart", "ps-async", tmp_path)
+    assert codes == [0] * (WORLD + NUM_PS), logs(tmp_path)
+    fast, slow = results[0]["steps"], results[1]["steps"]
+    planned = 2 * 20 * WORLD  # epochs x steps per epoch x workers
+    assert fast > 1.5 * slow, (fast, slow)  # worker 1 sleeps 50 ms a step; worker 0 does not wait for it
+    assert planned <= fast + slow <= planned + WORLD, (fast, slow)  # each may finish the step it is in
+    summary = results[0]["summary"]
+    assert summary["samples"] == (fast + slow) * BATCH
+    evals = [json.loads(line) for line in (tmp_path / "output" / "metrics.jsonl").read_text().splitlines()
+             if '"eval"' in line]
+    assert [e["step"] for e in evals[:-1]] == list(range(7, fast + 1, 7))  # the chief's own, on its shard
+    assert evals[-1]["step"] == fast and evals[-1]["eval_loss"] == summary["eval_loss"]  # the last: both shards
+    checkpoints = tmp_path / "output" / "checkpoints"
+    manifest = json.loads((checkpoints / (checkpoints / "latest").read_text().strip() / "COMPLETE").read_text())
+    assert {"ps-0.safetensors", "ps-1.json", "data/worker-0.json", "data/worker-1.json"} <= set(manifest["parts"])
+    assert (checkpoints / ".positions" / "worker-1.json").exists()  # published by the slow worker as it went
 
 
 @pytest.mark.multiprocess

@@ -217,8 +217,9 @@ class Trainer:
             run.close()
         return run.summary
 
-    def evaluate(self) -> dict[str, float]:
-        """Loss and metric over `eval_data` (each rank its shard), summed over ranks."""
+    def evaluate(self, collective: bool = True) -> dict[str, float]:
+        """Loss and metric over `eval_data` (each rank its shard), summed over ranks (`collective=False`:
+        this rank's shard alone)."""
         if self.eval_data is None:
             return {}
         device = self.job.device
@@ -238,7 +239,8 @@ class Trainer:
         finally:
             it.close()
             self.module.train(was_training)
-        self.job.all_reduce(sums)
+        if collective:
+            self.job.all_reduce(sums)
         loss_sum, metric_sum, n = sums.tolist()
         name = getattr(self.metric_fn, "__name__", "metric")
         if n == 0:
@@ -437,7 +439,7 @@ class _Run:
         if t.step % cfg.log_every_steps == 0:
             self._log()
         if t.eval_data is not None and cfg.eval_every_steps and t.step % cfg.eval_every_steps == 0:
-            self._evaluate()
+            self._evaluate(final=False)
         if self._should_save(save_flag):
             self._save()
 
@@ -520,12 +522,15 @@ class _Run:
                 sink.write(record)
             self.progress.write(record)
 
-    def _evaluate(self) -> None:
-        if self.last_eval == self.t.step:
+    def _evaluate(self, final: bool = True) -> None:
+        """Evaluate over all ranks; workers apart (before the end) meet in no collective: the chief
+        evaluates its own shard and the others skip."""
+        alone = self.apart and not final
+        if (self.last_eval == self.t.step and not self.apart) or (alone and not self.chief):
             return
         self.last_eval = self.t.step
         with self.prof.span("eval", step=self.t.step):
-            self.eval_result = self.t.evaluate()
+            self.eval_result = self.t.evaluate(collective=not alone)
         self._emit({"event": "eval", "step": self.t.step, "epoch": self.t.epoch, **self.eval_result,
                     "time": time.time()})
 
@@ -547,7 +552,7 @@ class _Run:
     def _save(self, final: bool = False) -> None:
         """Checkpoint this step: collectively, or (workers apart, before the end) from published positions."""
         t = self.t
-        if self.last_saved == t.step:
+        if self.last_saved == t.step and not (self.apart and final):  # apart, the last one is a collective
             return
         with self.prof.span("checkpoint", step=t.step):
             mine = json.dumps(self._data_state(), separators=(",", ":")).encode()
@@ -557,7 +562,7 @@ class _Run:
                 gathered = [mine] + [t.checkpoints.latest_position(f"worker-{r}") for r in range(1, self.world)]
             else:
                 gathered = self.job.all_gather_bytes(mine)
-            if self.chief:
+            if self.chief and self.last_saved != t.step:  # (apart, the last collective may find it written)
                 data_states = {f"worker-{r}": json.loads(bytes(b).decode())
                                for r, b in enumerate(gathered) if b is not None}
                 extra = {"epoch": t.epoch, "world_size": self.world, "strategy": _strategy_name(self.job),
