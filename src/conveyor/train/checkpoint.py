@@ -219,17 +219,7 @@ class CheckpointManager:
                 f"step {step} is already complete in {self.step_dir(step)}; part {name!r} arrived too late. "
                 f"Write parts before the chief saves the step (or add {name!r} to its expected parts)."
             )
-        target = self._parts_dir(step) / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".tmp-{target.name}-{secrets.token_hex(4)}")
-        try:
-            self._write_file(tmp, bytes(data))
-            os.replace(tmp, target)
-        except BaseException:
-            _unlink(tmp)
-            raise
-        self._sync_dir(target.parent)
-        return target
+        return self._replace_file(self._parts_dir(step) / name, data)
 
     def finalize(
         self,
@@ -321,6 +311,19 @@ class CheckpointManager:
         self._sync_dir(self.root)
         self._write_latest(final.name)
         return final
+
+    def _replace_file(self, target: Path, data: bytes) -> Path:
+        """Write `target` atomically: a temp file beside it, fsynced, renamed over it, folder synced."""
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".tmp-{target.name}-{secrets.token_hex(4)}")
+        try:
+            self._write_file(tmp, bytes(data))
+            os.replace(tmp, target)
+        except BaseException:
+            _unlink(tmp)
+            raise
+        self._sync_dir(target.parent)
+        return target
 
     def _write_latest(self, name: str) -> None:
         tmp = self.root / f".latest-{secrets.token_hex(4)}"
@@ -542,16 +545,7 @@ class CheckpointManager:
         holds the newest position of each; see `latest_position`.
         """
         _check_part_name(f"{task}.json")
-        target = self.root / ".positions" / f"{task}.json"
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".tmp-{target.name}-{secrets.token_hex(4)}")
-        try:
-            self._write_file(tmp, bytes(data))
-            os.replace(tmp, target)
-        except BaseException:
-            _unlink(tmp)
-            raise
-        return target
+        return self._replace_file(self.root / ".positions" / f"{task}.json", data)
 
     def latest_position(self, task: str) -> bytes | None:
         """What `task` last published with `publish_position` (None: nothing yet)."""
