@@ -402,6 +402,8 @@ def test_published_positions_replace_each_other(tmp_path):
     mgr.publish_position("worker-1", b'{"step": 20}')
     assert mgr.latest_position("worker-1") == b'{"step": 20}'
     assert [p.name for p in (tmp_path / ".positions").iterdir()] == ["worker-1.json"]  # no temp files left
+    mgr.clear_positions()
+    assert mgr.latest_position("worker-1") is None
     with pytest.raises(ValueError):
         mgr.publish_position("../escape", b"{}")
 

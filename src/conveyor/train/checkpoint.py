@@ -547,6 +547,10 @@ class CheckpointManager:
         _check_part_name(f"{task}.json")
         return self._replace_file(self.root / ".positions" / f"{task}.json", data)
 
+    def clear_positions(self) -> None:
+        """Forget every published position (a new run of the job starts)."""
+        shutil.rmtree(self.root / ".positions", ignore_errors=True)
+
     def latest_position(self, task: str) -> bytes | None:
         """What `task` last published with `publish_position` (None: nothing yet)."""
         try:

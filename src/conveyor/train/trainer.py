@@ -51,8 +51,9 @@ when the steps committed by all workers together reach the job's total — epoch
 × workers, or `max_steps` × workers — as TensorFlow's global step. Log records are then the
 chief's own figures; every worker publishes its data position every checkpoint interval and the
 chief's checkpoint holds the newest of each, so a resumed job may repeat or skip up to that many
-steps of another worker's data (asynchronous updates promise no exact replay anyway). Only the end
-(evaluation, the last checkpoint, the summary) and `eval_every_steps` bring the workers together.
+steps of another worker's data (asynchronous updates promise no exact replay anyway). Evaluation
+every `eval_every_steps` is the chief's alone, on its shard; only the end (the last evaluation and
+checkpoint, the summary) brings the workers together.
 """
 
 from __future__ import annotations
@@ -290,6 +291,10 @@ class _Run:
     def restore(self) -> None:
         t, job = self.t, self.job
         state = None
+        if self.apart and self.chief:
+            # Positions of the run before a restart may be ahead of the checkpoint it resumes from;
+            # cleared before the first collective, so no worker has published one of this run yet.
+            t.checkpoints.clear_positions()
         if getattr(job, "resume", True):
             chosen = self.checkpoints_latest()
             if chosen is not None:
@@ -299,7 +304,7 @@ class _Run:
             self.it = self._iterator(0)
             return
         if state.get("fresh"):  # apart: this worker had published no position yet
-            t.step, t.epoch = t.step, 0
+            t.epoch = 0
             self.it = self._iterator(0)
             return
         self.root_seed = int(state["root_seed"])
