@@ -77,7 +77,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by file path
-from machine import loadavg, machine_facts, publish, write_results  # noqa: E402
+from machine import loadavg, machine_facts, publish_run, write_results  # noqa: E402
 
 HERE = Path(__file__).resolve()
 DEFAULT_OUT = HERE.parent / "results"
@@ -676,16 +676,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   "conveyor_2": "conveyor.init() with conveyor run's environment for -n 2 "
                                                 "(allreduce)"},
                    "order": res["order"]},
-        "samples": res["samples"],
-        "runs": res["runs"],
-        "derived": d,
-        "goals": gs,
-        "all_pass": all(g["pass"] for g in gs),
-        "errors": res["errors"],
-        "table": table,
     }
-    report["wall_seconds"] = time.perf_counter() - started
-    publish("allreduce", report, format_goals(gs), args.out)
+    publish_run("allreduce", report, res, d, gs, table, started, format_goals(gs), args.out)
     return 0
 
 

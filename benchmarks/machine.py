@@ -7,6 +7,7 @@ import json
 import math
 import os
 import platform
+import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,17 @@ def _plain(x: Any) -> Any:
     if hasattr(x, "tolist"):  # numpy scalars and arrays
         return _strict(x.tolist())
     return str(x)
+
+
+def publish_run(name: str, head: dict[str, Any], res: dict[str, Any], derived: dict[str, Any],
+                goals: list[dict[str, Any]], table: str, started: float, goal_lines: str,
+                out_dir: str | os.PathLike) -> Path:
+    """Complete a rounds-based report (`head` + the rounds' samples, runs and errors, the derived values,
+    goals and table, the wall time since `started`) and `publish` it."""
+    report = {**head, "samples": res["samples"], "runs": res["runs"], "derived": derived, "goals": goals,
+              "all_pass": all(g["pass"] for g in goals), "errors": res["errors"], "table": table,
+              "wall_seconds": time.perf_counter() - started}
+    return publish(name, report, goal_lines, out_dir)
 
 
 def publish(name: str, report: dict[str, Any], goal_lines: str, out_dir: str | os.PathLike) -> Path:

@@ -52,7 +52,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by file path
 from conveyor.launch.ports import free_ports  # noqa: E402
-from machine import loadavg, machine_facts, publish, write_results  # noqa: E402
+from machine import loadavg, machine_facts, publish_run, write_results  # noqa: E402
 
 HERE = Path(__file__).resolve()
 DEFAULT_OUT = HERE.parent / "results"
@@ -423,16 +423,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   "gloo_allreduce": "torch.distributed gloo all_reduce, 2 processes, tcp:// init",
                                   "raw_tcp": "one TCP connection, sendall + echo back, 2 processes"},
                    "units": UNITS},
-        "samples": res["samples"],
-        "runs": res["runs"],
-        "derived": d,
-        "goals": gs,
-        "all_pass": all(g["pass"] for g in gs),
-        "errors": res["errors"],
-        "table": table,
     }
-    report["wall_seconds"] = time.perf_counter() - started
-    publish("ps", report, format_goals(gs), args.out)
+    publish_run("ps", report, res, d, gs, table, started, format_goals(gs), args.out)
     return 0
 
 

@@ -1,6 +1,6 @@
 """Parameter-server training benchmark: the digits example under ps-sync, ps-async and all-reduce, with a straggler.
 
-    python benchmarks/ps_training.py               # default: 3 rounds x 5 contenders, 8 epochs each (~4 min)
+    python benchmarks/ps_training.py               # default: 3 rounds x 5 contenders, 8 epochs each (4-5 min)
     python benchmarks/ps_training.py --quick       # 1 round, 1 epoch, every contender (smoke run)
     python benchmarks/ps_training.py --quick --contenders ps-sync+straggler,ps-async+straggler   # the tests' run
     python benchmarks/ps_training.py --repeats 5 --epochs 8 --out /tmp/bench-results
@@ -71,7 +71,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by file path
-from machine import loadavg, machine_facts, publish, write_results  # noqa: E402
+from machine import loadavg, machine_facts, publish_run, write_results  # noqa: E402
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
@@ -429,16 +429,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "samples_per_second": "all workers' samples / chief's wall_seconds",
                              "wall_seconds": "chief's training wall seconds (summary.json)",
                              "eval_accuracy": "test-split accuracy at the end (summary.json)"}},
-        "samples": res["samples"],
-        "runs": res["runs"],
-        "derived": d,
-        "goals": gs,
-        "all_pass": all(g["pass"] for g in gs),
-        "errors": res["errors"],
-        "table": table,
     }
-    report["wall_seconds"] = time.perf_counter() - started
-    publish("ps_training", report, format_goals(gs), args.out)
+    publish_run("ps_training", report, res, d, gs, table, started, format_goals(gs), args.out)
     return 0
 
 

@@ -32,6 +32,23 @@ def launch(data: Path, out: Path, *job: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The output folder of an uninterrupted run of `job` (one run per job, shared by the tests)."""
+    runs: dict[tuple[str, ...], Path] = {}
+
+    def run(job: tuple[str, ...]) -> Path:
+        if job not in runs:
+            base = tmp_path_factory.mktemp("reference")
+            proc = launch(base / "data", base / "out", *job)
+            log, _ = proc.communicate(timeout=240)
+            assert proc.returncode == 0, log[-3000:]
+            runs[job] = base / "out"
+        return runs[job]
+
+    return run
+
+
 def final_parameters(out: Path) -> dict:
     latest = (out / "checkpoints" / "latest").read_text().strip()
     return load_file(str(out / "checkpoints" / latest / "model.safetensors"))
@@ -53,13 +70,12 @@ def task(launcher: subprocess.Popen, task_type: str, index: int) -> psutil.Proce
 @pytest.mark.parametrize(("job", "victim"), [
     pytest.param((), ("worker", 1), id="allreduce-worker"),
     pytest.param(("--ps", "1", "--strategy", "ps-sync"), ("ps", 0), id="ps-sync-ps-task"),
+    pytest.param(("--ps", "1", "--strategy", "ps-sync"), ("worker", 1), id="ps-sync-worker"),
 ])
-def test_killed_task_restarts_from_checkpoint_and_matches_uninterrupted_run(tmp_path, job, victim):
+def test_killed_task_restarts_from_checkpoint_and_matches_uninterrupted_run(tmp_path, uninterrupted, job, victim):
     data = tmp_path / "data"
-    reference = launch(data, tmp_path / "reference", *job)
-    log, _ = reference.communicate(timeout=240)
-    assert reference.returncode == 0, log[-3000:]
-    ref_summary = json.loads((tmp_path / "reference" / "summary.json").read_text())
+    reference = uninterrupted(job)
+    ref_summary = json.loads((reference / "summary.json").read_text())
     assert ref_summary["eval_accuracy"] >= 0.95
     assert ref_summary["restarts"] == 0
 
@@ -84,7 +100,7 @@ def test_killed_task_restarts_from_checkpoint_and_matches_uninterrupted_run(tmp_
     assert summary["restarts"] == 1
     assert summary["resumed_from_step"] is not None and summary["resumed_from_step"] >= 40
 
-    got, want = final_parameters(out), final_parameters(tmp_path / "reference")
+    got, want = final_parameters(out), final_parameters(reference)
     assert got.keys() == want.keys()
     for name in want:
         assert (got[name] == want[name]).all(), f"{name} differs from the uninterrupted run"
