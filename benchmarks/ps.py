@@ -1,6 +1,6 @@
 """Parameter-server benchmark: push + pull of a model over 2 ps tasks, next to gloo all-reduce and raw TCP.
 
-    python benchmarks/ps.py                 # default: 100 MB, 3 rounds x 3 contenders, 3 timed iterations each
+    python benchmarks/ps.py                 # default: 100 MB, 5 rounds x 3 contenders, 3 timed iterations each
     python benchmarks/ps.py --quick         # 16 MB, 1 round (smoke test, a few seconds)
     python benchmarks/ps.py --mb 50 --repeats 5 --iters 5 --out /tmp/bench-results
 
@@ -379,7 +379,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mb", type=float, default=None, help="model size in MB of 10^6 bytes (default 100; --quick 16)")
-    p.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 3; --quick 1)")
+    p.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 5; --quick 1)")
     p.add_argument("--iters", type=int, default=None, help="timed iterations per run (default 3; --quick 2)")
     p.add_argument("--tensors", type=int, default=25, help="tensors the conveyor model is split into (default 25)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per contender run (default 120)")
@@ -387,7 +387,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="16 MB, 1 round, 2 iterations")
     p.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    for name, (full, quick) in {"mb": (100.0, 16.0), "repeats": (3, 1), "iters": (3, 2)}.items():
+    for name, (full, quick) in {"mb": (100.0, 16.0), "repeats": (5, 1), "iters": (3, 2)}.items():
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
     for name in ("mb", "repeats", "iters", "tensors", "timeout"):

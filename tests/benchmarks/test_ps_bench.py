@@ -20,7 +20,7 @@ BENCHMARK = "ps"
 
 def test_parse_args(bench):
     args = bench.parse_args([])
-    assert (args.mb, args.repeats, args.iters, args.tensors) == (100.0, 3, 3, 25)
+    assert (args.mb, args.repeats, args.iters, args.tensors) == (100.0, 5, 3, 25)
     quick = bench.parse_args(["--quick"])
     assert (quick.mb, quick.repeats) == (16.0, 1)
     assert bench.parse_args(["--quick", "--repeats", "2"]).repeats == 2

@@ -28,7 +28,7 @@ from conveyor.comm.framing import (
     sender_role,
     to_torch,
 )
-from conveyor.comm.framing import _sign as sign  # to build messages that are signed but malformed
+from conveyor.comm.framing import _trailer as trailer  # to build messages that are signed but malformed
 
 KEY = b"k" * 32
 NUMPY_DTYPES = [name for name in ALLOWED_DTYPES if name != "bfloat16"]
@@ -47,7 +47,10 @@ def signed(meta: dict, tensor_frames=()) -> list:
     """A message whose header is ``meta`` verbatim, correctly signed: it reaches the checks after the tag."""
     head = msgpack.packb(meta) if not isinstance(meta, bytes) else meta
     frames = [head, *tensor_frames]
-    return [*frames, sign(KEY, [memoryview(f) for f in frames])]
+    sender, seq = (meta.get("sender"), meta.get("seq")) if isinstance(meta, dict) else (None, None)
+    if not isinstance(sender, str) or type(seq) is not int:
+        sender, seq = "w#1", 0  # the header does not say: these tags cannot match, but the header fails first
+    return [*frames, trailer(KEY, [memoryview(f) for f in frames], sender, seq)]
 
 
 def base_meta(**extra):
@@ -172,6 +175,16 @@ def test_a_flipped_byte_in_any_frame_breaks_the_signature():
             tampered = received(frames)
             tampered[i][position] ^= 0x01
             assert reason(tampered) == "signature", (i, position)
+
+
+def test_tensor_frames_cannot_be_swapped_or_replayed_under_another_seq():
+    a, b = np.arange(4, dtype=np.float32), np.arange(4, 8, dtype=np.float32)
+    frames = received(frames_of(a, b))
+    assert reason([frames[0], frames[2], frames[1], frames[3]]) == "signature"  # same lengths, other order
+    other = received(frames_of(a, b))  # another message: its own seq, so its own GMAC nonces
+    decoded = decode([other[0], frames[1], frames[2], other[3]], secret=KEY, replay_guard=None)
+    assert np.array_equal(decoded.tensors[1], b)  # the same bytes with that message's own tags: fine
+    assert reason([other[0], frames[1], frames[2], frames[3]]) == "signature"  # tags of another message
 
 
 def test_truncated_missing_and_extra_frames_are_rejected():
