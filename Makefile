@@ -1,6 +1,6 @@
 # make test  — set up .venv if needed, lint, run the test suite
 # make demo  — set up .venv if needed, train the digits demo on two workers
-# make bench — the benchmarks (input pipeline, all-reduce)
+# make bench — the benchmarks (input pipeline, all-reduce, parameter-server transport and training)
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
