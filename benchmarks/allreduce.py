@@ -77,7 +77,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by file path
-from machine import loadavg, machine_facts, publish_run, write_results  # noqa: E402
+from machine import format_goals, loadavg, machine_facts, publish_run, write_results  # noqa: E402
 
 HERE = Path(__file__).resolve()
 DEFAULT_OUT = HERE.parent / "results"
@@ -587,14 +587,6 @@ def goals(d: dict[str, Any]) -> list[dict[str, Any]]:
     value = d["conveyor_vs_bare_2"]
     return [{"name": "conveyor_2 samples/s >= 0.97 x bare_ddp_2 (2 workers, same run, ratio of medians)",
              "value": value, "threshold": GOAL, "pass": bool(math.isfinite(value) and value >= GOAL)}]
-
-
-def format_goals(gs: Sequence[dict[str, Any]]) -> str:
-    out = []
-    for g in gs:
-        shown = _fmt(g["value"], ".3f") if math.isfinite(g["value"]) else "not measured"
-        out.append(f"{'PASS' if g['pass'] else 'FAIL'} {g['name']}: {shown} (goal >= {g['threshold']})")
-    return "\n".join(out)
 
 
 def machine_info() -> dict[str, Any]:

@@ -82,6 +82,17 @@ def _plain(x: Any) -> Any:
     return str(x)
 
 
+def format_goals(goals: list[dict[str, Any]]) -> str:
+    """One PASS/FAIL line per goal: name, value (or "not measured"), threshold (``compare``, default >=)."""
+    lines = []
+    for g in goals:
+        value = g["value"]
+        shown = f"{value:.3f}" if value is not None and math.isfinite(value) else "not measured"
+        lines.append(f"{'PASS' if g['pass'] else 'FAIL'} {g['name']}: {shown} "
+                     f"(goal {g.get('compare', '>=')} {g['threshold']})")
+    return "\n".join(lines)
+
+
 def publish_run(name: str, head: dict[str, Any], res: dict[str, Any], derived: dict[str, Any],
                 goals: list[dict[str, Any]], table: str, started: float, goal_lines: str,
                 out_dir: str | os.PathLike) -> Path:

@@ -52,7 +52,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by file path
 from conveyor.launch.ports import free_ports  # noqa: E402
-from machine import loadavg, machine_facts, publish_run, write_results  # noqa: E402
+from machine import format_goals, loadavg, machine_facts, publish_run, write_results  # noqa: E402
 
 HERE = Path(__file__).resolve()
 DEFAULT_OUT = HERE.parent / "results"
@@ -363,12 +363,6 @@ def goals(d: dict[str, Any]) -> list[dict[str, Any]]:
         out.append({"name": name, "value": value, "threshold": threshold,
                     "pass": bool(math.isfinite(value) and value >= threshold)})
     return out
-
-
-def format_goals(gs: Sequence[dict[str, Any]]) -> str:
-    return "\n".join(f"{'PASS' if g['pass'] else 'FAIL'} {g['name']}: "
-                     f"{_fmt(g['value'], '.3f') if math.isfinite(g['value']) else 'not measured'} "
-                     f"(goal >= {g['threshold']})" for g in gs)
 
 
 def write_json(report: dict[str, Any], out_dir: Path) -> Path:

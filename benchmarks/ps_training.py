@@ -71,7 +71,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by file path
-from machine import loadavg, machine_facts, publish_run, write_results  # noqa: E402
+from machine import format_goals, loadavg, machine_facts, publish_run, write_results  # noqa: E402
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
@@ -351,12 +351,6 @@ def goals(d: dict[str, Any]) -> list[dict[str, Any]]:
          "value": gap, "threshold": GOAL_ACCURACY_GAP, "compare": "<=",
          "pass": bool(math.isfinite(gap) and gap <= GOAL_ACCURACY_GAP)},
     ]
-
-
-def format_goals(gs: Sequence[dict[str, Any]]) -> str:
-    return "\n".join(f"{'PASS' if g['pass'] else 'FAIL'} {g['name']}: "
-                     f"{_fmt(g['value'], '.3f') if math.isfinite(g['value']) else 'not measured'} "
-                     f"(goal {g['compare']} {g['threshold']})" for g in gs)
 
 
 def write_json(report: dict[str, Any], out_dir: Path) -> Path:

@@ -58,8 +58,9 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
-import safetensors.torch
 import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
 
 from conveyor.comm.framing import Message
 from conveyor.comm.transport import Server
@@ -298,7 +299,7 @@ class ParameterServer:
         tensors, meta = self.opt.state_dict()
         shard = {"format": SHARD_FORMAT, "version": 1, "ps": self.index, "fingerprint": self.fingerprint,
                  "keys": self.keys, "optimizer": meta}
-        store.save_part(step, tensors_name, safetensors.torch.save({k: v.contiguous() for k, v in tensors.items()}))
+        store.save_part(step, tensors_name, save_safetensors({k: v.contiguous() for k, v in tensors.items()}))
         store.save_part(step, meta_name, json.dumps(shard, sort_keys=True).encode())
         self.counters["checkpoints"] += 1
         return "ok", {"parts": [tensors_name, meta_name]}, []
@@ -313,7 +314,7 @@ class ParameterServer:
             raise ValueError(f"checkpoint step {step} holds a shard of another model or ps layout (placement "
                              f"{shard.get('fingerprint')}, this job {self.fingerprint}): resume with the same model "
                              f"and number of ps tasks, or start over with --no-resume")
-        tensors = safetensors.torch.load(store.read_part(step, tensors_name))
+        tensors = load_safetensors(store.read_part(step, tensors_name))
         self.opt.load_state_dict(tensors, shard["optimizer"])
         log.info("%s: restored its shard from checkpoint step %d", self.name, step)
         return "ok", {}, []
