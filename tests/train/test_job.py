@@ -202,6 +202,18 @@ def test_shutdown_is_idempotent_and_final(env: dict[str, str]) -> None:
         job.all_gather_bytes(b"x")
 
 
+def test_leaving_with_an_exception_does_not_wait_for_the_peers(env: dict[str, str], monkeypatch) -> None:
+    calls = []
+    with init(environ=env) as job:
+        pass
+    monkeypatch.setattr(type(job), "shutdown", lambda self, wait_for_peers=True: calls.append(wait_for_peers))
+    with job:
+        pass
+    with pytest.raises(ValueError), job:
+        raise ValueError("a failing rank must exit at once, not wait in a barrier its peers never reach")
+    assert calls == [True, False]
+
+
 # -- rendezvous failures (one real process, the others never come) ---------------------------------------------------
 
 

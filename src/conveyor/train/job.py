@@ -91,7 +91,7 @@ def init(strategy: str | None = None, *, timeout: float | None = None,
     try:
         chosen.setup(job)
     except BaseException:
-        job.shutdown()
+        job.shutdown(wait_for_peers=False)
         raise
     return job
 
@@ -217,8 +217,15 @@ class Job:
 
     # -- lifetime ---------------------------------------------------------------------------------
 
-    def shutdown(self) -> None:
-        """Shut the strategy down and leave the process group (idempotent)."""
+    def shutdown(self, wait_for_peers: bool = True) -> None:
+        """Shut the strategy down and leave the process group (idempotent).
+
+        ``wait_for_peers`` (the normal end): first wait until every rank is shutting down too. Rank 0
+        hosts the rendezvous store, and a rank whose peers tear the group down while it still uses
+        it can abort at exit ("terminate called without an active exception", seen in 1 of 20 runs).
+        A failing rank skips the wait (``with job:`` does on an exception), so it exits at once and
+        the launcher sees it.
+        """
         if self._closed:
             return
         self._closed = True
@@ -226,6 +233,11 @@ class Job:
             self.strategy.shutdown()
         finally:
             if self._owns_group and dist.is_initialized():
+                if wait_for_peers and self.world_size > 1:
+                    try:
+                        dist.barrier()
+                    except Exception:  # noqa: BLE001 - a peer already gone: leave anyway
+                        pass
                 dist.destroy_process_group()
 
     def __enter__(self) -> Job:
@@ -233,7 +245,7 @@ class Job:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self.shutdown()
+        self.shutdown(wait_for_peers=exc_type is None)
 
     def __repr__(self) -> str:
         return (f"Job(rank={self.rank}, world_size={self.world_size}, task={self.task_type}:{self.task_index}, "
