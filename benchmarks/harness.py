@@ -174,8 +174,8 @@ def format_goals(rows: list[dict[str, Any]], show: Callable[[dict[str, Any]], st
             shown = "not measured" + (f" ({g['error']})" if g.get("error") else "")
         else:
             shown = show(g) if show else f"{value:.3f}"
-        lines.append(f"{'PASS' if g['pass'] else 'FAIL'} {g['name']}: {shown} "
-                     f"(goal {g.get('compare', '>=')} {g['threshold']})")
+        goal = g["threshold"] if isinstance(g["threshold"], str) else f"{g.get('compare', '>=')} {g['threshold']}"
+        lines.append(f"{'PASS' if g['pass'] else 'FAIL'} {g['name']}: {shown} (goal {goal})")
     return "\n".join(lines)
 
 
