@@ -871,7 +871,7 @@ def measure_rounds(runners: dict[str, Callable[[dict], float]], m: Measurer, s: 
                 f"{info.get('other_cores', 0) + info.get('steal_cores', 0):.2f} cores)")
 
     return h.interleaved_rounds(list(runners), s.repeats, measure, describe=describe, reverse_odd=False,
-                                log=lambda line: m.log(f"[{m.wl.name}]{line}"))
+                                log=lambda line: m.log(f"[{m.wl.name}] {line.strip()}"))
 
 
 def derive(samples: dict[str, list[float]], cores: int) -> dict[str, Any]:
