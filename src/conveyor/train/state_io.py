@@ -1,7 +1,7 @@
 """PyTorch state as files without pickle: tensors go to safetensors, everything else to JSON.
 
 `torch.save` pickles, and unpickling a file runs whatever code its author chose, so a checkpoint on
-a shared disk would be a way into every job that resumes from it (DESIGN.md, "No pickle"). Here a
+a shared disk would be a way into every job that resumes from it (docs/architecture.md, "No pickle"). Here a
 state tree (a model's or optimizer's `state_dict()`, RNG states, ...) is split in two:
 
     tensors, meta = flatten_state(optimizer.state_dict())

@@ -1,6 +1,6 @@
 """`cache(filename="")`: record the first complete pass over the input and replay it afterwards.
 
-tf.data semantics (TFDATA.md §11): the first iterator that reads the input *to its end* records
+tf.data semantics (docs/tfdata-semantics.md §11): the first iterator that reads the input *to its end* records
 the elements — in memory when `filename == ""`, else in a file — and every later iterator replays
 that recording without touching the input. "For the cache to be finalized, the input dataset must
 be iterated through in its entirety": an iterator closed half-way records nothing. `cache` yields

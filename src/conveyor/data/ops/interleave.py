@@ -1,7 +1,7 @@
 """`interleave(map_func, cycle_length, block_length, num_parallel_calls, deterministic)`.
 
 Opens `map_func(x)` for up to `cycle_length` input elements and takes `block_length` consecutive
-elements from each in turn (TFDATA.md §6). The order is tf.data's sequential kernel, exactly:
+elements from each in turn (docs/tfdata-semantics.md §6). The order is tf.data's sequential kernel, exactly:
 slots are opened lazily when the cycle reaches them, and a slot whose dataset ended is refilled
 only when the cycle comes back to it.
 
@@ -233,7 +233,7 @@ class _InterleaveBase(Iter):
 
 
 class SequentialInterleaveIter(_InterleaveBase):
-    """tf.data's sequential interleave kernel, line for line (TFDATA.md §6)."""
+    """tf.data's sequential interleave kernel, line for line (docs/tfdata-semantics.md §6)."""
 
     def _next(self):
         slots = self._slots

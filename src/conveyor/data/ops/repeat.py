@@ -1,6 +1,6 @@
 """`repeat(count=None)`: the input, `count` times over; forever when `count` is None or -1.
 
-tf.data semantics (TFDATA.md §5): "Repeats this dataset so each original value is seen `count`
+tf.data semantics (docs/tfdata-semantics.md §5): "Repeats this dataset so each original value is seen `count`
 times". Every repetition starts a fresh input iterator, built with `Context.with_epoch(epoch)`, so
 a random op upstream with `reshuffle_each_iteration=True` draws a new order each epoch while a
 rebuilt (resumed) iterator draws the same one again.

@@ -1,6 +1,6 @@
 """`shard(num_shards, index)`: the elements whose position modulo `num_shards` equals `index`.
 
-tf.data semantics (TFDATA.md §3): deterministic; uneven shards are allowed.
+tf.data semantics (docs/tfdata-semantics.md §3): deterministic; uneven shards are allowed.
 
     Dataset.range(10).shard(3, 0)   # 0, 3, 6, 9
     Dataset.range(10).shard(3, 1)   # 1, 4, 7

@@ -1,6 +1,6 @@
 """`shuffle(buffer_size, seed, reshuffle_each_iteration)`: sample uniformly from a sliding buffer.
 
-tf.data's kernel (TFDATA.md §4): before each output, fill the buffer up to `buffer_size` elements
+tf.data's kernel (docs/tfdata-semantics.md §4): before each output, fill the buffer up to `buffer_size` elements
 from the input; pick one slot uniformly at random, emit it and move the last slot into the hole.
 When the input ends the buffer drains in random order. Output k (0-based) therefore comes from
 inputs [0, k + buffer_size), and `buffer_size >= len(input)` gives a uniform permutation.

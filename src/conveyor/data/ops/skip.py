@@ -1,6 +1,6 @@
 """`skip(count)`: the input without its first `count` elements.
 
-tf.data semantics (TFDATA.md §10): a count larger than the input yields nothing; `-1` (tf.data:
+tf.data semantics (docs/tfdata-semantics.md §10): a count larger than the input yields nothing; `-1` (tf.data:
 any negative count) skips everything, and then the input is not even read (so `skip(-1)` of an
 endless dataset is empty, not a hang).
 

@@ -1,6 +1,6 @@
 """`take(count)`: at most the first `count` elements of the input.
 
-tf.data semantics (TFDATA.md §10): `-1` (tf.data: any negative count) or a count larger than the
+tf.data semantics (docs/tfdata-semantics.md §10): `-1` (tf.data: any negative count) or a count larger than the
 input yields everything; `0` yields nothing and never reads the input.
 
     Dataset.range(10).take(3)     # 0, 1, 2

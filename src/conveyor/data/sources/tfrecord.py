@@ -1,5 +1,5 @@
 """`TFRecordDataset(filenames, compression_type, buffer_size)`: the records of files, one file after
-the other (TFDATA.md §13).
+the other (docs/tfdata-semantics.md §13).
 
     TFRecordDataset(["a.tfrecord", "b.tfrecord"])          # records of a, then of b, as bytes
     TFRecordDataset(files, compression_type="GZIP")        # the whole file stream is compressed
