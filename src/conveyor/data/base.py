@@ -123,7 +123,7 @@ class StateField:
         value = self.value.get(key, _NO_KEY) if isinstance(self.value, dict) else _NO_KEY
         if value is _NO_KEY:
             raise self._expected(f"a dict with the key {key!r}")
-        return StateField(value, f"{self.where}[{key!r}]")
+        return StateField(value, f'{self.where}["{key}"]')
 
     def get(self, key: str) -> StateField | None:
         """The field `key`, or None when the dict does not have it (a state from an older release)."""

@@ -113,6 +113,10 @@ class SequentialMapIter(UnaryIter):
     def _next(self):
         return call(self._fn, next(self._input))
 
+    def _load_extra_state(self, state: StateField) -> None:
+        if state["input"].is_none():  # it never drops its input, so its own states never say so
+            raise state["input"].error("expected the input's state (a sequential map never finishes its input)")
+
 
 class ThreadMapIter(Iter):
     """Parallel map in a thread pool: for functions that release the GIL (I/O, decoders, numpy)."""
@@ -318,7 +322,7 @@ class ProcessMapIter(Iter):
     def set_state(self, state: StateField) -> None:
         state.fields(("input", "input_done", "next_task", "chunks"))
         input_done = state["input_done"].as_bool()
-        next_task = state["next_task"].as_int(0)
+        next_task = state["next_task"].as_int(0, 2**63 - 1)  # sent to workers as 8 bytes
         known = self._input_node.known_elements()
         chunks, resume_skip = {}, None
         for chunk in state["chunks"].as_list():

@@ -84,6 +84,7 @@ class TFRecordIter(Iter):
         self._reader: TFRecordReader | None = None
         self._stat: tuple[int, int] | None = None  # (size, mtime_ns) of the current file when opened
         self._resumed: StateField | None = None  # the restored offset field, until the file is reopened
+        self._resumed_where: str | None = None  # where the restored state sat in the whole state
 
     def _open(self) -> TFRecordReader:
         try:
@@ -98,7 +99,7 @@ class TFRecordIter(Iter):
         if self._stat is not None and seen != self._stat:  # changed between loading the state and now
             self._reader.close()
             self._reader = None
-            raise _changed(self._path, self._stat, seen, self._offset)
+            raise _changed(self._path, self._stat, seen, self._offset, self._resumed_where)
         self._stat = seen
         return self._reader
 
@@ -184,11 +185,12 @@ class TFRecordIter(Iter):
             now = _stat(self._path)
         except FileNotFoundError:
             raise StateMismatchError(f"{self._path}, which the iterator state is positioned in, no longer exists; "
-                                     f"restore it, or start without the data state (--no-resume)") from None
+                                     f"restore it, or start without the data state (--no-resume)",
+                                     state.where) from None
         if now != saved:
-            raise _changed(self._path, saved, now, self._offset)
+            raise _changed(self._path, saved, now, self._offset, state.where)
         self._stat = saved
-        self._resumed = state["offset"]
+        self._resumed, self._resumed_where = state["offset"], state.where
 
     def _listed(self, field: StateField) -> str:
         """The saved current file, which must be one the file-name input can produce."""
@@ -210,8 +212,9 @@ def _stat(path: str) -> tuple[int, int]:
     return st.st_size, st.st_mtime_ns
 
 
-def _changed(path: str, saved: tuple[int, int], now: tuple[int, int], offset: int) -> StateMismatchError:
+def _changed(path: str, saved: tuple[int, int], now: tuple[int, int], offset: int,
+             field: str | None) -> StateMismatchError:
     return StateMismatchError(
         f"{path} changed since the checkpoint: it had {saved[0]} bytes and mtime_ns {saved[1]} when the iterator "
         f"state was saved, and has {now[0]} bytes and mtime_ns {now[1]} now, so the saved position (byte {offset}) "
-        f"would land in other data. Restore the original file, or start without the data state (--no-resume)")
+        f"would land in other data. Restore the original file, or start without the data state (--no-resume)", field)
