@@ -8,7 +8,10 @@ the consumer's waits, and wraps the tree's state with a version and a fingerprin
 so that a state is never loaded into a different pipeline.
 
 Contract for op authors:
-- `Iter.set_state` is only ever called on a freshly built iterator, before its first `next`.
+- `Iter.set_state` is only ever called on a freshly built iterator, before its first `next`. Its
+  state is untrusted (checkpoints may be writable by others): read every field through the
+  `StateField` it gets, which checks types and ranges and names the field in its `StateError`, and
+  check saved elements against `Node.known_elements()`, before opening or allocating anything.
 - Background work (threads, processes) starts lazily, on the first `next`, and stops in `close`.
 - `get_state` is called from the consumer's thread between two `next` calls and must describe
   exactly the elements not yet returned: work that is in flight is part of the state.
@@ -392,6 +395,7 @@ class DatasetIterator:
         exhausted = top["exhausted"].as_bool()
         if not exhausted and top["state"].is_none():
             raise top["state"].error("expected the pipeline's state (it is null, but 'exhausted' is false)")
+        before = (self._ctx.root_seed, self._ctx.iteration)
         self.close()
         self._build(root_seed, iteration)
         if exhausted:
@@ -401,7 +405,7 @@ class DatasetIterator:
             self._root.set_state(top["state"])
         except BaseException:
             self.close()  # no half-restored iterator (nor its threads) survives a refused state
-            self._build(root_seed, iteration)
+            self._build(*before)
             raise
 
     # ---- statistics

@@ -125,8 +125,11 @@ class PrefetchIter(Iter):
     def set_state(self, state: StateField) -> None:
         state.fields(("input", "done", "buffer"), optional=("capacity",))
         capacity = self._capacity
-        if self._autotune and state.get("capacity") is not None:
-            capacity = state["capacity"].as_int(AUTOTUNE_INITIAL_BUFFER, AUTOTUNE_MAX_BUFFER)
+        saved = state.get("capacity")  # absent in states of older releases
+        if saved is not None and self._autotune:
+            capacity = saved.as_int(AUTOTUNE_INITIAL_BUFFER, AUTOTUNE_MAX_BUFFER)
+        elif saved is not None:
+            saved.as_int(0)
         # the producer stops at `capacity` elements, so a state never holds more
         buffer = state["buffer"].as_elements(max_len=capacity, known=self._input_node.known_elements())
         done = state["done"].as_bool()
