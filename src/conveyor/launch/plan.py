@@ -167,6 +167,11 @@ class LaunchPlan:
     nnodes: int = 1
     inherited: int = 0  # how many variables come from the caller's environment (for --dry-run)
 
+    @property
+    def checkpoint_dir(self) -> str:
+        """Where the chief writes checkpoints (``<output>/checkpoints``): the supervisor's sign of progress."""
+        return os.path.join(os.path.dirname(self.log_dir), "checkpoints")
+
 
 def resolve_strategy(strategy: str | None, world_size: int, num_ps: int) -> str:
     """The strategy name to run: the one given, checked against the job's shape, or the default.
