@@ -208,7 +208,7 @@ def test_every_task_exits_when_the_launcher_is_killed_with_sigkill(tmp_path):
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["run", "--timeout", "inf", "task.py"], "--timeout inf: expected a finite number of seconds > 0 and at most 86400"),
+    (["run", "--timeout", "inf", "task.py"], "--timeout inf: expected a finite number of seconds > 0"),
     (["run", "--timeout", "nan", "task.py"], "--timeout nan"),
     (["run", "--timeout", "0", "task.py"], "--timeout 0"),
     (["run", "--timeout", "1e9", "task.py"], "at most 86400"),

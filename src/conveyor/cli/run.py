@@ -3,8 +3,8 @@
     conveyor run -n 2 train.py --epochs 1                     # 2 workers on this machine
     conveyor run -n 4 --ps 2 --strategy ps-async train.py     # 4 workers, 2 parameter servers
     conveyor run --dry-run -n 2 train.py --epochs 1           # print what would start, start nothing
-    conveyor run -n 2 --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29400 train.py    # on 10.0.0.1
-    conveyor run -n 2 --nnodes 2 --node-rank 1 --rdzv 10.0.0.1:29400 train.py    # on the other machine
+    conveyor run -n 2 --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29400 --job-secret-file s train.py  # 10.0.0.1
+    conveyor run -n 2 --nnodes 2 --node-rank 1 --rdzv 10.0.0.1:29400 --job-secret-file s train.py  # the other
 
 This module only parses arguments; the work is in `conveyor.launch`: `plan` (what to start, pure),
 `ports`, `rendezvous` (several machines) and `supervisor` (start, relay logs, restart, stop).
@@ -44,8 +44,9 @@ examples:
   conveyor run -n 2 train.py --epochs 1
   conveyor run -n 4 --ps 2 --strategy ps-async train.py
   conveyor run --dry-run -n 2 train.py --epochs 1
-  conveyor run -n 2 --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29400 train.py   # on 10.0.0.1
-  conveyor run -n 2 --nnodes 2 --node-rank 1 --rdzv 10.0.0.1:29400 train.py   # on the other machine
+  openssl rand -hex 32 > job.secret && chmod 600 job.secret    # once, copied to every machine
+  conveyor run -n 2 --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29400 --job-secret-file job.secret train.py
+  conveyor run -n 2 --nnodes 2 --node-rank 1 --rdzv 10.0.0.1:29400 --job-secret-file job.secret train.py
 
 Every task runs `PYTHON SCRIPT ARGS...` with the caller's environment plus TF_CONFIG, torch's RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT and conveyor's CONVEYOR_* variables (--dry-run shows

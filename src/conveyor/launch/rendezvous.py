@@ -1,8 +1,8 @@
 """Multi-node rendezvous: the launchers of a job find each other and agree on one cluster.
 
-    # on node 0 (10.0.0.1)                      # on node 1
-    conveyor run -n 2 --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29400 train.py
-    conveyor run -n 2 --nnodes 2 --node-rank 1 --rdzv 10.0.0.1:29400 train.py
+    # on node 0 (10.0.0.1), then on node 1, each with the same (private) secret file
+    conveyor run -n 2 --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29400 --job-secret-file job.secret train.py
+    conveyor run -n 2 --nnodes 2 --node-rank 1 --rdzv 10.0.0.1:29400 --job-secret-file job.secret train.py
 
 Node 0's launcher hosts a ``torch.distributed.TCPStore`` (torch's small key-value server, the one
 torchrun's c10d rendezvous uses) at the ``--rdzv`` address; every launcher connects to it and:
