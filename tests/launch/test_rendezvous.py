@@ -24,14 +24,15 @@ from conveyor.launch import RendezvousError, free_ports, join
 
 pytestmark = pytest.mark.multiprocess
 
+SECRET = bytes(range(32, 64))
+SECRET_HEX = SECRET.hex()
 SETTINGS = {"strategy": None, "chief": False, "max_restarts": 3, "resume": True, "timeout": 20.0}
 
 
 def join_all(endpoint: str, nodes: list[dict], timeout: float = 20.0) -> list:
     """Join every node from its own thread; return each node's Rendezvous or the exception it raised."""
     def one(kwargs):
-        args = dict(nnodes=len(nodes), workers=1, ps=0, settings=SETTINGS, secret=None, secret_from_file=False,
-                    timeout=timeout)
+        args = dict(nnodes=len(nodes), workers=1, ps=0, settings=SETTINGS, secret=SECRET, timeout=timeout)
         args.update(kwargs)
         try:
             return join(endpoint, **args)
@@ -52,7 +53,7 @@ def test_nodes_agree_on_one_cluster_master_and_secret():
     endpoint = f"127.0.0.1:{free_ports(1)[0]}"
     secret = bytes(range(32))
     results = join_all(endpoint, [dict(node_rank=0, workers=2, ps=1, secret=secret),
-                                  dict(node_rank=1, workers=1, ps=1)])
+                                  dict(node_rank=1, workers=1, ps=1, secret=secret)])
     try:
         assert not [r for r in results if isinstance(r, Exception)], results
         node0, node1 = results
@@ -70,19 +71,17 @@ def test_nodes_agree_on_one_cluster_master_and_secret():
 
 def test_a_node_rank_taken_twice_is_refused():
     endpoint = f"127.0.0.1:{free_ports(1)[0]}"
-    results = join_all(endpoint, [dict(node_rank=0, secret=b"k" * 32), dict(node_rank=1)])
+    results = join_all(endpoint, [dict(node_rank=0), dict(node_rank=1)])
     try:
         with pytest.raises(RendezvousError, match=f"node rank 1 is taken at the rendezvous {endpoint}"):
-            join(endpoint, nnodes=2, node_rank=1, workers=1, ps=0, settings=SETTINGS, secret=None,
-                 secret_from_file=False, timeout=5)
+            join(endpoint, nnodes=2, node_rank=1, workers=1, ps=0, settings=SETTINGS, secret=SECRET, timeout=5)
     finally:
         close(results)
 
 
 def test_settings_that_differ_between_nodes_are_refused_naming_the_flag():
     endpoint = f"127.0.0.1:{free_ports(1)[0]}"
-    results = join_all(endpoint, [dict(node_rank=0, secret=b"k" * 32),
-                                  dict(node_rank=1, settings={**SETTINGS, "strategy": "pipeline"})])
+    results = join_all(endpoint, [dict(node_rank=0), dict(node_rank=1, settings={**SETTINGS, "strategy": "pipeline"})])
     try:
         for r in results:
             assert isinstance(r, RendezvousError)
@@ -93,11 +92,11 @@ def test_settings_that_differ_between_nodes_are_refused_naming_the_flag():
 
 def test_secret_files_must_hold_the_same_secret():
     endpoint = f"127.0.0.1:{free_ports(1)[0]}"
-    results = join_all(endpoint, [dict(node_rank=0, secret=b"a" * 32, secret_from_file=True),
-                                  dict(node_rank=1, secret=b"b" * 32, secret_from_file=True)])
+    results = join_all(endpoint, [dict(node_rank=0, secret=b"a" * 32), dict(node_rank=1, secret=b"b" * 32)])
     try:
-        assert not isinstance(results[0], Exception)
-        assert isinstance(results[1], RendezvousError) and "same file" in str(results[1])
+        # Each node checks every record's HMAC: node 0 refuses node 1's record as node 1 refuses node 0's.
+        for r in results:
+            assert isinstance(r, RendezvousError) and "give every node the same --job-secret-file" in str(r)
     finally:
         close(results)
 
@@ -106,8 +105,7 @@ def test_a_missing_node_times_out_naming_the_address_and_the_node():
     endpoint = f"127.0.0.1:{free_ports(1)[0]}"
     started = time.monotonic()
     with pytest.raises(RendezvousError) as info:
-        join(endpoint, nnodes=3, node_rank=0, workers=1, ps=0, settings=SETTINGS, secret=b"k" * 32,
-             secret_from_file=False, timeout=0.5)
+        join(endpoint, nnodes=3, node_rank=0, workers=1, ps=0, settings=SETTINGS, secret=SECRET, timeout=0.5)
     assert time.monotonic() - started < 5
     assert f"rendezvous at {endpoint}: node(s) 1, 2 of 3 did not join within 0.5 s" in str(info.value)
 
@@ -115,8 +113,7 @@ def test_a_missing_node_times_out_naming_the_address_and_the_node():
 def test_an_unreachable_rendezvous_names_the_address():
     endpoint = f"127.0.0.1:{free_ports(1)[0]}"
     with pytest.raises(RendezvousError, match=f"node 1 could not reach the rendezvous at {endpoint}"):
-        join(endpoint, nnodes=2, node_rank=1, workers=1, ps=0, settings=SETTINGS, secret=None,
-             secret_from_file=False, timeout=0.5)
+        join(endpoint, nnodes=2, node_rank=1, workers=1, ps=0, settings=SETTINGS, secret=SECRET, timeout=0.5)
 
 
 # -- two real launchers -----------------------------------------------------------------------------
@@ -147,7 +144,7 @@ def start_node(tmp_path: Path, rank: int, endpoint: str, *extra: str, prefix: tu
             [*prefix, sys.executable, "-m", "conveyor.cli.main", "run", "--nnodes", "2", "--node-rank", str(rank),
              "--rdzv", endpoint, "--output-dir", str(tmp_path / f"output{rank}"), "--timeout", "30", *extra,
              "task.py"],
-            cwd=tmp_path, stdout=out, stderr=err, env={**os.environ, **(env or {})})
+            cwd=tmp_path, stdout=out, stderr=err, env={**os.environ, "CONVEYOR_JOB_SECRET": SECRET_HEX, **(env or {})})
 
 
 def finish(procs: list[subprocess.Popen], tmp_path: Path, timeout: float = 60) -> list[tuple[int, str, str]]:
@@ -259,3 +256,48 @@ def test_two_launchers_in_two_network_namespaces_reach_each_other(tmp_path, two_
         assert code == 0, err
     assert f"[worker:0] rank 0 of 2 got 'hello from rank 1' from {addr1}; master {addr0}" in results[0][1]
     assert f"[worker:1] rank 1 of 2 got 'hello from rank 0' from {addr0}; master {addr0}" in results[1][1]
+
+
+# -- what crosses the network -----------------------------------------------------------------------
+
+
+def test_the_store_listens_only_on_the_rdzv_address():
+    import psutil
+
+    port = free_ports(1)[0]
+    results = join_all(f"127.0.0.1:{port}", [dict(node_rank=0, secret=b"k" * 32), dict(node_rank=1, secret=b"k" * 32)])
+    try:
+        assert not [r for r in results if isinstance(r, Exception)], results
+        listening = {c.laddr.ip for c in psutil.Process().net_connections("inet")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+        assert listening == {"127.0.0.1"}
+    finally:
+        close(results)
+
+
+def test_the_secret_is_never_published_in_the_store():
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    endpoint = f"127.0.0.1:{free_ports(1)[0]}"
+    secret = bytes(range(100, 132))
+    results = join_all(endpoint, [dict(node_rank=0, secret=secret), dict(node_rank=1, secret=secret)])
+    try:
+        assert not [r for r in results if isinstance(r, Exception)], results
+        host, port = endpoint.rsplit(":", 1)
+        intruder = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))  # no credentials needed
+        published = [intruder.get(key) for key in ("conveyor/job", "conveyor/node/0", "conveyor/node/1")]
+        for value in published:
+            assert secret.hex() not in value.decode() and secret not in value
+    finally:
+        close(results)
+
+
+def test_a_node_without_the_secret_cannot_join():
+    endpoint = f"127.0.0.1:{free_ports(1)[0]}"
+    results = join_all(endpoint, [dict(node_rank=0, secret=b"a" * 32), dict(node_rank=1, secret=None)], timeout=1.0)
+    try:
+        assert isinstance(results[1], ValueError) and "secret" in str(results[1])
+    finally:
+        close(results)

@@ -66,6 +66,7 @@ def test_dry_run_lists_every_task_with_its_command_and_environment_secret_masked
     monkeypatch.chdir(tmp_path)
     secret_file = tmp_path / "secret"
     secret_file.write_text(SECRET_HEX + "\n")
+    secret_file.chmod(0o600)
     code = main(["run", "--dry-run", "-n", "2", "--ps", "1", "--strategy", "ps-async", "--job-secret-file",
                  str(secret_file), "--timeout", "60", "--no-resume", "train.py", "--epochs", "1"])
     out = capsys.readouterr().out
@@ -107,6 +108,7 @@ def test_bad_arguments_are_one_line_and_exit_2(tmp_path, capsys, monkeypatch, ar
 def test_a_secret_file_that_is_not_hex_is_refused_without_echoing_it(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "secret").write_text("hunter2-hunter2-hunter2-hunter2-hunter2")
+    (tmp_path / "secret").chmod(0o600)
     assert main(["run", "--dry-run", "--job-secret-file", "secret", "train.py"]) == 2
     err = capsys.readouterr().err
     assert "hunter2" not in err and "--job-secret-file secret" in err
@@ -171,3 +173,134 @@ def test_ctrl_c_or_sigterm_stops_every_task_and_its_children(tmp_path, signum):
     assert code == 128 + signum
     assert f"interrupted by {signal.Signals(signum).name}; every task was stopped" in err
     assert [pid for pid in pids if not gone(pid)] == []
+
+
+# -- hardening -------------------------------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+def test_every_task_exits_when_the_launcher_is_killed_with_sigkill(tmp_path):
+    # What the OOM killer or a scheduler does: no handler runs in the launcher, so the kernel must end the tasks.
+    write_script(tmp_path, """
+        with open(os.path.join(os.environ["MARK_DIR"], "pids"), "a") as f:
+            f.write(f"{os.getpid()}\\n")
+        time.sleep(60)
+    """)
+    proc = launcher(tmp_path, "-n", "2", "--ps", "1", "--strategy", "ps-sync", "task.py")
+    tasks: list[psutil.Process] = []
+    try:
+        tasks = [psutil.Process(int(p)) for p in wait_for_lines(tmp_path / "pids", 3)]
+        proc.kill()
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while not all(gone(t.pid) for t in tasks) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [t.pid for t in tasks if not gone(t.pid)] == []
+    finally:
+        for t in tasks:
+            try:
+                t.kill()
+            except psutil.NoSuchProcess:
+                pass
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["run", "--timeout", "inf", "task.py"], "--timeout inf: expected a finite number of seconds > 0"),
+    (["run", "--timeout", "nan", "task.py"], "--timeout nan"),
+    (["run", "--timeout", "0", "task.py"], "--timeout 0"),
+    (["run", "--timeout", "1e9", "task.py"], "at most 86400"),
+    (["run", "-n", "-1", "task.py"], "--workers -1"),
+    (["run", "-n", "100000", "task.py"], "ulimit -n"),
+    (["run", "--ps", "-2", "task.py"], "--ps -2"),
+    (["run", "--ps", "100000", "--strategy", "ps-sync", "task.py"], "ulimit -n"),
+    (["run", "--max-restarts", "-1", "task.py"], "--max-restarts -1"),
+    (["run", "--restart-delay", "-1", "task.py"], "--restart-delay -1"),
+])
+def test_impossible_numbers_are_refused_at_the_command_line(tmp_path, capsys, monkeypatch, argv, needle):
+    monkeypatch.chdir(tmp_path)
+    write_script(tmp_path, "print('never')\n")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
+    assert not (tmp_path / "output").exists()
+
+
+def test_the_open_file_limit_message_says_how_many_tasks_fit_and_how_to_raise_it(tmp_path, capsys, monkeypatch):
+    import resource
+
+    monkeypatch.chdir(tmp_path)
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert main(["run", "-n", "100000", "task.py"]) == 2
+    err = capsys.readouterr().err
+    assert f"open-file limit ({soft})" in err and "ulimit -n" in err
+
+
+@pytest.mark.parametrize("env", [{}, {"CONVEYOR_JOB_SECRET": ""}])
+def test_a_job_on_several_machines_refuses_to_start_without_a_secret(tmp_path, capsys, monkeypatch, env):
+    monkeypatch.chdir(tmp_path)
+    write_script(tmp_path, "print('never')\n")
+    monkeypatch.delenv("CONVEYOR_JOB_SECRET", raising=False)
+    monkeypatch.delenv("CONVEYOR_JOB_SECRET_FILE", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["run", "--nnodes", "2", "--node-rank", "0", "--rdzv", "127.0.0.1:1", "task.py"]) == 2
+    err = capsys.readouterr().err
+    assert "--job-secret-file" in err and "CONVEYOR_JOB_SECRET" in err and "chmod 600" in err
+    assert "same" in err  # every node gets the same secret
+
+
+def test_a_secret_file_readable_by_others_is_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    secret = tmp_path / "secret"
+    secret.write_text(SECRET_HEX)
+    secret.chmod(0o644)
+    assert main(["run", "--dry-run", "--job-secret-file", "secret", "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert "--job-secret-file secret is readable by other users (mode 0644)" in err and "chmod 600 secret" in err
+    assert SECRET_HEX[:12] not in err
+
+
+def test_the_secret_can_come_from_the_environment_and_never_appears_in_argv(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CONVEYOR_JOB_SECRET", SECRET_HEX)
+    assert main(["run", "--dry-run", "-n", "1", "train.py"]) == 0
+    out = capsys.readouterr().out
+    assert "CONVEYOR_JOB_SECRET=<masked: 66 hex digits>" in out and SECRET_HEX[:12] not in out
+    secret_file = tmp_path / "s"
+    secret_file.write_text(SECRET_HEX)
+    secret_file.chmod(0o600)
+    monkeypatch.delenv("CONVEYOR_JOB_SECRET")
+    monkeypatch.setenv("CONVEYOR_JOB_SECRET_FILE", str(secret_file))
+    assert main(["run", "--dry-run", "-n", "1", "train.py"]) == 0
+    assert "CONVEYOR_JOB_SECRET=<masked: 66 hex digits>" in capsys.readouterr().out
+
+
+@pytest.mark.multiprocess
+def test_a_single_machine_job_listens_on_nothing_but_its_tasks(tmp_path):
+    # No rendezvous store on one machine: the launcher itself listens on no port at all.
+    write_script(tmp_path, """
+        import psutil
+        launcher = psutil.Process(os.getppid())
+        print("LISTEN", sorted(c.laddr for c in launcher.net_connections("inet") if c.status == "LISTEN"))
+    """)
+    code, out, err = finish(launcher(tmp_path, "-n", "1", "task.py"), tmp_path)
+    assert code == 0, err
+    assert "[worker:0] LISTEN []" in out
+
+
+@pytest.mark.multiprocess
+def test_logs_follow_the_umask(tmp_path):
+    write_script(tmp_path, "print('hello')\n")
+    for umask, mode in ((0o022, 0o644), (0o077, 0o600)):
+        out_dir = tmp_path / f"out-{umask:o}"
+        previous = os.umask(umask)  # inherited by the launcher started below
+        try:
+            proc = launcher(tmp_path, "--output-dir", str(out_dir), "task.py")
+        finally:
+            os.umask(previous)
+        code, _, err = finish(proc, tmp_path)
+        assert code == 0, err
+        assert (out_dir / "logs" / "worker-0.log").stat().st_mode & 0o777 == mode

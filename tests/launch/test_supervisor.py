@@ -6,6 +6,7 @@ Python scripts that import nothing heavy, so a whole job takes a fraction of a s
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import signal
@@ -35,6 +36,7 @@ def make_plan(tmp_path: Path, body: str, *, workers: int = 2, ps: int = 0, strat
 
 def supervise(plan, **kwargs):
     out, err = io.StringIO(), io.StringIO()
+    kwargs.setdefault("restart_delay", 0.01)  # restarts back off for a second or more by default
     result = Supervisor(plan, out=out, err=err, **kwargs).run()
     return result, out.getvalue(), err.getvalue()
 
@@ -82,7 +84,8 @@ def test_a_task_failing_on_its_first_attempt_restarts_the_job_once(tmp_path):
     """)
     result, out, err = supervise(plan)
     assert result.ok and result.restarts == 1
-    assert "worker:1 exited with status 3; restarting the job from its latest checkpoint (restart 1 of 3)" in err
+    assert ("worker:1 exited with status 3; restarting the job from the beginning (no checkpoint yet) in 0.01 s "
+            "(restart 1 of 3)") in err
     for i in (0, 1):
         assert f"[worker:{i}] attempt 1" in out
         log = (tmp_path / "output" / "logs" / f"worker-{i}.log").read_text().splitlines()
@@ -235,3 +238,104 @@ def test_segments_split_lines_and_live_updates():
     stream = io.BufferedReader(io.BytesIO(b"hello\r\n\rbar 1\rbar 2\rbar 3\ndone\npartial"))
     assert list(_segments(stream)) == [("hello", False), ("bar 1", True), ("bar 2", True), ("bar 3", False),
                                        ("done", False), ("partial", False)]
+
+
+# -- restarts: back off, and stop early when restarting cannot help ------------------------------------
+
+
+def test_restarts_back_off_with_growing_delays(tmp_path):
+    plan = make_plan(tmp_path, """
+        with open(os.path.join(os.environ["MARK_DIR"], "starts"), "a") as f:
+            f.write(f"{os.environ['RANK']} {time.monotonic()}\\n")
+        if os.environ["RANK"] == "1" and os.environ["CONVEYOR_RESTART_COUNT"] != "3":
+            print(f"flaky on attempt {os.environ['CONVEYOR_RESTART_COUNT']}")  # a different line every time
+            sys.exit(3)
+    """)
+    result, _, err = supervise(plan, restart_delay=0.2, restart_delay_cap=0.5)
+    assert result.ok and result.restarts == 3
+    starts = [float(line.split()[1]) for line in (tmp_path / "starts").read_text().splitlines()
+              if line.startswith("1 ")]
+    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    assert len(gaps) == 3 and gaps[0] >= 0.2 and gaps[1] >= 0.4 and gaps[2] >= 0.5  # 0.2, 0.4, then the cap
+    assert " in 0.2 s (restart 1 of 3)" in err and " in 0.4 s (restart 2 of 3)" in err and " in 0.5 s (restart 3" in err
+
+
+def test_the_same_failure_before_any_progress_stops_early_saying_so(tmp_path):
+    plan = make_plan(tmp_path, """
+        if os.environ["RANK"] == "1":
+            raise SystemExit("checkpoint step-00000100 is damaged: model.safetensors sha256 mismatch")
+    """)
+    started = time.monotonic()
+    result, _, err = supervise(plan, max_restarts=50, restart_delay=0.01)
+    assert time.monotonic() - started < 10
+    assert not result.ok and result.restarts == 2
+    assert result.message.startswith(
+        "worker:1 exited with status 1 the same way 3 times in a row without progress (no new checkpoint): "
+        "'checkpoint step-00000100 is damaged: model.safetensors sha256 mismatch'; not restarting again")
+    assert str(tmp_path / "output" / "logs" / "worker-1.log") in result.message
+    assert err.count("restarting the job") == 2
+
+
+def test_a_new_checkpoint_counts_as_progress(tmp_path):
+    plan = make_plan(tmp_path, """
+        attempt = int(os.environ["CONVEYOR_RESTART_COUNT"])
+        if os.environ["RANK"] == "1" and attempt < 4:
+            os.makedirs(os.path.join(os.environ["CONVEYOR_OUTPUT_DIR"], "checkpoints", f"step-{attempt + 1:08d}"))
+            raise SystemExit("lost a peer")
+    """)
+    result, _, err = supervise(plan, max_restarts=5, restart_delay=0.01)
+    assert result.ok and result.restarts == 4, err
+    assert "restarting the job from its latest checkpoint (step 1) in " in err
+
+
+def test_a_job_without_checkpoints_is_said_to_restart_from_the_beginning(tmp_path):
+    plan = make_plan(tmp_path, """
+        if os.environ["RANK"] == "1" and os.environ["CONVEYOR_RESTART_COUNT"] == "0":
+            sys.exit(2)
+    """)
+    result, _, err = supervise(plan)
+    assert result.ok
+    assert "from its latest checkpoint" not in err
+    assert "worker:1 exited with status 2; restarting the job from the beginning (no checkpoint yet)" in err
+
+
+# -- the launcher's own disk ------------------------------------------------------------------------
+
+
+class FullDiskLog:
+    """A log file on a full disk: the first write succeeds (it fits in a partly used block), then ENOSPC."""
+
+    def __init__(self, path: str, *args, **kwargs):
+        self.writes = 0
+
+    def write(self, text: str) -> int:
+        self.writes += 1
+        if self.writes > 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_full_disk_is_reported_once_per_log_and_the_output_keeps_flowing(tmp_path, monkeypatch):
+    from conveyor.launch import supervisor as supervisor_module
+
+    monkeypatch.setattr(supervisor_module, "open", FullDiskLog, raising=False)
+    plan = make_plan(tmp_path, """
+        import signal
+        signal.alarm(30)  # a launcher that stops reading would block this task on a full pipe: end the test
+        for i in range(200):
+            print(f"line {i} " + "x" * 1000)
+    """, workers=1)
+    result, out, err = supervise(plan)
+    assert result.ok, err
+    assert out.count("[worker:0] line ") == 200
+    log = tmp_path / "output" / "logs" / "worker-0.log"
+    assert err.count("cannot write") == 1, err
+    assert (f"cannot write the log {log}: No space left on device (disk full? free space or use --output-dir "
+            f"elsewhere); worker:0's output still reaches this console") in err
+    assert "Traceback" not in err

@@ -3,8 +3,8 @@
     conveyor run -n 2 train.py --epochs 1                     # 2 workers on this machine
     conveyor run -n 4 --ps 2 --strategy ps-async train.py     # 4 workers, 2 parameter servers
     conveyor run --dry-run -n 2 train.py --epochs 1           # print what would start, start nothing
-    conveyor run -n 2 --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29400 train.py    # on 10.0.0.1
-    conveyor run -n 2 --nnodes 2 --node-rank 1 --rdzv 10.0.0.1:29400 train.py    # on the other machine
+    conveyor run -n 2 --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29400 --job-secret-file s train.py  # 10.0.0.1
+    conveyor run -n 2 --nnodes 2 --node-rank 1 --rdzv 10.0.0.1:29400 --job-secret-file s train.py  # the other
 
 This module only parses arguments; the work is in `conveyor.launch`: `plan` (what to start, pure),
 `ports`, `rendezvous` (several machines) and `supervisor` (start, relay logs, restart, stop).
@@ -15,9 +15,12 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import stat
 import sys
+from collections.abc import Mapping
 
 from conveyor.cli import Command, CommandError
+from conveyor.cluster import JOB_SECRET_VAR
 from conveyor.launch import (
     PeerError,
     RunOptions,
@@ -29,22 +32,34 @@ from conveyor.launch import (
     local_plan,
 )
 
+#: A file holding the job secret, for a launcher whose secret comes from a scheduler or a Kubernetes Secret.
+SECRET_FILE_VAR = "CONVEYOR_JOB_SECRET_FILE"
+RESTART_DELAY_CAP = 30.0
+MAKE_SECRET = (f"make one with `openssl rand -hex 32 > job.secret && chmod 600 job.secret`, copy the same file to "
+               f"every node and pass --job-secret-file job.secret (or set {SECRET_FILE_VAR} to its path, or "
+               f"{JOB_SECRET_VAR} to its hex digits, e.g. from a Kubernetes Secret)")
+
 EXAMPLES = """\
 examples:
   conveyor run -n 2 train.py --epochs 1
   conveyor run -n 4 --ps 2 --strategy ps-async train.py
   conveyor run --dry-run -n 2 train.py --epochs 1
-  conveyor run -n 2 --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29400 train.py   # on 10.0.0.1
-  conveyor run -n 2 --nnodes 2 --node-rank 1 --rdzv 10.0.0.1:29400 train.py   # on the other machine
+  openssl rand -hex 32 > job.secret && chmod 600 job.secret    # once, copied to every machine
+  conveyor run -n 2 --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29400 --job-secret-file job.secret train.py
+  conveyor run -n 2 --nnodes 2 --node-rank 1 --rdzv 10.0.0.1:29400 --job-secret-file job.secret train.py
 
 Every task runs `PYTHON SCRIPT ARGS...` with the caller's environment plus TF_CONFIG, torch's RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT and conveyor's CONVEYOR_* variables (--dry-run shows
 them). Tasks are worker:0..N-1 (chief:0 first with --chief); rank 0 is the chief that writes checkpoints.
 Output lines are prefixed with the task ([worker:1] ...); full logs go to OUTPUT_DIR/logs/. When a task
 fails, every task is stopped and the job restarts (CONVEYOR_RESTART_COUNT + 1) up to --max-restarts
-times; the script resumes from OUTPUT_DIR/checkpoints. Ctrl-C stops every task.
+times, after --restart-delay seconds (doubled after each failure without a new checkpoint, at most
+30 s); the script resumes from OUTPUT_DIR/checkpoints. The same failure 3 times in a row without a new
+checkpoint ends the job early. Ctrl-C stops every task, and so does the launcher's death (Linux).
 With --nnodes, -n and --ps count this machine's tasks (like torchrun's --nproc-per-node); node 0's
-tasks come first in the cluster, so rank 0 runs on node 0.
+tasks come first in the cluster, so rank 0 runs on node 0. A job on several machines needs the same
+job secret on every node (--job-secret-file, CONVEYOR_JOB_SECRET_FILE or CONVEYOR_JOB_SECRET): it
+signs the parameter-server messages and never crosses the network.
 """
 
 
@@ -54,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     job = parser.add_argument_group("the job")
     job.add_argument("-n", "--workers", type=int, default=1, metavar="N",
                      help="training processes on this machine (default 1)")
-    job.add_argument("--ps", type=int, default=0, metavar="M", help="parameter servers on this machine (default 0)")
+    job.add_argument("--ps", type=int, default=0, metavar="M",
+                     help="parameter servers on this machine (default 0)")
     job.add_argument("--strategy", default=None, metavar="NAME",
                      help="allreduce, ps-sync, ps-async, ps-ssp:K or pipeline (default: allreduce; ps-sync with "
                      "--ps; local for one process)")
@@ -65,16 +81,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="checkpoints, logs, metrics (default ./output)")
     job.add_argument("--max-restarts", type=int, default=3, metavar="R",
                      help="restart the whole job at most R times after a task fails (default 3)")
+    job.add_argument("--restart-delay", type=float, default=1.0, metavar="SECONDS",
+                     help="pause before a restart (default 1), doubled after each failure without a new "
+                     f"checkpoint, at most {RESTART_DELAY_CAP:g} s (or SECONDS, if larger)")
     job.add_argument("--no-resume", dest="resume", action="store_false",
                      help="start from scratch, ignoring checkpoints already in OUTPUT_DIR (CONVEYOR_RESUME=0); "
                           "restarts after a failure still resume from this job's own checkpoints")
     job.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
-                     help="collective and rendezvous timeout, passed as CONVEYOR_TIMEOUT (default 300)")
+                     help="collective and rendezvous timeout, passed as CONVEYOR_TIMEOUT (default 300, at most 86400)")
     job.add_argument("--python", default=sys.executable, metavar="PATH",
                      help="interpreter that runs SCRIPT (default: the one running conveyor)")
     job.add_argument("--job-secret-file", default=None, metavar="FILE",
-                     help="the job's message-signing secret as hex (default: a fresh random one); give every "
-                     "node the same file so the secret never crosses the network")
+                     help="the job's message-signing secret as hex digits, in a file only you can read (chmod "
+                     f"600); default: ${SECRET_FILE_VAR}, ${JOB_SECRET_VAR}, else a fresh random one on one "
+                     "machine. Required with --nnodes > 1: give every node the same file")
     job.add_argument("--dry-run", action="store_true", help="print every task's command and environment; start nothing")
     nodes = parser.add_argument_group("several machines")
     nodes.add_argument("--nnodes", type=int, default=1, metavar="K", help="machines in the job (default 1)")
@@ -90,11 +110,11 @@ def run(args: argparse.Namespace) -> int:
         script=args.script, script_args=tuple(args.script_args), workers=args.workers, ps=args.ps,
         strategy=args.strategy, chief=args.chief, data_dir=os.path.abspath(args.data_dir),
         output_dir=os.path.abspath(args.output_dir), max_restarts=args.max_restarts, resume=args.resume,
-        timeout=args.timeout, python=args.python,
+        timeout=args.timeout, restart_delay=args.restart_delay, python=args.python,
     )
     _check_node_flags(args)
     environ = dict(os.environ)  # before anything here touches os.environ: this is what the tasks inherit
-    secret = _job_secret(args.job_secret_file)
+    secret = _job_secret(args.job_secret_file, environ, args.nnodes)
     if args.dry_run:
         plan = local_plan(options, free_ports(options.tasks_per_node), master_port=free_ports(1)[0],
                           secret=secret, environ=environ)
@@ -107,25 +127,28 @@ def run(args: argparse.Namespace) -> int:
     if args.nnodes == 1:
         ports = free_ports(options.tasks_per_node + 1)  # one per task, one for torch's store (MASTER_PORT)
         plan = local_plan(options, ports[:-1], master_port=ports[-1], secret=secret, environ=environ)
-        return _report(Supervisor(plan, max_restarts=options.max_restarts).run())
+        return _report(_supervisor(plan, options).run())
     return _run_node(args, options, environ, secret)
 
 
+def _supervisor(plan, options: RunOptions, peers=None) -> Supervisor:
+    return Supervisor(plan, max_restarts=options.max_restarts, peers=peers, restart_delay=options.restart_delay,
+                      restart_delay_cap=max(RESTART_DELAY_CAP, options.restart_delay))
+
+
 def _run_node(args: argparse.Namespace, options: RunOptions, environ: dict[str, str], secret: bytes) -> int:
-    from_file = args.job_secret_file is not None
     settings = {"strategy": options.strategy, "chief": options.chief, "max_restarts": options.max_restarts,
                 "resume": options.resume, "timeout": options.timeout}
     try:
         rdzv = join(args.rdzv, nnodes=args.nnodes, node_rank=args.node_rank, workers=options.workers, ps=options.ps,
-                    settings=settings, secret=secret if (from_file or args.node_rank == 0) else None,
-                    secret_from_file=from_file, timeout=options.timeout)
+                    settings=settings, secret=secret, timeout=options.timeout)
     except PeerError as e:
         raise CommandError(str(e), exit_code=1) from None
     try:
         plan = build_plan(options, rdzv.nodes, rdzv.node_rank, master_addr=rdzv.master_addr,
                           master_port=rdzv.master_port, secret=rdzv.secret, environ=environ)
         print(f"[conveyor] node {rdzv.node_rank} of {args.nnodes}: cluster {plan.spec.as_dict()}", file=sys.stderr)
-        result = Supervisor(plan, max_restarts=options.max_restarts, peers=rdzv.peers).run()
+        result = _supervisor(plan, options, peers=rdzv.peers).run()
     finally:
         rdzv.peers.close()
     return _report(result)
@@ -149,19 +172,43 @@ def _check_node_flags(args: argparse.Namespace) -> None:
                            "drop --nnodes/--node-rank/--rdzv to check the command and environment")
 
 
-def _job_secret(path: str | None) -> bytes:
-    """The per-job secret that signs parameter-server messages: fresh and random, or read from ``path``."""
-    if path is None:
-        return bytes.fromhex(secrets.token_hex(32))
-    with open(path, encoding="ascii", errors="replace") as f:
-        text = f.read().strip()
+def _job_secret(path: str | None, environ: Mapping[str, str], nnodes: int) -> bytes:
+    """The per-job secret that signs parameter-server messages: from ``--job-secret-file``, then
+    ``$CONVEYOR_JOB_SECRET_FILE``, then ``$CONVEYOR_JOB_SECRET``; else, on one machine only, a fresh one
+    (it never leaves this machine: the tasks get it in their environment). Its value is never echoed."""
+    if path is not None:
+        return _read_secret_file(path, "--job-secret-file")
+    if environ.get(SECRET_FILE_VAR):
+        return _read_secret_file(environ[SECRET_FILE_VAR], SECRET_FILE_VAR)
+    if JOB_SECRET_VAR in environ:
+        return _parse_secret(environ[JOB_SECRET_VAR], JOB_SECRET_VAR)
+    if nnodes > 1:
+        raise CommandError(f"--nnodes {nnodes}: a job on several machines needs the same job secret on every node, "
+                           f"so that it never crosses the network; {MAKE_SECRET}")
+    return secrets.token_bytes(32)
+
+
+def _read_secret_file(path: str, where: str) -> bytes:
     try:
-        secret = bytes.fromhex(text)
+        with open(path, encoding="ascii", errors="replace") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            text = f.read()
+    except OSError as e:
+        raise CommandError(f"{where} {path}: {e.strerror or e}; {MAKE_SECRET}") from None
+    if stat.S_IMODE(mode) & 0o077:  # like ssh with a private key: others could forge the job's messages
+        raise CommandError(f"{where} {path} is readable by other users (mode {stat.S_IMODE(mode):04o}): anyone "
+                           f"on this machine could sign messages as the job; chmod 600 {path} (a Kubernetes "
+                           f"Secret volume: defaultMode 0400)")
+    return _parse_secret(text, f"{where} {path}")
+
+
+def _parse_secret(text: str, where: str) -> bytes:
+    try:
+        secret = bytes.fromhex(text.strip())
     except ValueError:
         secret = b""
-    if len(secret) < 16:  # the content is never echoed: it is a secret
-        raise CommandError(f"--job-secret-file {path}: expected at least 32 hex digits, e.g. made with "
-                           f"python -c 'import secrets; print(secrets.token_hex(32))'")
+    if len(secret) < 16:
+        raise CommandError(f"{where}: expected at least 32 hex digits; {MAKE_SECRET}")
     return secret
 
 

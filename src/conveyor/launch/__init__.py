@@ -26,6 +26,7 @@ from conveyor.launch.plan import (
     cluster_from_nodes,
     describe_plan,
     local_plan,
+    max_tasks_per_node,
     resolve_strategy,
 )
 from conveyor.launch.ports import free_ports
@@ -57,5 +58,6 @@ __all__ = [
     "join",
     "local_address",
     "local_plan",
+    "max_tasks_per_node",
     "resolve_strategy",
 ]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import shlex
 import sys
 from collections.abc import Mapping, Sequence
@@ -49,6 +50,7 @@ __all__ = [
     "cluster_from_nodes",
     "describe_plan",
     "local_plan",
+    "max_tasks_per_node",
     "resolve_strategy",
 ]
 
@@ -61,6 +63,14 @@ TIMEOUT_VAR = "CONVEYOR_TIMEOUT"
 #: The strategy names `--strategy` accepts (``ps-ssp:K`` with a staleness bound K >= 0).
 STRATEGIES: tuple[str, ...] = ("local", "allreduce", "ps-sync", "ps-async", "ps-ssp:K", "pipeline")
 _PS_STRATEGY = re.compile(r"ps-(sync|async|ssp:[0-9]+)")
+
+#: Open files the launcher holds per task: the task's output pipe and its log for the whole job, and a
+#: socket for a moment while free ports are picked (all at once, so the kernel hands out distinct ones).
+FILES_PER_TASK = 3
+#: Open files the launcher keeps for itself (stdio, the interpreter's own, torch and the rendezvous store).
+_FILES_RESERVED = 64
+#: The longest --timeout: one day. A longer collective or rendezvous timeout is a typo, or a hang unnoticed.
+MAX_TIMEOUT = 86400.0
 
 #: Variables the launcher sets on some or all tasks; removed from the inherited environment first, so
 #: that only the launcher's own values (or none) reach a task.
@@ -92,6 +102,7 @@ class RunOptions:
     max_restarts: int = 3
     resume: bool = True
     timeout: float = 300.0
+    restart_delay: float = 1.0
     python: str = sys.executable
 
     def __post_init__(self) -> None:
@@ -103,8 +114,10 @@ class RunOptions:
         _check_count(self.max_restarts, "--max-restarts", 0, "job restarts after a task fails")
         if self.strategy is not None:
             _check_strategy_name(self.strategy)
-        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
-            raise ValueError(f"--timeout {self.timeout!r}: expected a number of seconds > 0, e.g. --timeout 300")
+        # inf would reach torch as a timedelta it cannot hold, and kill every task at start
+        _check_seconds(self.timeout, "--timeout", False, MAX_TIMEOUT, "e.g. --timeout 300")
+        _check_seconds(self.restart_delay, "--restart-delay", True, 3600.0, "e.g. --restart-delay 1, or 0: none")
+        _check_task_files(self.workers, self.ps)
         for flag, path in (("--data-dir", self.data_dir), ("--output-dir", self.output_dir)):
             if not isinstance(path, str) or not os.path.isabs(path):
                 raise ValueError(f"{flag} {path!r} must be an absolute path here (the command line makes it "
@@ -166,6 +179,20 @@ class LaunchPlan:
     node_rank: int = 0
     nnodes: int = 1
     inherited: int = 0  # how many variables come from the caller's environment (for --dry-run)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """Where the chief writes checkpoints (``<output>/checkpoints``): the supervisor's sign of progress."""
+        return os.path.join(os.path.dirname(self.log_dir), "checkpoints")
+
+
+def max_tasks_per_node() -> tuple[int, int, int]:
+    """``(tasks, soft, hard)``: how many tasks one launcher can hold under this process's open-file limit
+    (``ulimit -n``: ``soft``, raisable up to ``hard``)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 20, soft, hard
+    return max(0, (soft - _FILES_RESERVED) // FILES_PER_TASK), soft, hard
 
 
 def resolve_strategy(strategy: str | None, world_size: int, num_ps: int) -> str:
@@ -294,6 +321,25 @@ def describe_plan(plan: LaunchPlan) -> str:
 def _check_count(value: object, flag: str, low: int, what: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{flag} {value!r}: expected a whole number >= {low} ({what})")
+
+
+def _check_seconds(value: object, flag: str, zero_ok: bool, most: float, example: str) -> None:
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and 0 <= value <= most
+    if not ok or (value == 0 and not zero_ok):  # a NaN fails every comparison, inf the last one
+        low = ">= 0" if zero_ok else "> 0"
+        raise ValueError(f"{flag} {value!r}: expected a finite number of seconds {low} and at most {most:g}, {example}")
+
+
+def _check_task_files(workers: int, ps: int) -> None:
+    limit, soft, hard = max_tasks_per_node()
+    tasks = workers + ps
+    if tasks <= limit:
+        return
+    need = tasks * FILES_PER_TASK + _FILES_RESERVED
+    above = "" if hard == resource.RLIM_INFINITY or need <= hard else f" (above the hard limit {hard}: as root)"
+    raise ValueError(f"-n {workers} --ps {ps}: {tasks} tasks, but this machine's open-file limit ({soft}) lets one "
+                     f"launcher run at most {limit} (each task needs {FILES_PER_TASK} open files); raise it with "
+                     f"`ulimit -n {need}`{above}, or run fewer tasks per machine (more machines: --nnodes)")
 
 
 def _check_strategy_name(strategy: str) -> None:

@@ -1,8 +1,8 @@
 """Multi-node rendezvous: the launchers of a job find each other and agree on one cluster.
 
-    # on node 0 (10.0.0.1)                      # on node 1
-    conveyor run -n 2 --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29400 train.py
-    conveyor run -n 2 --nnodes 2 --node-rank 1 --rdzv 10.0.0.1:29400 train.py
+    # on node 0 (10.0.0.1), then on node 1, each with the same (private) secret file
+    conveyor run -n 2 --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29400 --job-secret-file job.secret train.py
+    conveyor run -n 2 --nnodes 2 --node-rank 1 --rdzv 10.0.0.1:29400 --job-secret-file job.secret train.py
 
 Node 0's launcher hosts a ``torch.distributed.TCPStore`` (torch's small key-value server, the one
 torchrun's c10d rendezvous uses) at the ``--rdzv`` address; every launcher connects to it and:
@@ -16,9 +16,16 @@ torchrun's c10d rendezvous uses) at the ``--rdzv`` address; every launcher conne
    every launcher derives the same ``ClusterSpec`` with ``cluster_from_nodes``.
 
 Node 0 also publishes ``conveyor/job``: the torch process group's ``MASTER_PORT`` (``MASTER_ADDR`` is node
-0's address: rank 0 runs there) and the per-job secret it generated. The store has no authentication and
-no encryption, so a secret that must not cross the network in clear comes from ``--job-secret-file``
-on every node instead: then only a fingerprint (a SHA-256 of it) is compared.
+0's address: rank 0 runs there).
+
+The store has no authentication and no encryption: anyone who reaches the port can read and write it.
+So the job secret never goes into it - every node brings the same secret from out of band
+(``--job-secret-file``, ``CONVEYOR_JOB_SECRET``) - and every record above carries an HMAC-SHA256 of its
+key and value under that secret: a node with another secret, or a program without one, cannot pass a
+record off as a node's (each node checks every record, and says to give every node the same secret).
+Node 0 binds the store to the ``--rdzv`` address only (torch's ``TCPStore`` would listen on every
+interface), by handing it a socket bound here. What stays open to whoever reaches the port: reading the
+records (addresses, ports, settings) and disturbing the job through the coordination keys below.
 
 The store then stays up for the whole job: :class:`StorePeers` implements the supervisor's
 :class:`~conveyor.launch.supervisor.Peers`, through which a failure on one node restarts every node.
@@ -28,6 +35,7 @@ torch is imported here only, lazily, inside the functions that need it: it is th
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
 import socket
@@ -42,7 +50,7 @@ from conveyor.launch.plan import NodeInfo
 from conveyor.launch.ports import free_ports
 from conveyor.launch.supervisor import PeerError
 
-__all__ = ["Rendezvous", "RendezvousError", "StorePeers", "join", "local_address", "secret_fingerprint"]
+__all__ = ["Rendezvous", "RendezvousError", "StorePeers", "join", "local_address"]
 
 _P = "conveyor/"
 _POLL = 0.1
@@ -64,9 +72,30 @@ class Rendezvous:
     peers: StorePeers = field(repr=False)
 
 
-def secret_fingerprint(secret: bytes) -> str:
-    """A short SHA-256 of the job secret: enough to tell two secrets apart, useless to forge messages."""
-    return hashlib.sha256(b"conveyor job secret\0" + secret).hexdigest()[:16]
+def _seal(secret: bytes, key: str, record: Mapping[str, Any]) -> str:
+    """``record`` as JSON, then a line with the HMAC-SHA256 of the key and that JSON under the job secret."""
+    body = json.dumps(record, sort_keys=True)
+    return body + "\n" + _mac(secret, key, body)
+
+
+def _unseal(secret: bytes, key: str, value: bytes, endpoint: str) -> dict:
+    body, _, mac = value.decode("utf-8", "replace").rpartition("\n")
+    if not hmac.compare_digest(mac, _mac(secret, key, body)):
+        raise RendezvousError(f"rendezvous at {endpoint}: {key} was not written with this node's job secret: the "
+                              f"nodes have different secrets (or another program wrote it); give every node the "
+                              f"same --job-secret-file (or CONVEYOR_JOB_SECRET)")
+    try:
+        record = json.loads(body)
+    except ValueError:
+        record = None
+    if not isinstance(record, dict):
+        raise RendezvousError(f"rendezvous at {endpoint}: {key} is malformed; is another conveyor version using "
+                              f"this address?")
+    return record
+
+
+def _mac(secret: bytes, key: str, body: str) -> str:
+    return hmac.new(secret, f"conveyor rendezvous\0{key}\0{body}".encode(), hashlib.sha256).hexdigest()
 
 
 def local_address(host: str, port: int) -> str:
@@ -95,22 +124,21 @@ def join(
     workers: int,
     ps: int,
     settings: Mapping[str, Any],
-    secret: bytes | None,
-    secret_from_file: bool,
+    secret: bytes,
     timeout: float,
 ) -> Rendezvous:
     """Join (node 0: host) the rendezvous at ``endpoint`` and return what all ``nnodes`` nodes agreed on.
 
-    ``settings`` (JSON-able) must be equal on every node. ``secret``: node 0 passes the job secret (made
-    up or read from a file); the others pass theirs when ``secret_from_file``, else ``None`` and receive
-    node 0's.
+    ``settings`` (JSON-able) must be equal on every node. ``secret`` is the job secret, the same on every
+    node, brought from out of band: it never goes into the store.
     """
     if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 2:
         raise ValueError(f"--nnodes {nnodes!r}: a rendezvous joins 2 or more nodes")
     if isinstance(node_rank, bool) or not isinstance(node_rank, int) or not 0 <= node_rank < nnodes:
         raise ValueError(f"--node-rank {node_rank!r}: expected 0..{nnodes - 1} for --nnodes {nnodes}")
-    if node_rank == 0 and not secret:
-        raise ValueError("node 0 needs the job secret to share")
+    if not isinstance(secret, bytes) or len(secret) < 16:
+        raise ValueError("a job on several machines needs the job secret (16 bytes or more) on every node: give "
+                         "each node the same --job-secret-file or CONVEYOR_JOB_SECRET")
     host, port = split_address(endpoint, "--rdzv")
     address = local_address(host, port)
     ports = free_ports(workers + ps + (1 if node_rank == 0 else 0), address)
@@ -118,28 +146,26 @@ def join(
     peers = StorePeers(store, nnodes=nnodes, node_rank=node_rank, endpoint=endpoint, timeout=timeout)
     try:
         return _agree(store, peers, endpoint, nnodes, node_rank, address, workers, ps, ports, dict(settings),
-                      secret, secret_from_file, timeout)
+                      secret, timeout)
     except BaseException:
-        peers.close(wait=False)
+        # Node 0 hosts the store: the others may still be reading why (a record that fails their check).
+        peers.close(wait=True, linger=min(5.0, timeout))
         raise
 
 
 def _agree(store: Any, peers: StorePeers, endpoint: str, nnodes: int, node_rank: int, address: str, workers: int,
-           ps: int, ports: list[int], settings: dict, secret: bytes | None, secret_from_file: bool,
-           timeout: float) -> Rendezvous:
+           ps: int, ports: list[int], settings: dict, secret: bytes, timeout: float) -> Rendezvous:
     deadline = time.monotonic() + timeout
     if _call(store.add, endpoint, f"{_P}claim/{node_rank}", 1) > 1:
         raise RendezvousError(f"node rank {node_rank} is taken at the rendezvous {endpoint}: another launcher "
                               f"joined with --node-rank {node_rank}; give each node its own rank 0..{nnodes - 1}")
-    settings = {"nnodes": nnodes, **settings, "secret_from_file": secret_from_file}
-    mine = {"host": address, "workers": workers, "ps": ps, "ports": ports[:workers + ps], "settings": settings,
-            "secret": secret_fingerprint(secret) if secret_from_file and secret else None}
+    settings = {"nnodes": nnodes, **settings}
+    mine = {"host": address, "workers": workers, "ps": ps, "ports": ports[:workers + ps], "settings": settings}
     if node_rank == 0:
-        job = {"master_port": ports[-1], "secret": None if secret_from_file else secret.hex()}
-        _call(store.set, endpoint, f"{_P}job", json.dumps(job))
-    _call(store.set, endpoint, f"{_P}node/{node_rank}", json.dumps(mine))
+        _call(store.set, endpoint, f"{_P}job", _seal(secret, f"{_P}job", {"master_port": ports[-1]}))
+    _call(store.set, endpoint, f"{_P}node/{node_rank}", _seal(secret, f"{_P}node/{node_rank}", mine))
 
-    keys = [f"{_P}node/{r}" for r in range(nnodes)] + [f"{_P}job"]
+    keys = [f"{_P}job"] + [f"{_P}node/{r}" for r in range(nnodes)]
     while not _call(store.check, endpoint, keys):
         if time.monotonic() > deadline:
             missing = [str(r) for r in range(nnodes) if not _call(store.check, endpoint, [f"{_P}node/{r}"])]
@@ -147,33 +173,27 @@ def _agree(store: Any, peers: StorePeers, endpoint: str, nnodes: int, node_rank:
                                   f"within {timeout:g} s; start `conveyor run --nnodes {nnodes} --node-rank I "
                                   f"--rdzv {endpoint} ...` on every node (or raise --timeout)")
         time.sleep(_POLL)
+    job, *published = [_unseal(secret, key, _call(store.get, endpoint, key), endpoint) for key in keys]
     try:
-        published = [json.loads(_call(store.get, endpoint, f"{_P}node/{r}")) for r in range(nnodes)]
-        job = json.loads(_call(store.get, endpoint, f"{_P}job"))
         nodes = tuple(NodeInfo(str(n["host"]), int(n["workers"]), int(n["ps"]), tuple(int(p) for p in n["ports"]))
                       for n in published)
         master_port = int(job["master_port"])
-    except (ValueError, KeyError, TypeError) as e:  # the store is unauthenticated: anything may be in it
+        _check_settings(endpoint, [n["settings"] for n in published])
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise RendezvousError(f"rendezvous at {endpoint}: a published record is malformed ({type(e).__name__}: {e}); "
-                              f"is another program or another conveyor version using this address?") from None
-
-    first = published[0]["settings"]
-    for r, node in enumerate(published[1:], start=1):
-        for key in sorted(set(first) | set(node["settings"])):
-            if first.get(key) != node["settings"].get(key):
-                flag = "--job-secret-file" if key == "secret_from_file" else "--" + key.replace("_", "-")
-                raise RendezvousError(f"rendezvous at {endpoint}: node {r} has {flag} = "
-                                      f"{node['settings'].get(key)!r} but node 0 has {first.get(key)!r}; start "
-                                      f"every node with the same {flag}")
-    if secret_from_file:
-        if published[0]["secret"] != mine["secret"]:
-            raise RendezvousError(f"rendezvous at {endpoint}: this node's --job-secret-file holds another secret "
-                                  f"than node 0's; give every node the same file")
-        agreed = secret
-    else:
-        agreed = bytes.fromhex(job["secret"])
+                              f"is another conveyor version using this address?") from None
     return Rendezvous(nodes=nodes, node_rank=node_rank, master_addr=nodes[0].host, master_port=master_port,
-                      secret=agreed, peers=peers)
+                      secret=secret, peers=peers)
+
+
+def _check_settings(endpoint: str, settings: list[dict]) -> None:
+    first = settings[0]
+    for r, node in enumerate(settings[1:], start=1):
+        for key in sorted(set(first) | set(node)):
+            if first.get(key) != node.get(key):
+                flag = "--" + key.replace("_", "-")
+                raise RendezvousError(f"rendezvous at {endpoint}: node {r} has {flag} = {node.get(key)!r} but node 0 "
+                                      f"has {first.get(key)!r}; start every node with the same {flag}")
 
 
 def _connect(host: str, port: int, endpoint: str, node_rank: int, timeout: float) -> Any:
@@ -188,7 +208,15 @@ def _connect(host: str, port: int, endpoint: str, node_rank: int, timeout: float
     wait = timedelta(seconds=timeout)
     try:
         if node_rank == 0:
-            return TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=wait)
+            listener = _listen(host, port, endpoint)
+            try:
+                store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=wait,
+                                 master_listen_fd=listener.fileno(), use_libuv=True)
+            except BaseException:
+                listener.close()
+                raise
+            listener.detach()  # the store's server owns the descriptor now, and closes it
+            return store
         error = _wait_until_listening(host, port, timeout)
         if error is not None:
             raise RendezvousError(unreachable.format(error))
@@ -200,6 +228,28 @@ def _connect(host: str, port: int, endpoint: str, node_rank: int, timeout: float
             raise RendezvousError(f"node 0 cannot host the rendezvous at {endpoint}: {_first_line(e)}; --rdzv must "
                                   f"be an address of node 0 with a free port (is another job using it?)") from None
         raise RendezvousError(unreachable.format(_first_line(e))) from None
+
+
+def _listen(host: str, port: int, endpoint: str) -> socket.socket:
+    """A socket listening on the ``--rdzv`` address only, for node 0's store to serve on.
+
+    Left to itself, ``TCPStore`` binds the wildcard address (``::``: every interface) whatever host it is
+    given; a socket handed over as ``master_listen_fd`` is served as it is.
+    """
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise RendezvousError(f"--rdzv host {host!r} does not resolve ({e.strerror})") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore does: a quick restart may reuse it
+        sock.bind(sockaddr)
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise RendezvousError(f"node 0 cannot host the rendezvous at {endpoint}: {e.strerror}; --rdzv must be an "
+                              f"address of node 0 with a free port (is another job using it?)") from None
+    return sock
 
 
 def _wait_until_listening(host: str, port: int, timeout: float) -> str | None:

@@ -15,17 +15,34 @@ Supervision, as torchrun's elastic agent does it: when a task exits non-zero or 
 stopped and the whole job starts again with ``CONVEYOR_RESTART_COUNT`` + 1 (each log gets a
 ``=== restart N ===`` line); the script resumes from its latest checkpoint by itself. After
 ``max_restarts`` restarts the job fails for good, naming the task, how it ended and its last log lines.
+Restarts back off (``restart_delay``, doubled after each failure without progress, capped at
+``restart_delay_cap``), and a failure that repeats itself - the same task, exit status and last line,
+``same_failure_limit`` times in a row with no new checkpoint in between - ends the job early: a damaged
+checkpoint or a bad argument fails the same way every time, and restarting it only hides the cause.
+
+A full disk under ``<output>/logs`` does not stop the job: the launcher says once which log it cannot
+write and why, and keeps relaying that task's output to its own stdout.
 
 Across machines the launchers coordinate through :class:`Peers` (``launch/rendezvous.py``): a failure on
 one node restarts every node, every node stops its tasks before any node starts new ones, and the job
 succeeds only when every node's tasks have. Processes that leave their task's process group (a daemon that
-calls ``setsid``) are outside supervision, as they are under torchrun; and a launcher killed with
-SIGKILL cannot stop its tasks - their process ids are in the launcher's first lines on stderr.
+calls ``setsid``) are outside supervision, as they are under torchrun.
+
+A launcher killed with SIGKILL (the OOM killer, a scheduler) runs no handler, so on Linux every task is
+started with ``PR_SET_PDEATHSIG`` = SIGKILL: the kernel kills it when the launcher dies. SIGKILL rather
+than SIGTERM because nobody is left to escalate a SIGTERM that a task ignores or handles slowly (a rank
+blocked in a collective, a parameter server waiting for workers that will never come); checkpoints are
+written atomically, so nothing half-written is left, and a task's data-loader workers watch their own
+parent and follow it. The signal is tied to the *thread* that forked the task, so :meth:`Supervisor.run`
+must run on a thread that outlives the tasks (the main thread, as in ``conveyor run``). Elsewhere than
+Linux there is no such signal, and tasks outlive a killed launcher.
 """
 
 from __future__ import annotations
 
 import collections
+import ctypes
+import errno
 import os
 import re
 import signal
@@ -46,6 +63,8 @@ __all__ = ["JobResult", "PeerError", "Peers", "Supervisor", "TaskExit"]
 
 TAIL_LINES = 20
 _LINE_END = re.compile(rb"\r\n|\r|\n")
+_STEP_FOLDER = re.compile(r"step-(\d{8,})")
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 class PeerError(RuntimeError):
@@ -141,6 +160,13 @@ def _segments(stream: IO[bytes]):
         yield pending.decode("utf-8", "replace"), False
 
 
+def _last_line(lines) -> str:
+    for line in reversed(list(lines)):
+        if line.strip():
+            return line.strip().removeprefix("| ").strip()
+    return ""
+
+
 def _isatty(stream) -> bool:
     try:
         return bool(stream.isatty())
@@ -148,11 +174,110 @@ def _isatty(stream) -> bool:
         return False
 
 
+def _load_prctl():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    return prctl
+
+
+_PRCTL = _load_prctl()  # looked up here, in the launcher: the child only calls it, between fork and exec
+
+
+def _die_with(launcher_pid: int):
+    """A ``preexec_fn`` that makes the child die when the launcher does (Linux); None elsewhere."""
+    prctl, sigkill = _PRCTL, int(signal.SIGKILL)
+    if prctl is None:
+        return None
+
+    def setup() -> None:
+        prctl(_PR_SET_PDEATHSIG, sigkill, 0, 0, 0)
+        if os.getppid() != launcher_pid:  # the launcher died between fork and prctl: no signal will come
+            os.kill(os.getpid(), sigkill)
+
+    return setup
+
+
+def latest_step(checkpoint_dir: str) -> int | None:
+    """The newest step folder in ``checkpoint_dir`` (None: none yet) - how the launcher sees progress.
+
+    Step folders appear by an atomic rename once complete (``conveyor.train.checkpoint``), so a name is
+    enough; this layer does not import the training code to ask it.
+    """
+    try:
+        with os.scandir(checkpoint_dir) as entries:
+            steps = [int(m.group(1)) for e in entries if (m := _STEP_FOLDER.fullmatch(e.name))]
+    except OSError:
+        return None
+    return max(steps, default=None)
+
+
+class _Log:
+    """A task's log file. A write that fails (a full disk) is reported once; then the log is given up and
+    the task's output still reaches the console - a logging failure is no reason to stop a training job."""
+
+    def __init__(self, path: str, task: str, say) -> None:
+        self.path = path
+        self._task = task
+        self._say = say
+        self._file: IO[str] | None = None
+        try:
+            self._file = open(path, "a", encoding="utf-8")
+        except OSError as e:
+            self._fail(e)
+
+    def write(self, text: str) -> None:
+        if self._file is None:
+            return
+        try:
+            self._file.write(text)
+            self._file.flush()
+        except OSError as e:
+            self._fail(e)
+
+    def close(self) -> None:
+        f, self._file = self._file, None
+        if f is not None:
+            try:
+                f.close()
+            except OSError:
+                pass  # already reported by the write that failed, or nothing was left to write
+
+    def _fail(self, e: OSError) -> None:
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        hint = "disk full? free space or use --output-dir elsewhere" if full else "use --output-dir elsewhere"
+        self._say(f"cannot write the log {self.path}: {e.strerror or e} ({hint}); {self._task}'s output still "
+                  f"reaches this console")
+        self.close()
+
+
+@dataclass
+class _Streak:
+    """Failures since the last progress (a new checkpoint), and how many in a row were the same."""
+
+    step: int | None = None
+    key: tuple[str, str] | None = None
+    same: int = 0
+    without_progress: int = 0
+
+    def add(self, key: tuple[str, str], step: int | None) -> None:
+        if self.without_progress and step != self.step:  # a checkpoint since the last failure: a fresh start
+            self.same = self.without_progress = 0
+        self.same = self.same + 1 if key == self.key else 1
+        self.without_progress += 1
+        self.key, self.step = key, step
+
+
 @dataclass
 class _Running:
     launch: TaskLaunch
     proc: subprocess.Popen
-    log: IO[str]
+    log: _Log
     pump: threading.Thread
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
     group_gone: bool = False
@@ -176,7 +301,9 @@ class Supervisor:
     (default: ``sys.stderr``). ``grace`` is how long a task has to exit after SIGTERM. ``linger`` is how
     long parameter servers may keep running after every training task has finished (they exit by
     themselves when the job ends; after ``linger`` seconds they are stopped). ``peers`` coordinates with
-    the other nodes of a multi-node job.
+    the other nodes of a multi-node job. ``restart_delay`` is the pause before the first restart, doubled
+    after each further failure without progress, at most ``restart_delay_cap``; ``same_failure_limit``
+    identical failures in a row without progress end the job early.
     """
 
     def __init__(
@@ -191,9 +318,20 @@ class Supervisor:
         out: IO[str] | None = None,
         err: IO[str] | None = None,
         peers: Peers | None = None,
+        restart_delay: float = 1.0,
+        restart_delay_cap: float = 30.0,
+        same_failure_limit: int = 3,
     ) -> None:
         if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
             raise ValueError(f"max_restarts = {max_restarts!r}; expected a whole number >= 0")
+        if not 0 <= restart_delay <= restart_delay_cap:
+            raise ValueError(f"restart_delay = {restart_delay!r}, restart_delay_cap = {restart_delay_cap!r}; "
+                             f"expected 0 <= restart_delay <= restart_delay_cap")
+        if isinstance(same_failure_limit, bool) or not isinstance(same_failure_limit, int) or same_failure_limit < 1:
+            raise ValueError(f"same_failure_limit = {same_failure_limit!r}; expected a whole number >= 1")
+        self.restart_delay = restart_delay
+        self.restart_delay_cap = restart_delay_cap
+        self.same_failure_limit = same_failure_limit
         self.plan = plan
         self.max_restarts = max_restarts
         self.grace = grace
@@ -223,17 +361,13 @@ class Supervisor:
 
     def _run(self) -> JobResult:
         attempt = 0
+        streak = _Streak()
         while True:
             outcome = self._attempt(attempt)
             if outcome.kind == "done":
                 return JobResult(ok=True, restarts=attempt)
             if outcome.kind == "signal":
-                signum = self._signals[0]
-                self._tell_peers_abort(f"node {self.plan.node_rank}'s launcher was stopped by "
-                                       f"{signal.Signals(signum).name}")
-                self._say(f"stopped every task ({signal.Signals(signum).name})")
-                return JobResult(ok=False, restarts=attempt, signal=signum,
-                                 message=f"interrupted by {signal.Signals(signum).name}")
+                return self._interrupted(attempt)
             # A peer's description is a line, then that task's last lines.
             what, _, details = (outcome.failure.describe() if outcome.failure else outcome.message).partition("\n")
             if outcome.kind == "final":
@@ -242,9 +376,44 @@ class Supervisor:
                 why = f"gave up after {attempt} restart(s) (--max-restarts {self.max_restarts})"
                 message = f"{what}; {why}" + (f"\n{details}" if details else "")
                 return JobResult(ok=False, restarts=attempt, failure=outcome.failure, message=message)
+            step = latest_step(self.plan.checkpoint_dir)
+            last = _last_line(outcome.failure.last_lines if outcome.failure else details.splitlines())
+            streak.add((what, last), step)
+            if streak.same >= self.same_failure_limit:
+                message = self._repeated(what, last, streak.same, outcome.failure)
+                return JobResult(ok=False, restarts=attempt, failure=outcome.failure, message=message)
             attempt += 1
-            self._say(f"{what}; restarting the job from its latest checkpoint "
+            delay = min(self.restart_delay_cap, self.restart_delay * 2 ** (streak.without_progress - 1))
+            self._say(f"{what}; restarting the job {self._resume_point(step)} in {delay:g} s "
                       f"(restart {attempt} of {self.max_restarts})")
+            if self._wait_unless_signalled(delay):
+                return self._interrupted(attempt - 1)
+
+    def _interrupted(self, attempt: int) -> JobResult:
+        name = signal.Signals(self._signals[0]).name
+        self._tell_peers_abort(f"node {self.plan.node_rank}'s launcher was stopped by {name}")
+        self._say(f"stopped every task ({name})")
+        return JobResult(ok=False, restarts=attempt, signal=self._signals[0], message=f"interrupted by {name}")
+
+    def _wait_unless_signalled(self, seconds: float) -> bool:
+        """Pause between attempts; True when SIGINT/SIGTERM came meanwhile (nothing runs: just stop)."""
+        deadline = time.monotonic() + seconds
+        while not self._signals and time.monotonic() < deadline:
+            self._wake.wait(min(self.poll * 4, max(0.0, deadline - time.monotonic())))
+        return bool(self._signals)
+
+    def _resume_point(self, step: int | None) -> str:
+        if step is not None:
+            return f"from its latest checkpoint (step {step})"
+        if self.plan.node_rank == 0:  # the chief (rank 0), the one that writes checkpoints, runs here
+            return "from the beginning (no checkpoint yet)"
+        return "from the chief's latest checkpoint on node 0, if it wrote one"
+
+    def _repeated(self, what: str, last: str, times: int, failure: TaskExit | None) -> str:
+        where = f"see {failure.log_path}" if failure is not None else "see that task's log"
+        return (f"{what} the same way {times} times in a row without progress (no new checkpoint): {last!r}; "
+                f"not restarting again, since a restart would fail the same way: fix the cause ({where}) - a "
+                f"damaged checkpoint can be moved out of {self.plan.checkpoint_dir} - and run the job again")
 
     def _attempt(self, attempt: int) -> _Outcome:
         running: list[_Running] = []
@@ -353,10 +522,9 @@ class Supervisor:
     # -- one task ---------------------------------------------------------------------------------
 
     def _start(self, launch: TaskLaunch, attempt: int) -> _Running:
-        log = open(launch.log_path, "a", encoding="utf-8")
+        log = _Log(launch.log_path, launch.name, self._say)
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         log.write(f"=== restart {attempt} === {stamp}\n" if attempt else f"=== {launch.name} started === {stamp}\n")
-        log.flush()
         env = dict(launch.env)
         env[RESTART_COUNT_VAR] = str(attempt)
         if self._live_ok:
@@ -367,7 +535,8 @@ class Supervisor:
             env[RESUME_VAR] = "1"
         try:
             proc = subprocess.Popen(launch.argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+                                    stderr=subprocess.STDOUT, start_new_session=True,
+                                    preexec_fn=_die_with(os.getpid()))
         except BaseException:
             log.close()
             raise
@@ -388,7 +557,6 @@ class Supervisor:
                 if not live:
                     rt.tail.append(text)
                     rt.log.write(text + "\n")
-                    rt.log.flush()
                 if live and not self._live_ok:
                     continue
                 with self._lock:
@@ -474,7 +642,7 @@ class Supervisor:
             for s, h in previous.items():
                 signal.signal(s, h)
 
-    def _say(self, message: str) -> None:
+    def _say(self, message: str) -> None:  # from any thread
         with self._lock:
             try:
                 self.err.write(f"[conveyor] {message}\n")
