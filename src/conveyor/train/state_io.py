@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import base64
 import math
+import os
 import random
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -231,6 +232,26 @@ def save_tensors(
                 seen.add(key)
         prepared[name] = t
     save_file(prepared, str(path), metadata=dict(metadata) if metadata else None)
+    os.chmod(path, umask_mode())  # safetensors writes a 0600 temp file and renames it
+
+
+def umask_mode(base: int = 0o666) -> int:
+    """`base` less the process umask: the mode `open()` gives a new file.
+
+    Every file conveyor writes into an output folder gets this mode, like any Unix tool's output
+    (a shared folder must be readable by other hosts and TensorBoard; `umask 077` makes it private).
+    Writers whose library picks its own mode (a temp file created 0600, then renamed) chmod to it.
+    """
+    try:  # Linux reports it; os.umask can only read it by setting it, which races with other threads
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return base & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return base & ~mask
 
 
 def load_tensors(
