@@ -63,6 +63,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -299,6 +300,8 @@ class _Run:
             chosen = self.checkpoints_latest()
             if chosen is not None:
                 state = self._load(chosen)
+                if self.chief:
+                    print(f"resumed from step {chosen} ({t.checkpoints.step_dir(chosen)})", file=sys.stderr, flush=True)
         if state is None:  # a fresh start, also for a second fit() of the same trainer with resume off
             t.step, t.epoch = 0, 0
             self.it = self._iterator(0)
@@ -316,10 +319,17 @@ class _Run:
                 self.it.load_state_dict(state["iterator"])
 
     def checkpoints_latest(self) -> int | None:
-        """The step to resume from, as the chief sees it (so every rank loads the same one)."""
-        mine = self.t.checkpoints.latest_step() if self.chief else None
-        data = self.job.broadcast_bytes(json.dumps(mine).encode() if self.chief else None, src=0)
-        return json.loads(bytes(data).decode())
+        """The step to resume from, as the chief sees it (so every rank loads the same one, or all refuse)."""
+        mine = None
+        if self.chief:
+            try:  # skips damaged steps with a warning each; refuses when every step is damaged
+                mine = {"step": self.t.checkpoints.resume_step()}
+            except CheckpointError as e:
+                mine = {"error": str(e)}
+        data = json.loads(bytes(self.job.broadcast_bytes(json.dumps(mine).encode() if self.chief else None, src=0)))
+        if "error" in data:
+            raise CheckpointError(data["error"])
+        return data["step"]
 
     def _load(self, step: int) -> dict[str, Any]:
         t = self.t
