@@ -1,5 +1,6 @@
 # make test  — set up .venv if needed, lint, run the test suite
 # make demo  — set up .venv if needed, train the digits demo on two workers
+# Both install the `dev` extra, which includes `all` (plots, TensorBoard, scikit-learn for the demo's data).
 # make bench — the benchmarks (input pipeline, all-reduce, parameter-server transport and training)
 # make fuzz  — every fuzz target for FUZZ_SECONDS each (make test runs them for 3 s each)
 PYTHON ?= python3

@@ -397,19 +397,6 @@ def test_parts_from_other_tasks_join_the_step(tmp_path):
         ps.read_part(100, "ps-0.safetensors")
 
 
-def test_published_positions_replace_each_other(tmp_path):
-    mgr = CheckpointManager(tmp_path, fsync=False)
-    assert mgr.latest_position("worker-1") is None
-    mgr.publish_position("worker-1", b'{"step": 10}')
-    mgr.publish_position("worker-1", b'{"step": 20}')
-    assert mgr.latest_position("worker-1") == b'{"step": 20}'
-    assert [p.name for p in (tmp_path / ".positions").iterdir()] == ["worker-1.json"]  # no temp files left
-    mgr.clear_positions()
-    assert mgr.latest_position("worker-1") is None
-    with pytest.raises(ValueError):
-        mgr.publish_position("../escape", b"{}")
-
-
 def test_missing_part_fails_the_save_and_keeps_latest(tmp_path, monkeypatch):
     mgr = CheckpointManager(tmp_path, fsync=False)
     save_tiny(mgr, 1)
@@ -603,7 +590,7 @@ def test_a_bad_ps_shard_names_the_file_and_step(tmp_path):
 @pytest.mark.parametrize("umask", [0o022, 0o077])
 def test_output_files_follow_the_umask(tmp_path, umask):
     from conveyor.train.profiler import StepProfiler
-    from conveyor.train.trainer import _write_json_atomic
+    from conveyor.train.summary import write_json_atomic
 
     old = os.umask(umask)
     try:
@@ -611,7 +598,7 @@ def test_output_files_follow_the_umask(tmp_path, umask):
         mgr.save_part(1, "ps-0.safetensors", safetensors_bytes({"w": torch.ones(2)}))
         mgr.save(1, tiny_state(1), {"state": {}, "param_groups": []}, rng=rng_state(),
                  data_states={"worker-0": {"pos": 1}}, parts=["ps-0.safetensors"])
-        _write_json_atomic(tmp_path / "summary.json", {"steps": 1})
+        write_json_atomic(tmp_path / "summary.json", {"steps": 1})
         StepProfiler().write_trace(tmp_path / "trace.json")
     finally:
         os.umask(old)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from conveyor.data import Dataset, set_seed
+from conveyor.strategies import Strategy
 from conveyor.train.checkpoint import CheckpointError, CheckpointManager
 from conveyor.train.trainer import ResumeError, TrainConfig, Trainer, accuracy
 
@@ -21,14 +22,12 @@ N, BATCH, CLASSES = 40, 8, 3  # 5 steps per epoch
 # a job: conveyor.init() once it exists, else a stand-in with the same attributes (docs/training-contracts.md)
 
 
-class FakeStrategy:
+class FakeStrategy(Strategy):
     name = "local"
+    distributed = False
 
-    def comm_seconds(self) -> float:
-        return 0.0
-
-    def __str__(self) -> str:
-        return self.name
+    def prepare(self, model, optimizer):
+        return model, optimizer
 
 
 class FakeJob:
@@ -259,7 +258,6 @@ def test_no_resume_starts_over(tmp_path, monkeypatch):
     assert [r["step"] for r in train] == [2, 4, 6, 8, 10]  # the old run's records are gone
 
 
-
 def test_resume_skips_a_damaged_step_out_loud_and_says_where_it_resumed(tmp_path, monkeypatch, capsys, caplog):
     run(tmp_path, monkeypatch, crash_after=7, keep_checkpoints=None)  # checkpoints at steps 3 and 6
     (tmp_path / "checkpoints" / "step-00000006" / "COMPLETE").write_text("garbage")
@@ -279,6 +277,7 @@ def test_resume_skips_a_damaged_step_out_loud_and_says_where_it_resumed(tmp_path
         run(tmp_path, monkeypatch)
     summary, _, _ = run(tmp_path, monkeypatch, resume=False)  # the named fix works
     assert summary["resumed_from_step"] is None and summary["steps"] == 10
+
 
 def fake_checkpoint(out: Path, world_size: int, workers: list[int]) -> None:
     model, opt = make_model()
