@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import struct
 import threading
 import time
 from pathlib import Path
@@ -438,6 +440,173 @@ def test_invalid_arguments_are_refused(tmp_path):
         mgr.save_part(1, "data/w.json", b"{}")
         mgr.save(1, tiny_state(0), data_states={"w": {}}, parts=["data/w.json"])
     assert mgr.list_steps() == [] and not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# choosing the step to resume from: damaged steps are skipped out loud
+
+
+def rewrite_manifest(folder: Path, edit) -> None:
+    manifest = json.loads((folder / "COMPLETE").read_text())
+    edit(manifest)
+    (folder / "COMPLETE").write_text(json.dumps(manifest))
+
+
+def flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_resume_step_names_each_skipped_step_and_why(tmp_path, caplog):
+    mgr = CheckpointManager(tmp_path, keep=None, fsync=False)
+    for step in (1, 2, 3, 4):
+        save_tiny(mgr, step)
+    assert mgr.resume_step() == 4 and not caplog.records
+    (tmp_path / "step-00000004" / "COMPLETE").write_bytes(b"\x00garbage\xff")
+    flip_last_byte(tmp_path / "step-00000003" / "model.safetensors")  # same size: only the sha256 notices
+    (tmp_path / "step-00000002" / "optimizer.json").unlink()
+
+    with caplog.at_level("WARNING", logger="conveyor.train.checkpoint"):
+        assert mgr.resume_step() == 1
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3, lines
+    assert re.search(r"step-00000004.*skipped.*COMPLETE: not valid JSON", lines[0])
+    assert re.search(r"step-00000003.*skipped.*model\.safetensors: damaged", lines[1])
+    assert re.search(r"step-00000002.*skipped.*optimizer\.json", lines[2])
+    assert all(f"resuming from step 1 ({tmp_path / 'step-00000001'}) instead" in line for line in lines)
+    assert mgr.load(1).step == 1
+
+
+def test_resume_step_refuses_when_every_step_is_damaged(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep=None, fsync=False)
+    assert mgr.resume_step() is None  # nothing there: a fresh start
+    for step in (1, 2):
+        save_tiny(mgr, step)
+        (tmp_path / f"step-{step:08d}" / "COMPLETE").write_text("{not json")
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(tmp_path))}.*2 step.*damaged.*move.*--no-resume"):
+        mgr.resume_step()
+
+
+def test_manifest_part_names_stay_inside_the_step(tmp_path, caplog):
+    root = tmp_path / "out" / "checkpoints"
+    mgr = CheckpointManager(root, fsync=False)
+    mgr.save_part(1, "ps-0.json", b"{}")
+    folder = save_tiny(mgr, 1, parts=["ps-0.json"])
+    secret = b'{"format": "stolen"}'
+    (tmp_path / "x.json").write_bytes(secret)
+    entry = {"size": len(secret), "sha256": hashlib.sha256(secret).hexdigest()}
+    for bad in ("data/../../../../x.json", str(tmp_path / "x.json"), "data/x\x00.json", "a" * 300 + ".json",
+                "data/./x.json", "data//x.json", ""):
+        rewrite_manifest(folder, lambda m, bad=bad: m["parts"].update({bad: entry}))
+        for read in (lambda: mgr.load(1), lambda: mgr.read_part(1, "ps-0.json"), lambda: mgr.check(1)):
+            with pytest.raises(CheckpointError, match=r"step-00000001/COMPLETE: part .*not a plain name inside"):
+                read()
+        caplog.clear()
+        with pytest.raises(CheckpointError, match="all 1 step folder"):
+            mgr.resume_step()
+        assert "not a plain name inside" in caplog.records[0].getMessage()
+        assert mgr.list_steps() == []  # and not a crash (a NUL made stat() raise ValueError)
+        rewrite_manifest(folder, lambda m, bad=bad: m["parts"].pop(bad))
+    assert mgr.load(1).step == 1
+
+
+def test_symlinks_out_of_the_step_are_refused(tmp_path):
+    mgr = CheckpointManager(tmp_path / "checkpoints", fsync=False)
+    folder = mgr.save(1, tiny_state(1), data_states={"worker-0": {"pos": 1}})
+    outside = tmp_path / "elsewhere"
+    (folder / "data").rename(outside)
+    (folder / "data").symlink_to(outside)  # same bytes, so the sha256 matches
+    with pytest.raises(CheckpointError, match=r"step-00000001.*data/worker-0\.json.*outside"):
+        mgr.load(1)
+    (folder / "data").unlink()
+    (folder / "data").mkdir()
+    (folder / "data" / "worker-0.json").symlink_to(folder / "model.json")  # inside: harmless, but not what was hashed
+    with pytest.raises(CheckpointError, match="worker-0.json: damaged"):
+        mgr.load(1)
+
+
+def test_manifest_size_is_bounded_before_parsing(tmp_path, monkeypatch):
+    mgr = CheckpointManager(tmp_path, fsync=False)
+    folder = save_tiny(mgr, 1)
+    monkeypatch.setattr(ckpt_mod, "MANIFEST_MAX_BYTES", 100)
+    with pytest.raises(CheckpointError, match=r"COMPLETE: \d+ bytes, more than a manifest.*100"):
+        mgr.load(1)
+    monkeypatch.undo()
+    assert mgr.load(1).step == 1
+    (folder / "COMPLETE").write_text("[" * 100_000)  # nesting deep enough to exhaust the parser's stack
+    with pytest.raises(CheckpointError, match="COMPLETE"):
+        mgr.load(1)
+
+
+@pytest.mark.parametrize("edit", [
+    lambda m: m["parts"]["model.json"].update(size="12"),
+    lambda m: m["parts"]["model.json"].update(sha256=5),
+    lambda m: m["parts"]["model.json"].update(size=-1),
+    lambda m: m["parts"].update({"model.json": []}),
+    lambda m: m.update(time="yesterday"),
+    lambda m: m.update(step=True),
+])
+def test_manifest_with_wrong_types_is_refused(tmp_path, edit):
+    mgr = CheckpointManager(tmp_path, fsync=False)
+    folder = save_tiny(mgr, 1)
+    rewrite_manifest(folder, edit)
+    assert mgr.list_steps() == [] and mgr.latest_step() is None
+    with pytest.raises(CheckpointError, match=r"step-00000001/COMPLETE"):
+        mgr.load(1)
+
+
+@pytest.mark.parametrize("name, text", [
+    ("state.json", "[1, 2]"),
+    ("state.json", '{"extra": {"__dict__": 5}, "time": 1}'),
+    ("model.json", '{"format": "conveyor.state", "version": 1, "tree": {"w": {"__npscalar__": "nope", "value": 1}}}'),
+    ("model.json", '{"format": "conveyor.state", "version": 1, "tree": {"w": {"__tensor__": ["w"]}}}'),
+    ("data/worker-0.json", "{not json"),
+])
+def test_json_parts_of_the_wrong_shape_name_the_file_and_step(tmp_path, name, text):
+    mgr = CheckpointManager(tmp_path, fsync=False)
+    folder = mgr.save(1, tiny_state(1), data_states={"worker-0": {"pos": 1}})
+    (folder / name).write_text(text)
+    with pytest.raises(CheckpointError, match=rf"step-00000001/{re.escape(name)}.*step 1"):
+        mgr.load(1, verify=False)
+
+
+def test_a_bad_ps_shard_names_the_file_and_step(tmp_path):
+    mgr = CheckpointManager(tmp_path, fsync=False)
+    mgr.save_part(7, "ps-0.safetensors", struct.pack("<Q", 1 << 40) + b"{}")  # a header "too large"
+    mgr.save_part(7, "ps-0.json", b"{not json")
+    mgr.save_part(7, "ps-1.safetensors", safetensors_bytes({"w": torch.ones(2)}))
+    mgr.finalize(7, ["ps-0.safetensors", "ps-0.json", "ps-1.safetensors"])
+    for name in ("ps-0.safetensors", "ps-0.json"):
+        with pytest.raises(CheckpointError, match=rf"step-00000007/{re.escape(name)}: .*step 7.*(move|delete)"):
+            mgr.read_part(7, name)
+    assert mgr.read_part(7, "ps-1.safetensors") == safetensors_bytes({"w": torch.ones(2)})
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# file modes: every file conveyor writes into the output folder follows the umask
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_output_files_follow_the_umask(tmp_path, umask):
+    from conveyor.train.profiler import StepProfiler
+    from conveyor.train.summary import write_json_atomic
+
+    old = os.umask(umask)
+    try:
+        mgr = CheckpointManager(tmp_path / "checkpoints", fsync=False)
+        mgr.save_part(1, "ps-0.safetensors", safetensors_bytes({"w": torch.ones(2)}))
+        mgr.save(1, tiny_state(1), {"state": {}, "param_groups": []}, rng=rng_state(),
+                 data_states={"worker-0": {"pos": 1}}, parts=["ps-0.safetensors"])
+        write_json_atomic(tmp_path / "summary.json", {"steps": 1})
+        StepProfiler().write_trace(tmp_path / "trace.json")
+    finally:
+        os.umask(old)
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert {p.name for p in files} >= {"model.safetensors", "optimizer.safetensors", "rng.safetensors",
+                                       "ps-0.safetensors", "COMPLETE", "latest", "summary.json", "trace.json"}
+    modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in files}
+    assert modes == dict.fromkeys(modes, oct(0o666 & ~umask))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

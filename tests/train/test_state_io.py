@@ -110,6 +110,19 @@ def test_foreign_or_incomplete_meta_is_refused():
         unflatten_state(tensors, {"tree": {}})
 
 
+
+@pytest.mark.parametrize("tree", [
+    {"__dict__": 5}, {"__dict__": [[1]]}, {"__dict__": [[[], 1]]}, {"__tensor__": ["w"]}, {"__float__": 3},
+    {"__npscalar__": "nope", "value": 1}, {"__npscalar__": "float32", "value": "x"}, {"__npscalar__": "float32"},
+    {"__bytes__": "@@"}, {"__bytes__": 7}, {"__tuple__": 1}, {"__float__": "one"}, {"__dict__": [], "_metadata": 1},
+])
+def test_malformed_meta_is_a_value_error(tree):
+    """Meta comes from a file: whatever its shape, reading it fails with ValueError, never TypeError or KeyError."""
+    with pytest.raises(ValueError, match="tree"):
+        unflatten_state({"w": torch.ones(1)}, {"format": "conveyor.state", "version": 1, "tree": tree})
+    with pytest.raises(ValueError, match="tree"):
+        unflatten_state({}, {"format": "conveyor.state", "version": 1})
+
 def test_save_tensors_handles_what_safetensors_refuses(tmp_path):
     base = torch.arange(12.0).reshape(3, 4)
     emb = nn.Parameter(torch.randn(5, 2))

@@ -13,7 +13,7 @@ from torch import nn
 
 from conveyor.data import Dataset, set_seed
 from conveyor.strategies import Strategy
-from conveyor.train.checkpoint import CheckpointManager
+from conveyor.train.checkpoint import CheckpointError, CheckpointManager
 from conveyor.train.trainer import ResumeError, TrainConfig, Trainer, accuracy
 
 N, BATCH, CLASSES = 40, 8, 3  # 5 steps per epoch
@@ -256,6 +256,27 @@ def test_no_resume_starts_over(tmp_path, monkeypatch):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
     train = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if r["event"] == "train"]
     assert [r["step"] for r in train] == [2, 4, 6, 8, 10]  # the old run's records are gone
+
+
+def test_resume_skips_a_damaged_step_out_loud_and_says_where_it_resumed(tmp_path, monkeypatch, capsys, caplog):
+    run(tmp_path, monkeypatch, crash_after=7, keep_checkpoints=None)  # checkpoints at steps 3 and 6
+    (tmp_path / "checkpoints" / "step-00000006" / "COMPLETE").write_text("garbage")
+    capsys.readouterr()
+    with caplog.at_level("WARNING", logger="conveyor.train.checkpoint"):
+        summary, _, _ = run(tmp_path, monkeypatch)
+    assert summary["resumed_from_step"] == 3
+    assert [r.getMessage() for r in caplog.records if "step-00000006" in r.getMessage()]
+    err = capsys.readouterr().err
+    assert f"resumed from step 3 ({tmp_path / 'checkpoints' / 'step-00000003'})" in err
+
+    for step in (3, 6, 9, 10):  # every checkpoint damaged: refuse rather than silently start over
+        folder = tmp_path / "checkpoints" / f"step-{step:08d}"
+        if folder.exists():
+            (folder / "COMPLETE").write_text("garbage")
+    with pytest.raises(CheckpointError, match="--no-resume"):
+        run(tmp_path, monkeypatch)
+    summary, _, _ = run(tmp_path, monkeypatch, resume=False)  # the named fix works
+    assert summary["resumed_from_step"] is None and summary["steps"] == 10
 
 
 def fake_checkpoint(out: Path, world_size: int, workers: list[int]) -> None:

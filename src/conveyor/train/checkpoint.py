@@ -40,15 +40,26 @@ contributes nothing itself) waits up to `parts_timeout` seconds for the expected
 into its temporary folder and lists them in the manifest. The step becomes visible — complete, with
 every part — in one rename, or not at all. A part arriving after its step is complete is refused.
 
-Resuming: `mgr.latest_step()` is the step to resume from (None: start fresh); `mgr.load()` returns a
-`Checkpoint` with everything above, `ckpt.parts["ps-0.safetensors"]` being the path of a contributed
-part. `CheckpointPolicy` decides when to save (every N steps and/or T seconds).
+Resuming: `mgr.resume_step()` is the step to resume from: the newest one that passes `check` (the
+one `latest` names first), each damaged step passed over logged as a warning with the reason; None
+when there is no step folder (start fresh), `CheckpointError` when every step folder is damaged.
+`mgr.latest_step()` is the cheap variant (manifest and sizes, no sha256, no warnings). `mgr.load()`
+returns a `Checkpoint` with everything above, `ckpt.parts["ps-0.safetensors"]` being the path of a
+contributed part; `mgr.read_part` gives a part's bytes, checked and parsed as its name says (.json,
+.safetensors). `CheckpointPolicy` decides when to save (every N steps and/or T seconds).
+
+What a reader trusts: nothing in the folder. The manifest is read only up to MANIFEST_MAX_BYTES and
+must be strict JSON of the right types; part names must be plain names inside the step folder
+(letters, digits, '.', '_', '-', at most one '/', PART_NAME_MAX characters), refused before any part
+is opened; a symlink that leads out of the step folder is refused. Every part that fails to parse
+raises `CheckpointError` naming the file, the step and the fix.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import secrets
@@ -59,7 +70,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 
 from conveyor.train.state_io import flatten_state, load_tensors, save_tensors, unflatten_state
 
@@ -67,9 +78,14 @@ FORMAT = "conveyor.checkpoint"
 VERSION = 1
 MANIFEST = "COMPLETE"
 LATEST = "latest"
+MANIFEST_MAX_BYTES = 16 << 20  # ~100 bytes a part: room for 100k parts, and a bound on what is parsed
+PART_NAME_MAX = 255
+
+log = logging.getLogger(__name__)
 
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
 _PART_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _TREES = ("model", "optimizer", "rng")
 _RESERVED = {MANIFEST, "state.json"} | {f"{t}.{ext}" for t in _TREES for ext in ("safetensors", "json")}
 
@@ -184,7 +200,7 @@ class CheckpointManager:
         tasks = {}
         for task, st in (data_states or {}).items():
             name = f"data/{task}.json"
-            if not _PART_RE.match(name):
+            if not _PART_RE.fullmatch(name):
                 raise ValueError(f"data state task name {task!r}: use letters, digits, '.', '_' and '-' only")
             tasks[name] = st
 
@@ -422,10 +438,10 @@ class CheckpointManager:
         except FileNotFoundError:
             return {}
         out = {}
-        for m in map(_STEP_RE.match, names):
-            manifest = self._complete_manifest(self.root / m.group(0)) if m else None
+        for step in _step_numbers(names):
+            manifest = self._complete_manifest(self.step_dir(step))
             if manifest is not None:
-                out[int(m.group(1))] = float(manifest.get("time") or 0.0)
+                out[step] = float(manifest.get("time") or 0.0)
         return out
 
     def latest_step(self) -> int | None:
@@ -436,12 +452,67 @@ class CheckpointManager:
         steps = self.list_steps()
         return steps[-1] if steps else None
 
+    def resume_step(self, verify: bool = True) -> int | None:
+        """The step a job resumes from: the first usable one of what `latest` names, then the rest, highest first.
+
+        Usable: `check(step, verify)` passes (manifest valid, every part there, sha256s match). Each
+        step passed over is logged as a warning saying why and which step is used instead: a damaged
+        checkpoint never silently rewinds a job. Returns None when there is no step folder at all (a
+        fresh start); raises `CheckpointError` when there are step folders but none is usable, since
+        silently starting a long job over is worse than asking.
+        """
+        skipped: list[tuple[Path, str]] = []
+        for step in self._candidates():
+            try:
+                self.check(step, verify=verify)
+            except CheckpointError as e:
+                if self.step_dir(step).exists():  # else rotation removed it meanwhile: not damage
+                    skipped.append((self.step_dir(step), getattr(e, "reason", str(e))))
+                continue
+            for folder, why in skipped:
+                log.warning("checkpoint %s skipped (%s); resuming from step %d (%s) instead",
+                            folder, why, step, self.step_dir(step))
+            return step
+        if not skipped:
+            return None
+        for folder, why in skipped:
+            log.warning("checkpoint %s skipped (%s); no other step is usable", folder, why)
+        raise CheckpointError(
+            f"no usable checkpoint under {self.root}: all {len(skipped)} step folder(s) are damaged (the warnings "
+            f"above say why). To resume from none of them, move them away (or delete them), or start without "
+            f"resuming (conveyor run --no-resume, CONVEYOR_RESUME=0)"
+        )
+
+    def _candidates(self) -> list[int]:
+        """Every step folder's step, the one `latest` names first, then highest first."""
+        try:
+            steps = sorted(_step_numbers(p.name for p in self.root.iterdir()), reverse=True)
+        except FileNotFoundError:
+            return []
+        pointed = self._latest_pointer()
+        if pointed in steps:
+            steps.remove(pointed)
+            steps.insert(0, pointed)
+        return steps
+
+    def check(self, step: int, verify: bool = True) -> dict[str, Any]:
+        """Check that step `step` can be read and return its manifest; `CheckpointError` says what is wrong.
+
+        The manifest must be valid and every part it lists present inside the step folder at its
+        size and (with `verify`) its sha256.
+        """
+        folder = self.step_dir(step)
+        manifest = _read_manifest(folder)
+        for name, expected in manifest["parts"].items():
+            _check_part(folder, name, expected, verify)
+        return manifest
+
     def _latest_pointer(self) -> int | None:
         try:
             text = (self.root / LATEST).read_text().strip()
         except (OSError, UnicodeDecodeError):
             return None
-        m = _STEP_RE.match(text)
+        m = _STEP_RE.fullmatch(text)
         return int(m.group(1)) if m else None
 
     def _is_complete(self, folder: Path) -> bool:
@@ -451,11 +522,11 @@ class CheckpointManager:
         """The manifest if `folder` is a complete checkpoint (manifest valid, every part present at its size)."""
         try:
             manifest = _read_manifest(folder)
-            if all((folder / n).stat().st_size == p["size"] for n, p in manifest["parts"].items()):
-                return manifest
+            for name, expected in manifest["parts"].items():
+                _check_part(folder, name, expected, verify=False)
+            return manifest
         except (OSError, CheckpointError):
-            pass
-        return None
+            return None
 
     # -- reading -----------------------------------------------------------------------------------------------
 
@@ -494,29 +565,18 @@ class CheckpointManager:
 
     def _read(self, step: int, folder: Path, map_location: str, verify: bool) -> Checkpoint:
         manifest = _read_manifest(folder)
-        parts = manifest["parts"]
-        if verify:
-            for name, expected in parts.items():
-                size, digest = _hash_file(folder / name, fsync=False)
-                if size != expected["size"] or digest != expected["sha256"]:
-                    raise CheckpointError(
-                        f"{folder / name}: damaged (size {size}, sha256 {digest[:12]}…; the manifest says size "
-                        f"{expected['size']}, sha256 {expected['sha256'][:12]}…). Delete {folder} to resume from the "
-                        f"previous checkpoint, or load(step=...) an earlier one."
-                    )
-        ckpt = Checkpoint(step=step, path=folder, parts={n: folder / n for n in parts})
+        parts = {
+            name: _check_part(folder, name, expected, verify) if verify else _part_path(folder, name)
+            for name, expected in manifest["parts"].items()
+        }
+        ckpt = Checkpoint(step=step, path=folder, parts=parts)
         if "state.json" in parts:
-            state = _read_json(folder / "state.json")
-            try:
-                ckpt.extra = unflatten_state({}, state.get("extra")) or {}
-            except ValueError as e:
-                raise CheckpointError(f"{folder / 'state.json'}: {e}") from e
-            ckpt.time = state.get("time")
+            ckpt.extra, ckpt.time = _read_state(folder)
         trees = {name: self._read_tree(folder, name, map_location) for name in _TREES if f"{name}.json" in parts}
         ckpt.model_state, ckpt.optimizer_state, ckpt.rng = trees.get("model"), trees.get("optimizer"), trees.get("rng")
         for name in parts:
             if name.startswith("data/") and name.endswith(".json"):
-                ckpt.data_states[name[len("data/") : -len(".json")]] = _read_json(folder / name)
+                ckpt.data_states[name[len("data/") : -len(".json")]] = _read_json(folder, name)
         return ckpt
 
     def read_part(self, step: int, name: str) -> bytes:
@@ -530,22 +590,22 @@ class CheckpointManager:
         if expected is None:
             raise CheckpointError(f"{folder} has no part {name!r}: it was written by a job without it (another "
                                   f"strategy or number of tasks?); resume with the same setup or start over")
-        data = (folder / name).read_bytes()
-        if len(data) != expected["size"] or hashlib.sha256(data).hexdigest() != expected["sha256"]:
-            raise CheckpointError(f"{folder / name}: damaged (size or sha256 differ from the manifest); delete "
-                                  f"{folder} to resume from the previous checkpoint")
+        path = _part_path(folder, name)
+        data = _read_bytes(folder, path)
+        _check_size_and_hash(folder, path, len(data), hashlib.sha256(data).hexdigest(), expected)
+        _check_format(folder, path, data)
         return data
 
     def _read_tree(self, folder: Path, name: str, map_location: str) -> Any:
-        path = folder / f"{name}.safetensors"
+        path = _part_path(folder, f"{name}.safetensors")
         try:
             tensors, _ = load_tensors(path, device=map_location)
         except SafetensorError as e:
-            raise CheckpointError(f"{path}: not a readable safetensors file ({e}); delete {folder}") from e
+            raise _damaged(folder, path, f"not a readable safetensors file ({e})") from e
         try:
-            return unflatten_state(tensors, _read_json(folder / f"{name}.json"))
+            return unflatten_state(tensors, _read_json(folder, f"{name}.json"))
         except ValueError as e:
-            raise CheckpointError(f"{folder / name}.json / .safetensors: {e}") from e
+            raise _damaged(folder, folder / f"{name}.json", f"does not fit {name}.safetensors ({e})") from e
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -558,8 +618,13 @@ def _check_step(step: int) -> int:
     return int(step)
 
 
+def _is_plain_part_name(name: Any) -> bool:
+    """A name that stays inside a step folder: no absolute path, '..', NUL or empty component; bounded length."""
+    return isinstance(name, str) and len(name) <= PART_NAME_MAX and _PART_RE.fullmatch(name) is not None
+
+
 def _check_part_name(name: str) -> None:
-    if not isinstance(name, str) or not _PART_RE.match(name) or name in _RESERVED:
+    if not _is_plain_part_name(name) or name in _RESERVED:
         raise ValueError(
             f"part name {name!r}: use a file name of letters, digits, '.', '_', '-' (or data/<task>.json), "
             f"not one of {sorted(_RESERVED)}"
@@ -570,38 +635,157 @@ def _json_bytes(obj: Any) -> bytes:
     return json.dumps(obj, allow_nan=False, separators=(",", ":")).encode()
 
 
-def _read_json(path: Path) -> Any:
+def _step_numbers(names: Iterable[str]) -> list[int]:
+    """The steps of the names that are step folders' (as `step_dir` spells them)."""
+    out = []
+    for m in map(_STEP_RE.fullmatch, names):
+        if m and m.group(0) == f"step-{int(m.group(1)):08d}":
+            out.append(int(m.group(1)))
+    return out
+
+
+def _damaged(folder: Path, path: Path, why: str) -> CheckpointError:
+    """The error for a file of step folder `folder` that cannot be used, with the fix."""
+    m = _STEP_RE.fullmatch(folder.name)
+    which = f"step {int(m.group(1))}" if m else f"the checkpoint in {folder}"
+    error = CheckpointError(
+        f"{path}: {why}; {which} cannot be used: move {folder} away (or delete it) to resume from an earlier step"
+    )
+    error.reason = f"{path}: {why}"  # what resume_step's warning quotes: it names the fix itself
+    return error
+
+
+def _part_path(folder: Path, name: str) -> Path:
+    """`folder / name`, refused if a symlink takes it outside `folder` (the manifest checked `name` itself)."""
+    path = folder / name
+    real, inside = os.path.realpath(path), os.path.realpath(folder)
+    if os.path.commonpath([real, inside]) != inside:
+        raise _damaged(folder, path, f"a symlink to {real}, outside the step folder")
+    return path
+
+
+def _read_bytes(folder: Path, path: Path) -> bytes:
     try:
-        return json.loads(path.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e}); the checkpoint is damaged, delete its folder") from e
+        return path.read_bytes()
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{path}: listed in the {MANIFEST} manifest but missing; delete {folder}") from e
+    except (IsADirectoryError, NotADirectoryError) as e:
+        raise _damaged(folder, path, "not a file") from e
+
+
+def _check_part(folder: Path, name: str, expected: Mapping[str, Any], verify: bool) -> Path:
+    """The path of part `name`, checked to exist at the manifest's size and (`verify`) sha256."""
+    path = _part_path(folder, name)
+    try:
+        size, digest = _hash_file(path, fsync=False) if verify else (path.stat().st_size, None)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{path}: listed in the {MANIFEST} manifest but missing; delete {folder}") from e
+    except (IsADirectoryError, NotADirectoryError) as e:
+        raise _damaged(folder, path, "not a file") from e
+    _check_size_and_hash(folder, path, size, digest, expected)
+    return path
+
+
+def _check_size_and_hash(folder: Path, path: Path, size: int, digest: str | None, expected: Mapping[str, Any]):
+    if size == expected["size"] and digest in (None, expected["sha256"]):
+        return
+    got = f"size {size}" + (f", sha256 {digest[:12]}…" if digest else "")
+    raise CheckpointError(
+        f"{path}: damaged ({got}; the manifest says size {expected['size']}, sha256 {expected['sha256'][:12]}…). "
+        f"Delete {folder} to resume from the previous checkpoint, or load(step=...) an earlier one."
+    )
+
+
+def _check_format(folder: Path, path: Path, data: bytes) -> None:
+    """Parse a part as its name says, so a bad one is named here instead of deep inside the task reading it."""
+    if path.suffix == ".json":
+        _parse_json(folder, path, data)
+    elif path.suffix == ".safetensors":
+        try:
+            with safe_open(str(path), framework="pt"):  # reads and checks the header only
+                pass
+        except SafetensorError as e:
+            raise _damaged(folder, path, f"not a readable safetensors file ({e})") from e
+
+
+def _parse_json(folder: Path, path: Path, data: bytes, strict: bool = False) -> Any:
+    try:
+        return json.loads(data, parse_constant=_refuse_constant) if strict else json.loads(data)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError and too long ints are ValueErrors
+        raise _damaged(folder, path, f"not valid JSON ({e})") from e
+
+
+def _refuse_constant(token: str) -> Any:
+    raise ValueError(f"{token} is not a number in strict JSON")
+
+
+def _read_json(folder: Path, name: str) -> Any:
+    path = _part_path(folder, name)
+    return _parse_json(folder, path, _read_bytes(folder, path))
+
+
+def _read_state(folder: Path) -> tuple[dict[str, Any], float | None]:
+    """state.json's `extra` and `time`."""
+    path = folder / "state.json"
+    state = _read_json(folder, "state.json")
+    if not isinstance(state, dict):
+        raise _damaged(folder, path, f"a JSON {type(state).__name__}, not an object")
+    try:
+        extra = unflatten_state({}, state.get("extra")) or {}
+    except ValueError as e:
+        raise _damaged(folder, path, str(e)) from e
+    saved = state.get("time")
+    if not isinstance(extra, dict) or not (saved is None or _is_number(saved)):
+        raise _damaged(folder, path, "extra is not an object or time not a number")
+    return extra, saved
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _read_manifest(folder: Path) -> dict[str, Any]:
-    path = folder / MANIFEST
+    path = _part_path(folder, MANIFEST)
     try:
-        manifest = json.loads(path.read_bytes())
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            data = f.read(MANIFEST_MAX_BYTES + 1)
     except FileNotFoundError as e:
         raise CheckpointError(f"{folder}: no {MANIFEST} marker, so it is not a finished checkpoint") from e
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e}); delete {folder}") from e
-    m = _STEP_RE.match(folder.name)
-    ok = (
-        isinstance(manifest, dict)
-        and manifest.get("format") == FORMAT
-        and isinstance(manifest.get("parts"), dict)
-        and all(isinstance(p, dict) and "size" in p and "sha256" in p for p in manifest["parts"].values())
-    )
-    if not ok:
+    if len(data) > MANIFEST_MAX_BYTES:
+        raise _damaged(folder, path, f"{max(size, len(data))} bytes, more than a manifest may have "
+                                     f"({MANIFEST_MAX_BYTES})")
+    return _check_manifest(folder, path, _parse_json(folder, path, data, strict=True))
+
+
+def _check_manifest(folder: Path, path: Path, manifest: Any) -> dict[str, Any]:
+    """`manifest` if it is one for `folder`: right format, version and step, part names inside the folder."""
+    parts = manifest.get("parts") if isinstance(manifest, dict) else None
+    if not isinstance(parts, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a {FORMAT} manifest; delete {folder}")
-    if manifest.get("version") != VERSION:
+    if type(manifest.get("version")) is not int or manifest["version"] != VERSION:
         raise CheckpointError(
             f"{path}: checkpoint format version {manifest.get('version')!r}, this conveyor reads {VERSION}; "
             f"resume with the conveyor version that wrote it"
         )
-    if m is not None and int(m.group(1)) != manifest.get("step"):
-        raise CheckpointError(f"{path}: the manifest is for step {manifest.get('step')}, not {folder.name}; delete it")
+    m, step = _STEP_RE.fullmatch(folder.name), manifest.get("step")
+    if type(step) is not int or (m is not None and int(m.group(1)) != step):
+        raise CheckpointError(f"{path}: the manifest is for step {step!r}, not {folder.name}; delete it")
+    if "time" in manifest and not _is_number(manifest["time"]):
+        raise _damaged(folder, path, f"time {manifest['time']!r} is not a number")
+    for name, entry in parts.items():
+        if not _is_plain_part_name(name):
+            shown = name if len(name) <= 80 else name[:80] + "…"
+            raise _damaged(folder, path, f"part {shown!r} is not a plain name inside {folder.name} (at most "
+                                         f"{PART_NAME_MAX} letters, digits, '.', '_', '-', and one '/')")
+        if not (isinstance(entry, dict) and _is_size(entry.get("size")) and isinstance(entry.get("sha256"), str)
+                and _SHA256_RE.fullmatch(entry["sha256"])):
+            raise _damaged(folder, path, f"part {name!r} is not listed as {{size: bytes, sha256: 64 hex digits}}")
     return manifest
+
+
+def _is_size(v: Any) -> bool:
+    return type(v) is int and v >= 0
 
 
 def _hash_file(path: Path, fsync: bool) -> tuple[int, str]:

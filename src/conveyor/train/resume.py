@@ -12,6 +12,7 @@ epoch, the pipeline's root seed, the iterator's position and the RNG states, in 
 from __future__ import annotations
 
 import json
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +53,8 @@ def resume(job: Any, checkpoints: CheckpointManager, coordinator: Any, module: A
     if step is None:
         return None
     ckpt = checkpoints.load(step)
+    if job.is_chief:
+        print(f"resumed from step {ckpt.step} ({ckpt.path})", file=sys.stderr, flush=True)
     world, rank = int(job.world_size), int(job.rank)
     _check_world_size(ckpt, world, checkpoints)
     state = _worker_state(ckpt, rank, world, coordinator, checkpoints)
@@ -67,9 +70,16 @@ def resume(job: Any, checkpoints: CheckpointManager, coordinator: Any, module: A
 
 
 def _chiefs_latest_step(job: Any, checkpoints: CheckpointManager) -> int | None:
-    mine = checkpoints.latest_step() if job.is_chief else None
-    data = job.broadcast_bytes(json.dumps(mine).encode() if job.is_chief else None, src=0)
-    return json.loads(bytes(data).decode())
+    mine = None
+    if job.is_chief:
+        try:  # skips damaged steps with a warning each; refuses when every step is damaged
+            mine = {"step": checkpoints.resume_step()}
+        except CheckpointError as e:
+            mine = {"error": str(e)}
+    data = json.loads(bytes(job.broadcast_bytes(json.dumps(mine).encode() if job.is_chief else None, src=0)))
+    if "error" in data:  # every rank refuses, not only the chief
+        raise CheckpointError(data["error"])
+    return data["step"]
 
 
 def _fix(world: Any, checkpoints: CheckpointManager) -> str:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import base64
 import math
+import os
 import random
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -82,7 +83,13 @@ def unflatten_state(tensors: Mapping[str, Any], meta: Mapping[str, Any]) -> Any:
             f"{STATE_FORMAT} version {meta.get('version')!r} is not supported (this conveyor reads version "
             f"{STATE_VERSION}); load it with the conveyor version that wrote it"
         )
-    return _decode(meta["tree"], tensors)
+    if "tree" not in meta:
+        raise ValueError(f"{STATE_FORMAT} description without a tree")
+    try:
+        return _decode(meta["tree"], tensors)
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError, RecursionError) as e:
+        # meta comes from a file: whatever shape it has, the caller gets one error type to name the file by
+        raise ValueError(f"{STATE_FORMAT} tree is malformed: {e}") from e
 
 
 def _get(meta: Any, key: str) -> Any:
@@ -174,14 +181,23 @@ def _decode(x: Any, tensors: Mapping[str, Any]) -> Any:
             return dict(items)
         d = OrderedDict(items)
         d._metadata = _decode(x["_metadata"], tensors)  # type: ignore[attr-defined]
+        if not isinstance(d._metadata, dict):  # type: ignore[attr-defined]
+            raise ValueError(f"_metadata is a {type(x['_metadata']).__name__}, not a dict")
         return d
     if tag == "__tuple__":
+        if not isinstance(x["__tuple__"], list):
+            raise ValueError(f"__tuple__ holds a {type(x['__tuple__']).__name__}, not a list")
         return tuple(_decode(v, tensors) for v in x["__tuple__"])
     if tag == "__float__":
+        if x["__float__"] not in ("nan", "inf", "-inf"):
+            raise ValueError(f"__float__ holds {x['__float__']!r}, not 'nan', 'inf' or '-inf'")
         return float(x["__float__"])
     if tag == "__npscalar__":
-        return np.dtype(x["__npscalar__"]).type(_decode(x["value"], tensors))
-    return base64.b64decode(x["__bytes__"])  # "__bytes__"
+        dtype, value = np.dtype(x["__npscalar__"]), _decode(x["value"], tensors)
+        if dtype.kind not in "biuf" or isinstance(value, str) or not isinstance(value, (bool, int, float)):
+            raise ValueError(f"__npscalar__ {x['__npscalar__']!r} with value {value!r}")
+        return dtype.type(value)
+    return base64.b64decode(x["__bytes__"], validate=True)  # "__bytes__"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -216,6 +232,26 @@ def save_tensors(
                 seen.add(key)
         prepared[name] = t
     save_file(prepared, str(path), metadata=dict(metadata) if metadata else None)
+    os.chmod(path, umask_mode())  # safetensors writes a 0600 temp file and renames it
+
+
+def umask_mode(base: int = 0o666) -> int:
+    """`base` less the process umask: the mode `open()` gives a new file.
+
+    Every file conveyor writes into an output folder gets this mode, like any Unix tool's output
+    (a shared folder must be readable by other hosts and TensorBoard; `umask 077` makes it private).
+    Writers whose library picks its own mode (a temp file created 0600, then renamed) chmod to it.
+    """
+    try:  # Linux reports it; os.umask can only read it by setting it, which races with other threads
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return base & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return base & ~mask
 
 
 def load_tensors(
