@@ -420,6 +420,11 @@ def test_trainer_lets_async_workers_run_apart_and_stops_on_the_shared_step_count
     evals = [json.loads(line) for line in (tmp_path / "output" / "metrics.jsonl").read_text().splitlines()
              if '"eval"' in line]
     assert [e["step"] for e in evals[:-1]] == list(range(7, fast + 1, 7))  # the chief's own, on its shard
+    trains = [json.loads(line) for line in (tmp_path / "output" / "metrics.jsonl").read_text().splitlines()
+              if '"train"' in line]
+    shared = [r["global_step"] for r in trains]  # the progress display shows the job's step, not the chief's
+    assert shared == sorted(shared) and all(r["global_step"] >= r["step"] for r in trains)
+    assert shared[-1] <= planned + WORLD
     assert evals[-1]["step"] == fast and evals[-1]["eval_loss"] == summary["eval_loss"]  # the last: both shards
     checkpoints = tmp_path / "output" / "checkpoints"
     manifest = json.loads((checkpoints / (checkpoints / "latest").read_text().strip() / "COMPLETE").read_text())

@@ -328,6 +328,25 @@ def test_options_are_validated(tmp_path, monkeypatch):
     )
 
 
+def test_an_endless_dataset_needs_steps_per_epoch_or_max_steps(tmp_path, monkeypatch):
+    job = make_job(tmp_path, monkeypatch)
+    model, opt = make_model()
+    endless = data().repeat()
+    for options in ({"epochs": 20}, {}, {"epochs": 2, "max_steps": 7}):
+        with pytest.raises(ValueError, match=r"repeats forever.*steps_per_epoch=N.*max_steps=N"):
+            Trainer(job, model, opt, nn.functional.cross_entropy, endless, **options)
+    assert endless.is_endless() and not data().is_endless() and not endless.take(3).is_endless()
+    assert data().repeat(2).is_endless() is False and endless.take(3).repeat().is_endless()
+
+
+def test_steps_per_epoch_ends_epochs_of_an_endless_dataset(tmp_path, monkeypatch):
+    summary, seen, _ = run(tmp_path, monkeypatch, ds=data().repeat(), epochs=3, steps_per_epoch=7,
+                           checkpoint_every_steps=None)
+    assert summary["steps"] == 21 and summary["epochs"] == 3 and sorted(seen) == list(range(1, 22))
+    summary, _, _ = run(tmp_path / "bounded", monkeypatch, ds=data().repeat(), epochs=None, max_steps=4)
+    assert summary["steps"] == 4
+
+
 def test_batches_must_be_pairs(tmp_path, monkeypatch):
     job = make_job(tmp_path, monkeypatch)
     model, opt = make_model()
@@ -415,7 +434,9 @@ def record(event):
 
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    summary = Trainer(job, model, opt, nn.functional.cross_entropy, ds, epochs=2, checkpoint_every_steps=3,
+    test = Dataset.from_tensor_slices((x, y)).batch(5)  # not sharded per worker: each sample must count once
+    summary = Trainer(job, model, opt, nn.functional.cross_entropy, ds, eval_data=test, epochs=2,
+                      checkpoint_every_steps=3,
                       checkpoint_every_seconds=every_seconds, keep_checkpoints=None, log_every_steps=2,
                       progress=False, callbacks=[record]).fit()
 params = [p.detach().flatten().tolist() for p in model.module.parameters()]
@@ -478,6 +499,9 @@ def test_two_workers_killed_one_resumes_to_the_uninterrupted_result(tmp_path):
         assert json.loads((out / f"seen-{r}.json").read_text()) == ref_seen  # same batches per step, per worker
         assert sorted(map(int, ref_seen)) == list(range(1, 13))  # 6 steps per epoch: the shorter shard decides
     assert any("skips the rest of its shard" in w for w in expected[0]["warnings"])
+    assert any("eval_data is not sharded per worker" in w for w in expected[0]["warnings"])
+    evals = [r for r in read_jsonl(ref / "metrics.jsonl") if r["event"] == "eval"]
+    assert evals[-1]["eval_samples"] == 49  # every sample of the unsharded test set once, not once per worker
     summary = got[0]["summary"]
     assert summary["world_size"] == 2 and summary["steps"] == 12 and summary["resumed_from_step"] >= 6
     assert summary["strategy"] == "allreduce" and summary["samples"] == 4 * 2 * (12 - summary["resumed_from_step"])

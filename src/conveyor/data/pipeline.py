@@ -168,6 +168,28 @@ class Dataset:
         replay it afterwards."""
         return Dataset(CacheNode(self._node, filename))
 
+    def is_endless(self) -> bool:
+        """Whether iterating never ends: a `repeat()` without a count that no later `take(n)` cuts short."""
+        node = self._node
+        while node.inputs:
+            count = node.params().get("count") if node.name in ("take", "repeat") else None
+            if node.name == "take" and count >= 0:
+                return False
+            if node.name == "repeat" and count < 0:
+                return True
+            node = node.inputs[0]
+        return False
+
+    def is_sharded(self, num_shards: int) -> bool:
+        """Whether the pipeline has a `shard(num_shards, ...)` step (a worker's share of the data)."""
+        pending = [self._node]
+        while pending:
+            node = pending.pop()
+            if node.name == "shard" and node.params().get("num_shards") == num_shards:
+                return True
+            pending.extend(node.inputs)
+        return False
+
     def apply(self, transformation_func: Callable[[Dataset], Dataset]) -> Dataset:
         out = transformation_func(self)
         if not isinstance(out, Dataset):

@@ -94,6 +94,10 @@ class Coordinator:
         """What the checkpoint records for :meth:`resumed`."""
         return {}
 
+    def shared_progress(self) -> tuple[int, int | None] | None:
+        """(the job's step, its total) when it is not this worker's own step count (None: it is)."""
+        return None
+
 
 class LockstepCoordinator(Coordinator):
     """Workers that move one step at a time together (see the module docstring)."""
@@ -201,6 +205,9 @@ class IndependentCoordinator(Coordinator):
 
     def checkpoint_extra(self) -> dict[str, Any]:
         return {"global_steps": self.offset + self.board.global_progress()[0]}
+
+    def shared_progress(self) -> tuple[int, int | None] | None:
+        return self.offset + self.board.global_progress()[0], self.planned
 
 
 def decode_positions(gathered: list[bytes | None]) -> dict[str, Any]:

@@ -62,14 +62,17 @@ class Progress:
             self._line(f"eval at step {record.get('step')}: {metrics}")
             return
         loss, sps, wait = record.get("loss"), record.get("samples_per_second"), record.get("input_wait_fraction")
+        step = record.get("global_step", record.get("step"))  # workers running apart: the job's step
         if self._bar is not None:
+            if "global_step" in record:
+                self._bar.n = int(record["global_step"])
             self._bar.set_postfix_str(
                 f"loss={_fmt(loss, '.4f')} samples/s={_fmt(sps, '.0f')} input-wait={_fmt(wait, '.1%')}", refresh=False
             )
             return
         total = f"/{self._total}" if self._total else ""
         self._line(
-            f"step {record.get('step')}{total}  epoch {record.get('epoch')}  loss {_fmt(loss, '.4f')}  "
+            f"step {step}{total}  epoch {record.get('epoch')}  loss {_fmt(loss, '.4f')}  "
             f"{_fmt(sps, '.0f')} samples/s  input wait {_fmt(wait, '.1%')}"
         )
 

@@ -79,12 +79,20 @@ class Reporter:
         self.window.add(loss, samples, input_wait)
         self.progress.advance()
 
-    def log(self, step: int, epoch: int, lr: float | None, world: int) -> dict[str, Any] | None:
-        """Write one train record for the steps since the last (None: there were none)."""
+    def log(self, step: int, epoch: int, lr: float | None, world: int,
+            shared: tuple[int, int | None] | None = None) -> dict[str, Any] | None:
+        """Write one train record for the steps since the last (None: there were none).
+
+        ``shared``: the job's (step, total) where workers run apart and this worker's steps are a part of it.
+        """
         if self.window.steps == 0:
             return None
         record = {"event": "train", "step": step, "epoch": epoch, **self.window.record(self.job, world),
                   "lr": lr, "time": time.time()}
+        if shared is not None:
+            record["global_step"] = shared[0]
+            if shared[1] is not None:
+                self.progress.set_total(shared[1])
         self.window.reset()
         self.emit(record)
         return record

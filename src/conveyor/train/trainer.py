@@ -61,6 +61,8 @@ class TrainConfig:
 
     epochs: passes over `train_data`; None (the default) means 1, or as many as `max_steps` needs.
     max_steps: stop after this many steps in total (counted across restarts), even mid-epoch.
+    steps_per_epoch: end an epoch after this many steps (batches) even if `train_data` goes on — what
+        makes `epochs` meaningful for a `train_data` that repeats forever (ends in `.repeat()`).
     eval_every_steps: evaluate every N steps (and always at the end when there is eval data).
     checkpoint_every_steps / checkpoint_every_seconds: save every N steps / T seconds (and always
         at the end).
@@ -71,6 +73,7 @@ class TrainConfig:
 
     epochs: int | None = None
     max_steps: int | None = None
+    steps_per_epoch: int | None = None
     eval_every_steps: int | None = None
     checkpoint_every_steps: int | None = None
     checkpoint_every_seconds: float | None = None
@@ -79,7 +82,8 @@ class TrainConfig:
     progress: bool | str = True
 
     def __post_init__(self) -> None:
-        for name in ("epochs", "max_steps", "eval_every_steps", "checkpoint_every_steps", "keep_checkpoints"):
+        for name in ("epochs", "max_steps", "steps_per_epoch", "eval_every_steps", "checkpoint_every_steps",
+                     "keep_checkpoints"):
             _check_positive_int(name, getattr(self, name), allow_none=True)
         _check_positive_int("log_every_steps", self.log_every_steps, allow_none=False)
         s = self.checkpoint_every_seconds
@@ -140,6 +144,7 @@ class Trainer:
             if ds is not None and not hasattr(ds, "iterator"):
                 raise TypeError(f"{name} must be a conveyor.data Dataset (got {type(ds).__name__}); build it with "
                                 f"conveyor.data.Dataset.from_tensor_slices(...) or TFRecordDataset(...)")
+        _check_epochs_end(train_data, self.config)
         self.job, self.model, self.optimizer, self.loss_fn = job, model, optimizer, loss_fn
         self.train_data, self.eval_data, self.metric_fn = train_data, eval_data, metric_fn
         self.callbacks = list(callbacks)
@@ -171,8 +176,24 @@ class Trainer:
         this rank's shard alone)."""
         if self.eval_data is None:
             return {}
-        return evaluate(self.module, self.eval_data, self.loss_fn, self.metric_fn, device=self.job.device,
+        data = self.eval_data
+        world = int(self.job.world_size)
+        if collective and world > 1 and not data.is_sharded(world):
+            data = self._shard_eval_data(world)
+        return evaluate(self.module, data, self.loss_fn, self.metric_fn, device=self.job.device,
                         job=self.job if collective else None)
+
+    def _shard_eval_data(self, world: int):
+        """`eval_data` split by batch over the workers, so that every sample is counted once (as tf.distribute's
+        auto-sharding does); said once, since the user's own `shard` would also split the reading."""
+        if not getattr(self, "_warned_eval_shard", False):
+            self._warned_eval_shard = True
+            warnings.warn(f"eval_data is not sharded per worker (no .shard({world}, rank)), so each of the {world} "
+                          f"workers would evaluate all of it and every sample would count {world} times; conveyor "
+                          f"evaluates every {world}th batch on each worker instead. Shard it yourself "
+                          f"(eval_data.shard(job.world_size, job.rank)) to read only each worker's part.",
+                          stacklevel=4)
+        return self.eval_data.shard(world, int(self.job.rank))
 
 
 class _Run:
@@ -206,7 +227,7 @@ class _Run:
         t.step = resumed.step if resumed else 0
         self.resumed_from = self.checkpointer.last_saved = resumed.step if resumed else None
         self.batches.start(resumed)
-        self.reporter = Reporter.open(self.job, self.out, progress=self.cfg.progress, total=self.cfg.max_steps,
+        self.reporter = Reporter.open(self.job, self.out, progress=self.cfg.progress, total=self._known_total(),
                                       initial=t.step, resumed_from=self.resumed_from)
         self.prof.start()
         self.started = time.perf_counter()
@@ -247,13 +268,21 @@ class _Run:
                                  epochs=self.t.epoch, eval_result=self.evaluator.result,
                                  resumed_from=self.resumed_from, checkpoints=self.t.checkpoints.root)
 
+    def _known_total(self) -> int | None:
+        """This worker's total steps, where it is known before the first epoch ends."""
+        cfg, per_epoch = self.cfg, self.batches.steps_per_epoch
+        if per_epoch is None or cfg.total_epochs is None:
+            return cfg.max_steps
+        return min(per_epoch * cfg.total_epochs, cfg.max_steps or per_epoch * cfg.total_epochs)
+
     def close(self) -> None:
         self.batches.close()
         if self.reporter is not None:
             self.reporter.close()
 
     def _log(self) -> None:
-        if self.reporter.log(self.t.step, self.t.epoch, _lr(self.t.optimizer), self.coord.log_world) is None:
+        if self.reporter.log(self.t.step, self.t.epoch, _lr(self.t.optimizer), self.coord.log_world,
+                             self.coord.shared_progress()) is None:
             return
         if self.batches.it is not None:
             self.prof.sample_pipeline(self.batches.it.stats(), key=self.t.epoch)
@@ -274,7 +303,8 @@ class _Batches:
         self.root_seed: int = int(self.t.train_data.root_seed)
         self.it = None
         self.in_epoch = 0  # batches taken in the current epoch
-        self.steps_per_epoch: int | None = None
+        self.epoch_length = run.cfg.steps_per_epoch  # None: an epoch is one pass over train_data
+        self.steps_per_epoch: int | None = self.epoch_length
         self.resumed = False
         self.dropped_epochs = 0  # epochs in which this rank had batches left when another ran out
 
@@ -287,7 +317,7 @@ class _Batches:
         t = self.t
         t.epoch = 0
         self.resumed = resumed is not None
-        if resumed is not None:
+        if resumed is not None and resumed.steps_per_epoch:
             self.steps_per_epoch = resumed.steps_per_epoch
         state = resumed.data if resumed is not None else None
         if state is None:  # a fresh start, or a worker whose data starts over
@@ -304,10 +334,12 @@ class _Batches:
     def next(self) -> Any:
         """This step's batch; None when this worker's training data is over."""
         while True:
-            try:
-                batch = next(self.it)
-            except StopIteration:
-                batch = None
+            batch = None
+            if self.epoch_length is None or self.in_epoch < self.epoch_length:
+                try:
+                    batch = next(self.it)
+                except StopIteration:
+                    pass
             if self.coord.agree(batch is not None):
                 self.in_epoch += 1
                 return batch
@@ -397,19 +429,15 @@ class _Checkpointer:
 # helpers
 
 
-def _config(config: TrainConfig | None, options: Mapping[str, Any]) -> TrainConfig:
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise TypeError(f"Trainer got unknown option(s) {unknown}; the options are {sorted(known)}")
-    return dataclasses.replace(config or TrainConfig(), **options)
-
-
-def _check_positive_int(name: str, value: Any, allow_none: bool) -> None:
-    if value is None and allow_none:
+def _check_epochs_end(train_data: Any, cfg: TrainConfig) -> None:
+    """An endless `train_data` never ends an epoch: refuse a configuration that waits for one."""
+    if cfg.steps_per_epoch is not None or not train_data.is_endless():
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer{' or None' if allow_none else ''}, got {value!r}")
+    if cfg.epochs is not None or cfg.max_steps is None:
+        asked = f"epochs={cfg.epochs}" if cfg.epochs is not None else "the default of one epoch"
+        raise ValueError(f"train_data repeats forever (it ends in .repeat() without a count), so an epoch never ends "
+                         f"and {asked} would train forever: pass steps_per_epoch=N (batches per epoch) or "
+                         f"max_steps=N, or drop the .repeat() (the Trainer runs the epochs itself)")
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
