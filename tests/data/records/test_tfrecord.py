@@ -414,3 +414,14 @@ def test_damaged_first_record_is_not_blamed_on_compression(tmp_path):
     path.write_bytes(b"\x00" * 40)
     err = _read_expecting_loss(path)
     assert "compression_type" not in str(err) and "rewrite it" in str(err)
+
+
+def test_detect_compression(tmp_path):
+    from conveyor.data.records import detect_compression
+
+    for compression, expected in ((None, ""), ("GZIP", "GZIP"), ("ZLIB", "ZLIB")):
+        assert detect_compression(_write(tmp_path / f"r{compression}", RECORDS, compression)) == expected
+    for content, expected in ((b"", None), (b"\x00" * 40, None), (b"\x1f\x8b\x08" + b"\x00" * 20, "GZIP"),
+                              (b"\x78\x9c" + b"\xff" * 20, None)):  # a zlib header alone is not enough
+        (tmp_path / "x").write_bytes(content)
+        assert detect_compression(tmp_path / "x") == expected, content
