@@ -263,12 +263,16 @@ def _floats(float_list, n: int) -> np.ndarray:
     values are the last ``4n`` bytes. Re-serialising normalises unpacked values and split packed
     runs, but keeps fields the schema does not know (after the values), so the bytes are trusted
     only when they are exactly as long as that canonical form: the packed field is always there,
-    and anything else would add bytes. Otherwise protobuf's own values are used.
+    and anything else would add bytes. Unknown fields are dropped and the bytes looked at again
+    (the message was parsed for this call alone); failing that, protobuf's own values are used.
     """
     if n >= _PACKED_MIN:
-        raw = float_list.SerializeToString()
         size = 4 * n
         header = 1 + (size.bit_length() + 6) // 7  # tag byte + varint(size)
+        raw = float_list.SerializeToString()
+        if len(raw) != header + size:
+            float_list.DiscardUnknownFields()
+            raw = float_list.SerializeToString()
         if len(raw) == header + size and raw[0] == 0x0A:
             return np.frombuffer(raw, "<f4", count=n, offset=header).astype(np.float32)
     return np.fromiter(float_list.value, np.float32, n)
