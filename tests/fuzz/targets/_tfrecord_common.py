@@ -23,20 +23,22 @@ EXPECTED = (DataLossError,)
 MAX_INPUT = 1 << 13
 _INFLATE_LIMIT = 1100 * MAX_INPUT
 _WBITS = {"GZIP": 31, "ZLIB": 15}
-_DIR = tempfile.TemporaryDirectory(prefix="conveyor-fuzz-tfrecord-")  # removed at interpreter exit
+# A folder per input, removed before returning: libFuzzer leaves by exit(), so a folder kept for
+# the whole run would never be cleaned up.
+_TMP_PREFIX = "conveyor-fuzz-tfrecord-"
 
 
 def seeds(compression: str | None) -> list[bytes]:
     """Whole files written by the real writer: a few record lists, in this compression."""
     out = []
-    for i, records in enumerate(([], [b""], [b"hello", b"x" * 40], [bytes(range(256)), b"", b"\x00" * 20])):
-        path = os.path.join(_DIR.name, f"seed-{i}")
-        with TFRecordWriter(path, compression) as w:
-            for r in records:
-                w.write(r)
-        with open(path, "rb") as f:
-            out.append(f.read())
-        os.remove(path)
+    with tempfile.TemporaryDirectory(prefix=_TMP_PREFIX) as tmp:
+        path = os.path.join(tmp, "seed")
+        for records in ([], [b""], [b"hello", b"x" * 40], [bytes(range(256)), b"", b"\x00" * 20]):
+            with TFRecordWriter(path, compression) as w:
+                for r in records:
+                    w.write(r)
+            with open(path, "rb") as f:
+                out.append(f.read())
     return out
 
 
@@ -94,13 +96,14 @@ def read(path: str, compression: str | None, verify: bool) -> tuple[list[bytes],
 def check(data: bytes, compression: str | None) -> None:
     """Write ``data`` as a file, read it back with both verify settings, compare to the oracle."""
     data = data[:MAX_INPUT]
-    path = os.path.join(_DIR.name, "input")
-    with open(path, "wb") as f:
-        f.write(data)
     stream = data if compression is None else inflate(data, compression)
-    for verify in (True, False):
-        got = read(path, compression, verify)
-        if stream is None:  # not a valid compressed stream: some DataLossError must say so
-            assert got[1] is not None, f"reader accepted a damaged {compression} stream: {got[0]!r}"
-            continue
-        assert got == frame(stream, verify), (verify, got, frame(stream, verify))
+    with tempfile.TemporaryDirectory(prefix=_TMP_PREFIX) as tmp:
+        path = os.path.join(tmp, "input")
+        with open(path, "wb") as f:
+            f.write(data)
+        for verify in (True, False):
+            got = read(path, compression, verify)
+            if stream is None:  # not a valid compressed stream: some DataLossError must say so
+                assert got[1] is not None, f"reader accepted a damaged {compression} stream: {got[0]!r}"
+                continue
+            assert got == frame(stream, verify), (verify, got, frame(stream, verify))
