@@ -176,3 +176,32 @@ def test_inspect_shows_non_example_records(tmp_path, capsys):
     assert main(["data", "inspect", str(path)]) == 0
     out = capsys.readouterr().out
     assert "1 records" in out and "ZLIB" in out and "not a tf.train.Example" in out
+
+
+@pytest.mark.parametrize(("make", "kind"), [("char", "character device"), ("fifo", "FIFO")])
+def test_inspect_says_what_a_non_regular_file_is(tmp_path, capsys, make, kind):
+    import os
+
+    if make == "char":
+        path = "/dev/zero"
+    else:
+        path = str(tmp_path / "pipe")
+        os.mkfifo(path)
+    assert main(["data", "inspect", path]) == 2
+    err = capsys.readouterr().err
+    _one_line_error(err, path, kind, "not a regular file")
+    assert "no such file" not in err
+
+
+def test_inspect_with_the_wrong_compression_says_which_to_pass(tmp_path, capsys):
+    from conveyor.data import TFRecordWriter
+
+    path = tmp_path / "data.tfrecord.gz"
+    with TFRecordWriter(path, "GZIP") as w:
+        w.write(b"abc")
+    assert main(["data", "inspect", str(path), "--compression", "none"]) == 1
+    err = capsys.readouterr().err
+    _one_line_error(err, str(path), "compression_type='GZIP'")
+    assert "rewrite" not in err
+    assert main(["data", "inspect", str(path)]) == 0
+    assert "1 records" in capsys.readouterr().out

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import struct
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,7 @@ from google.protobuf.message import DecodeError
 from conveyor.cli import Command, CommandError
 from conveyor.data.convert import IMAGE_FORMATS, convert_arrays, convert_image_folder, load_npz
 from conveyor.data.errors import DataLossError
-from conveyor.data.records import TFRecordReader, decode_example, masked_crc32c
+from conveyor.data.records import TFRecordReader, decode_example, detect_compression
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -162,29 +162,40 @@ def _report_conversion(summary: dict[str, Any], out_dir: str) -> None:
 # ------------------------------------------------------------------------------------ inspect
 
 
-def detect_compression(path: str) -> str | None:
-    """None, "GZIP" or "ZLIB", from the first bytes: a valid record header means uncompressed."""
-    with open(path, "rb") as f:
-        head = f.read(12)
-    if len(head) == 12 and struct.unpack_from("<I", head, 8)[0] == masked_crc32c(head[:8]):
-        return None
-    if head[:2] == b"\x1f\x8b":
-        return "GZIP"
-    if len(head) >= 2 and head[0] & 0x0F == 8 and ((head[0] << 8) | head[1]) % 31 == 0:
-        return "ZLIB"
-    return None  # not a known stream either: the reader names the damage
+_NOT_REGULAR = (
+    (stat.S_ISDIR, "a folder, not a TFRecord file"),
+    (stat.S_ISCHR, "a character device, not a regular file"),
+    (stat.S_ISBLK, "a block device, not a regular file"),
+    (stat.S_ISFIFO, "a FIFO (named pipe), not a regular file"),
+    (stat.S_ISSOCK, "a socket, not a regular file"),
+)
+
+
+def _check_inspectable(path: str) -> None:
+    """Refuse what is not a regular file, saying what it is (inspect reads each file twice, and a
+    device such as /dev/zero never ends)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise CommandError(f"{path}: no such file") from None
+    except OSError as e:
+        raise CommandError(f"{path}: cannot read it ({e.strerror})") from None
+    for test, what in _NOT_REGULAR:
+        if test(mode):
+            raise CommandError(f"{path}: {what}")
+    if not stat.S_ISREG(mode):
+        raise CommandError(f"{path}: not a regular file")
 
 
 def run_inspect(args: argparse.Namespace) -> int:
     if args.limit < 0:
         raise CommandError(f"--limit must be >= 0, got {args.limit}")
     for path in args.files:
-        if not os.path.isfile(path):
-            what = "a folder, not a TFRecord file" if os.path.isdir(path) else "no such file"
-            raise CommandError(f"{path}: {what}")
+        _check_inspectable(path)
     damaged = total = 0
     for path in args.files:
-        compression = detect_compression(path) if args.compression == "AUTO" else (
+        # An undecidable file is read as uncompressed: the reader then names the damage.
+        compression = (detect_compression(path) or None) if args.compression == "AUTO" else (
             None if args.compression == "NONE" else args.compression)
         first: list[bytes] = []
         count = 0

@@ -10,17 +10,18 @@ class DataLossError(OSError):
     (in the decompressed stream for GZIP/ZLIB files) of the record that could not be read.
     """
 
-    def __init__(self, path: str, offset: int, what: str):
+    #: What to do about it, unless the reader knows better (e.g. the file is just compressed).
+    DEFAULT_FIX = "The file is damaged or truncated; rewrite it, or drop it from the file list."
+
+    def __init__(self, path: str, offset: int, what: str, fix: str | None = None):
         self.path = str(path)
         self.offset = int(offset)
         self.what = what
-        super().__init__(
-            f"{self.path}: {what} at byte offset {self.offset}. The file is damaged or truncated; "
-            f"rewrite it, or drop it from the file list."
-        )
+        self.fix = fix or self.DEFAULT_FIX
+        super().__init__(f"{self.path}: {what} at byte offset {self.offset}. {self.fix}")
 
-    def __reduce__(self):  # keep the three fields when the error crosses a process boundary
-        return (DataLossError, (self.path, self.offset, self.what))
+    def __reduce__(self):  # keep the fields when the error crosses a process boundary
+        return (DataLossError, (self.path, self.offset, self.what, self.fix))
 
 
 class InvalidArgumentError(ValueError):

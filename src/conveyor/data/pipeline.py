@@ -32,6 +32,7 @@ from conveyor.data.ops.shuffle import ShuffleNode
 from conveyor.data.ops.skip import SkipNode
 from conveyor.data.ops.take import TakeNode
 from conveyor.data.ops.unbatch import UnbatchNode
+from conveyor.data.records.tfrecord import DEFAULT_MAX_RECORD_BYTES
 from conveyor.data.sources.files import match_files
 from conveyor.data.sources.generator import GeneratorNode
 from conveyor.data.sources.range import RangeNode
@@ -198,17 +199,19 @@ class Dataset:
 
 
 def TFRecordDataset(filenames: str | list[str] | Dataset, compression_type: str | None = None,
-                    buffer_size: int | None = None, num_parallel_reads: int | None = None) -> Dataset:
+                    buffer_size: int | None = None, num_parallel_reads: int | None = None,
+                    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Dataset:
     """Records (`bytes`) of TFRecord files, read in order, or interleaved when
-    `num_parallel_reads` > 1 (or AUTOTUNE)."""
+    `num_parallel_reads` > 1 (or AUTOTUNE). A record header claiming more than `max_record_bytes`
+    (default 2 GiB) is a `DataLossError` before anything is read or inflated for it."""
     files = filenames if isinstance(filenames, Dataset) else Dataset.from_tensor_slices(
         [filenames] if isinstance(filenames, (str, bytes)) else list(filenames))
     if num_parallel_reads is None or num_parallel_reads == 1:
-        return Dataset(TFRecordNode(files._node, compression_type, buffer_size))
+        return Dataset(TFRecordNode(files._node, compression_type, buffer_size, max_record_bytes))
     if num_parallel_reads != AUTOTUNE and num_parallel_reads < 1:
         raise InvalidArgumentError(f"num_parallel_reads must be positive or AUTOTUNE, got {num_parallel_reads}")
     return files.interleave(
-        lambda f: TFRecordDataset(f, compression_type, buffer_size),
+        lambda f: TFRecordDataset(f, compression_type, buffer_size, max_record_bytes=max_record_bytes),
         cycle_length=num_parallel_reads, block_length=1, num_parallel_calls=num_parallel_reads)
 
 

@@ -307,3 +307,95 @@ def test_matches_tensorflow_example_encoding():
     )
     parsed = tf.io.parse_single_example(ours, {"d": tf.io.FixedLenFeature([5], tf.int64)})
     assert parsed["d"].numpy().tolist() == list(range(5))
+
+
+# --- every encoding protobuf accepts decodes to protobuf's values ------------------------------
+
+
+def _float_example(float_list: bytes) -> bytes:
+    """Example{"img": Feature{float_list: <float_list bytes>}} for a FloatList of any length."""
+    feature = Feature()
+    feature.float_list.MergeFromString(float_list)
+    example = Example()
+    example.features.feature["img"].CopyFrom(feature)
+    return example.SerializeToString()
+
+
+def _protobuf_floats(float_list: bytes) -> np.ndarray:
+    """The oracle: what the protobuf library itself reads from these FloatList bytes."""
+    from conveyor.data.records import FloatList
+
+    return np.array(FloatList.FromString(float_list).value, dtype=np.float32)
+
+
+def _assert_decodes_like_protobuf(float_list: bytes) -> None:
+    expected = _protobuf_floats(float_list)
+    serialized = _float_example(float_list)
+    np.testing.assert_array_equal(decode_example(serialized)["img"], expected)
+    spec = {"img": FixedLenFeature([len(expected)], "float32")}
+    np.testing.assert_array_equal(parse_single_example(serialized, spec)["img"], expected)
+    np.testing.assert_array_equal(parse_single_example(serialized, {"img": VarLenFeature("float32")})["img"],
+                                  expected)
+
+
+def _packed(values) -> bytes:
+    payload = np.asarray(values, "<f4").tobytes()
+    return b"\x0a" + _varint(len(payload)) + payload
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def test_float_list_with_an_unknown_field_decodes_its_values():
+    # The issue's reproduction: 16 floats, then field 2 (varint 5), which FloatList does not know.
+    float_list = _packed(np.arange(16)) + b"\x10\x05"
+    serialized = _float_example(float_list)
+    assert decode_example(serialized)["img"].tolist() == list(range(16))
+    spec = {"img": FixedLenFeature([16], "float32")}
+    assert parse_single_example(serialized, spec)["img"].tolist() == list(range(16))
+    _assert_decodes_like_protobuf(float_list)
+
+
+@pytest.mark.parametrize("layout", ["unpacked", "two_runs", "unknown_first", "packed_then_unpacked",
+                                    "unknown_between_runs", "wrong_wire_type"])
+def test_non_canonical_float_lists_decode_like_protobuf(layout):
+    values = np.arange(40, dtype=np.float32) / 7
+    unpacked = b"".join(b"\x0d" + np.float32(v).tobytes() for v in values)
+    float_list = {
+        "unpacked": unpacked,
+        "two_runs": _packed(values[:20]) + _packed(values[20:]),
+        "unknown_first": b"\x10\x05" + _packed(values),
+        "packed_then_unpacked": _packed(values[:30]) + unpacked[5 * 30:],
+        "unknown_between_runs": _packed(values[:16]) + b"\x1a\x02hi" + _packed(values[16:]),
+        "wrong_wire_type": _packed(values) + b"\x08\x07",  # field 1 as a varint: unknown to protobuf
+    }[layout]
+    _assert_decodes_like_protobuf(float_list)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("packed"), st.lists(st.floats(width=32, allow_nan=False), max_size=40)),
+            st.tuples(st.just("single"), st.floats(width=32, allow_nan=False)),
+            st.tuples(st.just("unknown"), st.integers(2, 15), st.binary(max_size=8)),
+        ),
+        max_size=8,
+    )
+)
+def test_property_any_float_list_encoding_decodes_like_protobuf(pieces):
+    out = bytearray()
+    for piece in pieces:
+        if piece[0] == "packed":
+            out += _packed(piece[1])
+        elif piece[0] == "single":
+            out += b"\x0d" + np.float32(piece[1]).tobytes()
+        else:  # an unknown length-delimited field
+            out += _varint(piece[1] << 3 | 2) + _varint(len(piece[2])) + piece[2]
+    _assert_decodes_like_protobuf(bytes(out))

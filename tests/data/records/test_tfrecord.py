@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import gzip
 import os
+import struct
 import tempfile
+import tracemalloc
 import zlib
 
 import numpy as np
@@ -19,6 +21,7 @@ from conveyor.data.records import (
     build_index,
     count_records,
     default_index_path,
+    masked_crc32c,
     read_index,
     read_records,
     write_index,
@@ -307,3 +310,118 @@ def test_matches_tensorflow_byte_for_byte(tmp_path):
         ours = _write(tmp_path / f"ours{compression}", records, compression)
         got = [t.numpy() for t in tf.data.TFRecordDataset(ours, compression_type=compression)]
         assert got == records
+
+
+# --- hostile lengths: refused before anything is allocated --------------------------------------
+
+
+def _header(length: int) -> bytes:
+    """A record header claiming ``length`` bytes, with a valid length CRC."""
+    len_bytes = struct.pack("<Q", length)
+    return len_bytes + struct.pack("<I", masked_crc32c(len_bytes))
+
+
+def _read_expecting_loss(path, compression=None, **kwargs) -> DataLossError:
+    with pytest.raises(DataLossError) as info:
+        list(TFRecordReader(path, compression, **kwargs))
+    return info.value
+
+
+def _loss_and_peak(path, compression=None, **kwargs) -> tuple[DataLossError, int]:
+    """The error reading ``path`` raises, and the peak Python allocation on the way to it."""
+    tracemalloc.start()
+    try:
+        err = _read_expecting_loss(path, compression, **kwargs)
+        return err, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("compression", ["GZIP", "ZLIB"])
+def test_compressed_length_bomb_is_refused_before_inflating(tmp_path, compression):
+    # The issue's bomb, scaled down: a header claiming 2**40 bytes, then 64 MiB of zeros (~64 KiB
+    # compressed). Before the fix the reader inflated all of it before calling it truncated.
+    path = tmp_path / "bomb"
+    comp = zlib.compressobj(9, zlib.DEFLATED, {"GZIP": 31, "ZLIB": 15}[compression])
+    zeros = bytes(1 << 20)
+    with open(path, "wb") as f:
+        f.write(comp.compress(_header(1 << 40)))
+        for _ in range(64):
+            f.write(comp.compress(zeros))
+        f.write(comp.flush())
+    err, peak = _loss_and_peak(path, compression)
+    assert err.path == str(path) and err.offset == 0
+    assert str(1 << 40) in str(err) and "max_record_bytes" in str(err)
+    assert peak < 8 << 20, peak
+
+
+def test_uncompressed_length_past_end_of_file_is_refused_before_reading(tmp_path):
+    path = tmp_path / "long"
+    path.write_bytes(_header(1 << 62) + bytes(8 << 20))
+    for verify in (True, False):
+        err, peak = _loss_and_peak(path, verify=verify)
+        assert err.offset == 0 and "truncated record" in err.what
+        assert str(1 << 62) in err.what and str(8 << 20) in err.what  # what it claims, what is left
+        assert peak < 4 << 20, peak
+
+
+@pytest.mark.parametrize("compression", COMPRESSIONS)
+def test_max_record_bytes_bounds_every_record(tmp_path, compression):
+    records = [b"a" * 100, b"b" * 200, b""]
+    path = _write(tmp_path / "r", records, compression)
+    assert list(TFRecordReader(path, compression, max_record_bytes=200)) == records
+    err = _read_expecting_loss(path, compression, max_record_bytes=199)
+    assert err.offset == 116 and "200" in err.what and "max_record_bytes" in str(err)
+    for bad in (-1, 1.5, True, "10"):
+        with pytest.raises((TypeError, ValueError), match="max_record_bytes"):
+            TFRecordReader(path, compression, max_record_bytes=bad)
+
+
+def test_tfrecord_dataset_passes_max_record_bytes_on(tmp_path):
+    from conveyor.data import TFRecordDataset
+
+    path = _write(tmp_path / "r", [b"x" * 50], "GZIP")
+    assert list(TFRecordDataset(path, "GZIP", max_record_bytes=50)) == [b"x" * 50]
+    with pytest.raises(DataLossError, match="max_record_bytes"):
+        list(TFRecordDataset(path, "GZIP", max_record_bytes=49))
+    with pytest.raises(DataLossError, match="max_record_bytes"):
+        list(TFRecordDataset([path, path], "GZIP", num_parallel_reads=2, max_record_bytes=49))
+
+
+# --- a file read with the wrong compression says which one to pass -------------------------------
+
+
+@pytest.mark.parametrize(("written", "read_as"), [("GZIP", None), ("ZLIB", None), ("GZIP", "ZLIB"),
+                                                  ("ZLIB", "GZIP")])
+def test_wrong_compression_names_the_right_one(tmp_path, written, read_as):
+    path = _write(tmp_path / "r.tfrecord.gz", RECORDS, written)
+    err = _read_expecting_loss(path, read_as)
+    assert err.offset == 0
+    assert f"compression_type='{written}'" in str(err) and "rewrite" not in str(err)
+    cls, args = err.__reduce__()  # how the error crosses a process boundary: the fix goes along
+    assert cls(*args).args == err.args
+
+
+@pytest.mark.parametrize("read_as", ["GZIP", "ZLIB"])
+def test_uncompressed_file_read_as_compressed_says_so(tmp_path, read_as):
+    path = _write(tmp_path / "r.tfrecord", RECORDS)
+    err = _read_expecting_loss(path, read_as)
+    assert err.offset == 0 and "compression_type=None" in str(err)
+
+
+def test_damaged_first_record_is_not_blamed_on_compression(tmp_path):
+    path = tmp_path / "r"
+    path.write_bytes(b"\x00" * 40)
+    err = _read_expecting_loss(path)
+    assert "compression_type" not in str(err) and "rewrite it" in str(err)
+
+
+def test_detect_compression(tmp_path):
+    from conveyor.data.records import detect_compression
+
+    for compression, expected in ((None, ""), ("GZIP", "GZIP"), ("ZLIB", "ZLIB")):
+        assert detect_compression(_write(tmp_path / f"r{compression}", RECORDS, compression)) == expected
+    for content, expected in ((b"", None), (b"\x00" * 40, None), (b"\x1f\x8b\x08" + b"\x00" * 20, "GZIP"),
+                              (b"\x78\x9c" + b"\xff" * 20, None)):  # a zlib header alone is not enough
+        (tmp_path / "x").write_bytes(content)
+        assert detect_compression(tmp_path / "x") == expected, content

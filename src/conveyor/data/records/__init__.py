@@ -29,11 +29,13 @@ from .example import (
 )
 from .tfrecord import (
     COMPRESSION_TYPES,
+    DEFAULT_MAX_RECORD_BYTES,
     TFRecordReader,
     TFRecordWriter,
     build_index,
     count_records,
     default_index_path,
+    detect_compression,
     read_index,
     read_records,
     write_index,
@@ -41,6 +43,7 @@ from .tfrecord import (
 
 __all__ = [
     "COMPRESSION_TYPES",
+    "DEFAULT_MAX_RECORD_BYTES",
     "BytesList",
     "DataLossError",
     "Example",
@@ -60,6 +63,7 @@ __all__ = [
     "crc32c",
     "decode_example",
     "default_index_path",
+    "detect_compression",
     "encode_example",
     "mask",
     "masked_crc32c",

@@ -257,9 +257,24 @@ def encode_example(features: Mapping[str, Any]) -> bytes:
 
 
 def _floats(float_list, n: int) -> np.ndarray:
+    """The ``n`` values of a FloatList as float32.
+
+    Fast path: re-serialised, a FloatList is normally just ``tag, length, packed floats``, so the
+    values are the last ``4n`` bytes. Re-serialising normalises unpacked values and split packed
+    runs, but keeps fields the schema does not know (after the values), so the bytes are trusted
+    only when they are exactly as long as that canonical form: the packed field is always there,
+    and anything else would add bytes. Unknown fields are dropped and the bytes looked at again
+    (the message was parsed for this call alone); failing that, protobuf's own values are used.
+    """
     if n >= _PACKED_MIN:
-        raw = float_list.SerializeToString()  # tag, length, then the packed little-endian floats
-        return np.frombuffer(raw, "<f4", count=n, offset=len(raw) - 4 * n).astype(np.float32)
+        size = 4 * n
+        header = 1 + (size.bit_length() + 6) // 7  # tag byte + varint(size)
+        raw = float_list.SerializeToString()
+        if len(raw) != header + size:
+            float_list.DiscardUnknownFields()
+            raw = float_list.SerializeToString()
+        if len(raw) == header + size and raw[0] == 0x0A:
+            return np.frombuffer(raw, "<f4", count=n, offset=header).astype(np.float32)
     return np.fromiter(float_list.value, np.float32, n)
 
 
@@ -277,7 +292,8 @@ def decode_example(serialized: bytes) -> dict[str, np.ndarray | list[bytes]]:
     """Decode every feature of an Example without a spec.
 
     int64 features become ``np.int64`` arrays, floats ``np.float32`` arrays, bytes a list of
-    ``bytes``; a feature with no kind set decodes to an empty list.
+    ``bytes``; a feature with no kind set decodes to an empty list. Bytes that are not an Example
+    raise ``google.protobuf.message.DecodeError``.
     """
     out: dict[str, np.ndarray | list[bytes]] = {}
     for key, feature in Example.FromString(serialized).features.feature.items():
@@ -350,7 +366,8 @@ def parse_single_example(serialized: bytes, features: Mapping[str, FeatureSpec])
     returned as ``bytes``, other string shapes as object arrays of bytes). VarLenFeature gives a
     1-D array (object array of bytes for strings), empty when absent. Features in the Example but
     not in the spec are ignored. Raises ValueError, naming the feature, for a missing required
-    feature, a wrong value count or a wrong kind.
+    feature, a wrong value count or a wrong kind; bytes that are not an Example raise
+    ``google.protobuf.message.DecodeError``.
     """
     fmap = Example.FromString(serialized).features.feature
     out: dict[str, Any] = {}

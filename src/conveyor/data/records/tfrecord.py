@@ -13,11 +13,17 @@ so resuming inside a GZIP/ZLIB file decompresses and discards everything before 
 The reader does its own buffering on an unbuffered file: it pulls large chunks and cuts records
 out of them with ``struct.unpack_from``, so the per-record cost is a couple of slices and two C
 CRC calls rather than several ``read`` calls.
+
+A record's length comes from the file, so it is checked before anything is allocated for it:
+never more than ``max_record_bytes`` (2 GiB by default), and for an uncompressed regular file
+never more than what is left of the file. A damaged or hostile header (or a decompression bomb
+behind one) is a :class:`DataLossError`, not gigabytes of memory.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import struct
 import zlib
 from collections.abc import Iterable, Iterator
@@ -31,11 +37,13 @@ from .crc import masked_crc32c
 
 __all__ = [
     "COMPRESSION_TYPES",
+    "DEFAULT_MAX_RECORD_BYTES",
     "TFRecordReader",
     "TFRecordWriter",
     "build_index",
     "count_records",
     "default_index_path",
+    "detect_compression",
     "read_index",
     "read_records",
     "write_index",
@@ -58,6 +66,11 @@ _FOOTER_SIZE = 4
 _CHUNK = 1 << 20  # bytes pulled from the file (or the inflater) at a time
 _MAX_READ = 1 << 26  # cap on a single read, so a garbage length cannot ask for 2**63 bytes
 _WRITE_BUFFER = 1 << 18  # compressed writer: bytes gathered before handing them to zlib
+_SNIFF_BYTES = 1 << 16  # raw bytes examined to recognise a file's compression
+
+#: Default ``max_record_bytes``: the longest record a reader accepts. Protobuf messages cannot
+#: exceed 2 GiB either, so no genuine tf.train.Example is refused.
+DEFAULT_MAX_RECORD_BYTES = 2 << 30
 
 
 def _check_compression(compression_type: str | None) -> str | None:
@@ -70,6 +83,56 @@ def _check_compression(compression_type: str | None) -> str | None:
         f"compression_type must be one of None, '', 'GZIP', 'ZLIB' (got {compression_type!r}); "
         f"TFRecord compression names are upper-case, as in TensorFlow."
     )
+
+
+def _check_max_record_bytes(max_record_bytes: int) -> int:
+    if isinstance(max_record_bytes, bool) or not isinstance(max_record_bytes, int) or max_record_bytes < 0:
+        raise ValueError(
+            f"max_record_bytes must be a non-negative int (bytes), got {max_record_bytes!r}; "
+            f"the default is {DEFAULT_MAX_RECORD_BYTES} (2 GiB)"
+        )
+    return max_record_bytes
+
+
+def _valid_header(head: bytes) -> bool:
+    return len(head) >= _HEADER_SIZE and _CRC.unpack_from(head, 8)[0] == masked_crc32c(head[:8])
+
+
+def detect_compression(path: str | os.PathLike) -> str | None:
+    """Recognise a TFRecord file's compression from its first bytes.
+
+    Returns ``"GZIP"`` or ``"ZLIB"`` when the start of the file inflates that way into a valid
+    record header, ``""`` (uncompressed) when it starts with a valid record header as it is, and
+    None when neither works (an empty or damaged file). A file that starts with the GZIP magic is
+    ``"GZIP"`` even if what follows is damaged, so that reading it blames the stream. At most 12
+    bytes are inflated, whatever the file holds.
+    """
+    with open(path, "rb") as f:
+        head = f.read(_SNIFF_BYTES)
+    if _valid_header(head):
+        return ""
+    for name, wbits in _WBITS.items():
+        try:
+            first = zlib.decompressobj(wbits).decompress(head, _HEADER_SIZE)
+        except zlib.error:
+            continue
+        if _valid_header(first):
+            return name
+    return "GZIP" if head[:3] == b"\x1f\x8b\x08" else None
+
+
+def _compression_fix(path: str, compression: str | None) -> str | None:
+    """What to tell a reader that fails on a file's first record, if the file's compression is
+    recognisably not the one it was read with; None when that is not the explanation."""
+    try:
+        found = detect_compression(path) if os.path.isfile(path) else None
+    except OSError:
+        return None
+    if found is None or (found or None) == compression:
+        return None
+    if found == "":
+        return "The file is not compressed: read it with compression_type=None."
+    return f"The file is {found}-compressed: read it with compression_type='{found}'."
 
 
 class TFRecordWriter:
@@ -213,6 +276,11 @@ class TFRecordReader:
     :class:`~conveyor.data.errors.DataLossError` carrying the file and the record's offset;
     nothing is skipped silently. ``verify=False`` skips the CRC checks (truncation is still
     detected) for data whose integrity is checked elsewhere.
+
+    ``max_record_bytes`` bounds the length a record header may claim (default
+    :data:`DEFAULT_MAX_RECORD_BYTES`, 2 GiB); a longer one is a ``DataLossError`` before anything
+    is read or inflated for it. In an uncompressed regular file, a record must also fit in what is
+    left of the file. Raise the bound only for files known to hold larger records.
     """
 
     def __init__(
@@ -221,8 +289,10 @@ class TFRecordReader:
         compression_type: str | None = None,
         offset: int = 0,
         verify: bool = True,
+        max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
     ):
         compression = _check_compression(compression_type)
+        self.max_record_bytes = _check_max_record_bytes(max_record_bytes)
         offset = int(offset)
         if offset < 0:
             raise ValueError(f"offset must be >= 0, got {offset}")
@@ -235,10 +305,14 @@ class TFRecordReader:
         self._pos = 0
         self._last_len = -1
         self._last_len_crc = -1
+        self._size: int | None = None  # of an uncompressed regular file, to bound record lengths
         self._raw: BinaryIO | None = open(self.path, "rb", buffering=0)
         try:
             if compression is None:
-                size = os.fstat(self._raw.fileno()).st_size
+                st = os.fstat(self._raw.fileno())
+                size = st.st_size
+                if stat.S_ISREG(st.st_mode):
+                    self._size = size
                 if offset > size:
                     what = f"offset is past the end of the file ({size} bytes)"
                     raise DataLossError(self.path, offset, what)
@@ -258,10 +332,39 @@ class TFRecordReader:
             while left:
                 chunk = self._read(min(left, _CHUNK))
                 if not chunk:
-                    raise DataLossError(self.path, n, "offset is past the end of the stream")
+                    raise self._loss("offset is past the end of the stream", n)
                 left -= len(chunk)
         except _StreamError as e:
-            raise DataLossError(self.path, n - left, str(e)) from None
+            raise self._loss(str(e), n - left) from None
+
+    def _loss(self, what: str, offset: int | None = None, fix: str | None = None) -> DataLossError:
+        """The error for the record at ``offset`` (default: the current one). When the very first
+        record fails, a wrong ``compression_type`` is the likeliest cause: say which one fits."""
+        offset = self.offset if offset is None else offset
+        if fix is None and offset == 0:
+            fix = _compression_fix(self.path, self.compression_type)
+        return DataLossError(self.path, offset, what, fix)
+
+    def _check_fits(self, length: int) -> None:
+        """Refuse a record longer than the bound or than the rest of an uncompressed file, before
+        reading any of it (a garbage length would otherwise be read, or inflated, in full)."""
+        if self._size is not None:
+            end = self.offset + _HEADER_SIZE + length + _FOOTER_SIZE
+            if end > self._size:  # the file may have grown since it was opened: look again
+                self._size = os.fstat(self._raw.fileno()).st_size
+            if end > self._size:
+                left = max(self._size - self.offset - _HEADER_SIZE, 0)
+                raise self._loss(
+                    f"truncated record: the header claims {length} bytes (+{_FOOTER_SIZE} of CRC) but "
+                    f"only {left} bytes are left in the file"
+                )
+        if length > self.max_record_bytes:
+            raise self._loss(
+                f"corrupted record: the header claims {length} bytes, more than max_record_bytes "
+                f"({self.max_record_bytes})",
+                fix="The file is damaged; rewrite it or drop it from the file list. If it really holds "
+                "records this long, pass a larger max_record_bytes.",
+            )
 
     def _fill(self, need: int) -> bytes:
         """Make at least ``need`` bytes available from ``_pos`` (fewer only at end of input)."""
@@ -277,7 +380,7 @@ class TFRecordReader:
                 parts.append(chunk)
                 have += len(chunk)
         except _StreamError as e:
-            raise DataLossError(self.path, self.offset, str(e)) from None
+            raise self._loss(str(e)) from None
         buf = self._buf = b"".join(parts)
         self._pos = 0
         return buf
@@ -295,24 +398,27 @@ class TFRecordReader:
             if len(buf) < _HEADER_SIZE:
                 if not buf:
                     raise StopIteration
-                raise DataLossError(self.path, self.offset, "truncated record: partial header")
+                raise self._loss("truncated record: partial header")
         length, len_crc = _HEADER.unpack_from(buf, pos)
         if self.verify:
             if length != self._last_len:
                 self._last_len_crc = masked_crc32c(buf[pos : pos + 8])
                 self._last_len = length
             if len_crc != self._last_len_crc:
-                raise DataLossError(self.path, self.offset, "corrupted record: length CRC mismatch")
+                raise self._loss("corrupted record: length CRC mismatch")
+        if length > self.max_record_bytes:
+            self._check_fits(length)
         end = pos + _HEADER_SIZE + length + _FOOTER_SIZE
-        if len(buf) < end:
+        if len(buf) < end:  # not all buffered: check the length before reading (or inflating) it
+            self._check_fits(length)
             buf = self._fill(end - pos)
             end -= pos
             pos = 0
             if len(buf) < end:
-                raise DataLossError(self.path, self.offset, "truncated record: partial data")
+                raise self._loss("truncated record: partial data")
         data = buf[pos + _HEADER_SIZE : end - _FOOTER_SIZE]
         if self.verify and _CRC.unpack_from(buf, end - _FOOTER_SIZE)[0] != masked_crc32c(data):
-            raise DataLossError(self.path, self.offset, "corrupted record: data CRC mismatch")
+            raise self._loss("corrupted record: data CRC mismatch")
         self._pos = end
         self.offset += end - pos
         return data
@@ -338,10 +444,14 @@ class TFRecordReader:
 
 
 def read_records(
-    path: str | os.PathLike, compression_type: str | None = None, offset: int = 0, verify: bool = True
+    path: str | os.PathLike,
+    compression_type: str | None = None,
+    offset: int = 0,
+    verify: bool = True,
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> Iterator[bytes]:
     """Yield every record of a file, closing it when the generator finishes or is dropped."""
-    with TFRecordReader(path, compression_type, offset=offset, verify=verify) as reader:
+    with TFRecordReader(path, compression_type, offset, verify, max_record_bytes) as reader:
         yield from reader
 
 

@@ -33,13 +33,19 @@ import numpy as np
 
 from conveyor.data.base import Context, Iter, Node, StateField
 from conveyor.data.errors import DataLossError, InvalidArgumentError, StateMismatchError
-from conveyor.data.records.tfrecord import COMPRESSION_TYPES, TFRecordReader
+from conveyor.data.records.tfrecord import (
+    COMPRESSION_TYPES,
+    DEFAULT_MAX_RECORD_BYTES,
+    TFRecordReader,
+    _check_max_record_bytes,
+)
 
 
 class TFRecordNode(Node):
     name = "tfrecord"
 
-    def __init__(self, filenames_node: Node, compression_type: str | None = None, buffer_size: int | None = None):
+    def __init__(self, filenames_node: Node, compression_type: str | None = None, buffer_size: int | None = None,
+                 max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES):
         super().__init__(filenames_node)
         if compression_type not in COMPRESSION_TYPES:
             raise InvalidArgumentError(
@@ -53,6 +59,8 @@ class TFRecordNode(Node):
             raise InvalidArgumentError(f"buffer_size must be a non-negative number of bytes, got {buffer_size!r}")
         self.compression_type = compression_type or None
         self.buffer_size = buffer_size
+        # A read limit, not part of params(): it changes no element, only which files are refused.
+        self.max_record_bytes = _check_max_record_bytes(max_record_bytes)
 
     def params(self) -> dict[str, Any]:
         return {"compression_type": self.compression_type, "buffer_size": self.buffer_size}
@@ -78,6 +86,7 @@ class TFRecordIter(Iter):
         self._files_node = node.inputs[0]
         self._files = self.inputs[0]
         self._compression = node.compression_type
+        self._max_record_bytes = node.max_record_bytes
         self._files_done = False
         self._path: str | None = None  # current file
         self._offset = 0  # where to (re)open it, until the reader exists
@@ -88,7 +97,8 @@ class TFRecordIter(Iter):
 
     def _open(self) -> TFRecordReader:
         try:
-            self._reader = TFRecordReader(self._path, self._compression, offset=self._offset)
+            self._reader = TFRecordReader(self._path, self._compression, offset=self._offset,
+                                          max_record_bytes=self._max_record_bytes)
             seen = _stat(self._path)
         except FileNotFoundError as e:
             raise FileNotFoundError(
