@@ -15,6 +15,7 @@ import warnings
 import numpy as np
 import pytest
 
+import conveyor.data.provenance as provenance
 import conveyor.data.sources.tfrecord as tfrecord_source
 from conveyor.data import AUTOTUNE, Dataset, StateError, StateMismatchError, TFRecordDataset
 from conveyor.data.records import TFRecordWriter
@@ -156,7 +157,8 @@ def test_a_null_state_is_refused(op, tf_files):
         load(OPS[op](tf_files), state)
 
 
-def test_the_error_names_the_field_and_what_was_expected():
+def test_the_error_names_the_field_and_what_was_expected(monkeypatch):
+    monkeypatch.setattr(provenance, "enabled", False)  # a buffer of saved elements (see test_provenance.py)
     ds = Dataset.range(20).shuffle(8, seed=0)
     state = saved_state(ds, 3)
     state["state"]["buffer"][3] = {"nd": "!!", "dtype": "<i8", "shape": []}
@@ -219,7 +221,8 @@ def _files_pipeline(tf_files):
 
 
 @pytest.mark.parametrize("where", ["interleave element", "inner path", "file-list shuffle buffer"])
-def test_a_foreign_file_name_anywhere_upstream_is_refused_before_it_is_opened(where, tf_files, opened):
+def test_a_foreign_file_name_anywhere_upstream_is_refused_before_it_is_opened(where, tf_files, opened, monkeypatch):
+    monkeypatch.setattr(provenance, "enabled", False)  # file names saved as such (see test_provenance.py)
     ds = _files_pipeline(tf_files)
     state = saved_state(ds, 2)
     interleave = state["state"]
