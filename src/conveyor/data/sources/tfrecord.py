@@ -138,18 +138,20 @@ class TFRecordIter(Iter):
     def enable_provenance(self) -> bool:
         # Only files from a known list: a restore re-opens what the state names, which must be listed.
         self._tracking = self._files_node.known_elements() is not None
+        if self._tracking:  # an instance attribute: iterators that do not track pay nothing per record
+            self._next = self._next_tracked
         return self._tracking
 
     def provenance(self) -> tuple[list, int] | None:
         return (self._source, self._last_offset) if self._tracking else None
 
-    def _next(self) -> bytes:
-        record = self._read()
-        if self._tracking:  # the reader stays open until the next call; a record takes 16 + len bytes
-            self._last_offset = self._reader.offset - len(record) - _FRAMING
+    def _next_tracked(self) -> bytes:
+        record = TFRecordIter._next(self)
+        # the reader stays open until the next call; a record takes 16 + len bytes
+        self._last_offset = self._reader.offset - len(record) - _FRAMING
         return record
 
-    def _read(self) -> bytes:
+    def _next(self) -> bytes:
         while True:
             reader = self._reader
             if reader is None:
