@@ -37,6 +37,7 @@ bench: setup
 	$(PY) benchmarks/allreduce.py
 	$(PY) benchmarks/ps.py
 	$(PY) benchmarks/ps_training.py
+	$(PY) benchmarks/data_state.py
 
 # One JSON report per target in runs/fuzz/; stops at the first target with a finding.
 fuzz: setup

@@ -15,6 +15,7 @@ import warnings
 import numpy as np
 import pytest
 
+import conveyor.data.provenance as provenance
 import conveyor.data.sources.tfrecord as tfrecord_source
 from conveyor.data import AUTOTUNE, Dataset, StateError, StateMismatchError, TFRecordDataset
 from conveyor.data.records import TFRecordWriter
@@ -156,7 +157,8 @@ def test_a_null_state_is_refused(op, tf_files):
         load(OPS[op](tf_files), state)
 
 
-def test_the_error_names_the_field_and_what_was_expected():
+def test_the_error_names_the_field_and_what_was_expected(monkeypatch):
+    monkeypatch.setattr(provenance, "enabled", False)  # a buffer of saved elements (see test_provenance.py)
     ds = Dataset.range(20).shuffle(8, seed=0)
     state = saved_state(ds, 3)
     state["state"]["buffer"][3] = {"nd": "!!", "dtype": "<i8", "shape": []}
@@ -219,7 +221,8 @@ def _files_pipeline(tf_files):
 
 
 @pytest.mark.parametrize("where", ["interleave element", "inner path", "file-list shuffle buffer"])
-def test_a_foreign_file_name_anywhere_upstream_is_refused_before_it_is_opened(where, tf_files, opened):
+def test_a_foreign_file_name_anywhere_upstream_is_refused_before_it_is_opened(where, tf_files, opened, monkeypatch):
+    monkeypatch.setattr(provenance, "enabled", False)  # file names saved as such (see test_provenance.py)
     ds = _files_pipeline(tf_files)
     state = saved_state(ds, 2)
     interleave = state["state"]
@@ -310,3 +313,89 @@ def test_a_changed_file_in_a_parallel_interleave_is_refused_when_loading(tmp_pat
 
 def test_list_files_pipeline_still_resumes_with_autotune(tf_files):
     assert_resumes(lambda: _files_pipeline(tf_files).prefetch(AUTOTUNE), ks=[0, 4, 9, 15])
+
+
+# ---------------------------------------------------------------- buffers saved as provenances
+
+
+def _shuffled_records(tf_files):
+    """A shuffle buffer of records from every file: saved as [file, offset] references."""
+    return Dataset.from_tensor_slices(tf_files).interleave(TFRecordDataset, cycle_length=3).shuffle(12, seed=0)
+
+
+def _provenance_state(tf_files):
+    ds = _shuffled_records(tf_files)
+    state = saved_state(ds, 2)
+    buffer = state["state"]["buffer"]
+    assert set(buffer) == {"sources", "refs"} and len(buffer["refs"]) == 2 * 11
+    return ds, state, buffer
+
+
+def test_a_provenance_naming_a_file_outside_the_list_is_refused_before_it_is_opened(tf_files, opened):
+    ds, state, buffer = _provenance_state(tf_files)
+    buffer["sources"][0][0] = "/etc/passwd"  # the interleave element that opened the file
+    with pytest.raises(StateError, match="/etc/passwd") as e:
+        load(ds, state)
+    assert e.value.field == 'state["state"]["buffer"]["sources"][0][0]'
+    ds, state, buffer = _provenance_state(tf_files)
+    buffer["sources"][0][1][0] = "/etc/passwd"  # the file the inner TFRecordDataset read
+    with pytest.raises(StateError, match="not in this pipeline's file list") as e:
+        load(ds, state)
+    assert e.value.field == 'state["state"]["buffer"]["sources"][0][1][0]'
+    assert "/etc/passwd" not in opened
+
+
+@pytest.mark.parametrize("shift", [1, 5, -1])
+def test_a_provenance_offset_that_is_not_a_record_boundary_is_refused(tf_files, shift):
+    ds, state, buffer = _provenance_state(tf_files)
+    k = next(k for k in range(1, len(buffer["refs"]), 2) if buffer["refs"][k] > 0)
+    buffer["refs"][k] += shift
+    with pytest.raises(StateError, match="no record") as e:
+        load(ds, state)
+    assert e.value.field == f'state["state"]["buffer"]["refs"][{k}]'
+
+
+def test_a_provenance_offset_past_the_end_is_refused(tf_files):
+    ds, state, buffer = _provenance_state(tf_files)
+    buffer["refs"][1] = os.path.getsize(tf_files[0]) * 4
+    with pytest.raises(StateError) as e:
+        load(ds, state)
+    assert e.value.field == 'state["state"]["buffer"]["refs"][1]'
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"sources": [], "refs": [0, 0]}, '["refs"][0]'),
+    ({"sources": [None], "refs": [1, 0]}, '["refs"][0]'),
+    ({"sources": [[1, 2]], "refs": [0]}, '["refs"]'),
+    ({"sources": [[1, 2]], "refs": [0, 0] * 13}, '["refs"]'),
+    ({"sources": [[1]], "refs": [0, 0]}, '["sources"][0]'),
+    ({"sources": [[1, 2]], "refs": [0, "x"]}, '["sources"][0][0]'),
+    ({"refs": []}, ""),
+])
+def test_malformed_provenances_name_the_field(tf_files, bad, field):
+    ds, state, _ = _provenance_state(tf_files)
+    state["state"]["buffer"] = bad
+    with pytest.raises(StateError) as e:
+        load(ds, state)
+    assert e.value.field == 'state["state"]["buffer"]' + field
+
+
+def test_provenances_for_a_buffer_of_mapped_elements_are_refused(tf_files):
+    ds, state, buffer = _provenance_state(tf_files)
+    mapped = (Dataset.from_tensor_slices(tf_files).interleave(TFRecordDataset, cycle_length=3).map(bytes)
+              .shuffle(12, seed=0))
+    other = saved_state(mapped, 2)
+    assert isinstance(other["state"]["buffer"], list)  # a map's outputs cannot be re-read: saved as they are
+    other["state"]["buffer"] = buffer
+    with pytest.raises(StateError, match="cannot re-read") as e:
+        load(mapped, other)
+    assert e.value.field == 'state["state"]["buffer"]'
+
+
+def test_a_file_changed_under_a_provenance_is_refused(tf_files):
+    ds, state, buffer = _provenance_state(tf_files)
+    changed = buffer["sources"][0][1][0]
+    write_records(changed, [b"other records"] * 9)
+    with pytest.raises(StateMismatchError, match="changed since the checkpoint") as e:
+        load(ds, state)
+    assert changed in str(e.value) and "--no-resume" in str(e.value)

@@ -240,6 +240,15 @@ class Iter:
         opening, starting or allocating anything."""
         raise NotImplementedError
 
+    def enable_provenance(self) -> bool:
+        """Remember where each returned element came from (see `conveyor.data.provenance`); answer
+        whether this iterator can. Called before the first `next` and before `set_state`."""
+        return False
+
+    def provenance(self) -> tuple[Any, int] | None:
+        """(source, locator) of the element the last `next` returned, or None when not known."""
+        return None
+
     def close(self) -> None:
         """Stop background work, then close the inputs. Safe to call twice."""
         for it in self.inputs:
@@ -256,15 +265,29 @@ class UnaryIter(Iter):
     """
 
     _STATE_KEYS: tuple[str, ...] = ()
+    passes_elements = False  # returns its input's elements unchanged, so passes their provenance
 
     def __init__(self, name: str, ctx: Context, source: Iter | None):
         super().__init__(name, ctx, *(() if source is None else (source,)))
         self._input: Iter | None = source
+        self._tracking = False
+        self._last_provenance: tuple[Any, int] | None = None  # once the input is closed
 
     def _finish(self) -> None:
         if self._input is not None:
+            if self._tracking:  # take closes its input right after reading its last element
+                self._last_provenance = self._input.provenance()
             self._input.close()  # stays in `inputs`: closing twice is safe
             self._input = None
+
+    def enable_provenance(self) -> bool:
+        self._tracking = self.passes_elements and (self._input is None or self._input.enable_provenance())
+        return self._tracking
+
+    def provenance(self) -> tuple[Any, int] | None:
+        if not self._tracking:
+            return None
+        return self._last_provenance if self._input is None else self._input.provenance()
 
     def _extra_state(self) -> dict[str, Any]:
         return {}
@@ -305,6 +328,13 @@ class Node:
         in) against it, so a tampered state cannot make the pipeline open a file it does not list.
         Computed when a state is loaded, never while iterating."""
         return self.inputs[0].known_elements() if self.keeps_elements else None
+
+    def reread(self, source: StateField, locators: list[StateField]) -> list:
+        """The elements at `locators` of `source`, from a provenance this node's iterators gave
+        (see `conveyor.data.provenance`); both are untrusted and checked like any state field."""
+        if self.keeps_elements:
+            return self.inputs[0].reread(source, locators)
+        raise source.error(f"expected saved elements: the {self.name} op cannot read an element again")
 
     def iterator(self, ctx: Context) -> Iter:
         raise NotImplementedError

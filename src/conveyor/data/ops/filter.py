@@ -39,6 +39,7 @@ class FilterNode(Node):
 
 
 class FilterIter(UnaryIter):
+    passes_elements = True
     def __init__(self, node: FilterNode, ctx: Context):
         super().__init__(node.name, ctx, node.inputs[0].iterator(ctx.child(0)))
         self._predicate = node.predicate

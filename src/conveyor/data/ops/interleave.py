@@ -39,6 +39,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from conveyor.data import provenance
 from conveyor.data.base import AUTOTUNE, Context, Iter, Node, StateField, call, cpu_budget, describe_fn
 from conveyor.data.elements import to_json
 from conveyor.data.errors import InvalidArgumentError
@@ -78,6 +79,21 @@ class InterleaveNode(Node):
                 "block_length": self.block_length, "num_parallel_calls": self.num_parallel_calls,
                 "deterministic": self.deterministic}
 
+    def dataset_of(self, element: Any) -> Node:
+        node = call(self.map_func, element)
+        if not isinstance(node, Node):
+            raise TypeError(
+                f"interleave's map_func must return a dataset, {describe_fn(self.map_func)} returned "
+                f"{type(node).__name__}"
+            )
+        return node
+
+    def reread(self, source: StateField, locators: list[StateField]) -> list:
+        """Provenance of an interleave: [the input element that opened the dataset, its source]."""
+        parts = source.as_list(length=2)
+        element = parts[0].as_element(self.inputs[0].known_elements())  # checked before map_func sees it
+        return self.dataset_of(element).reread(parts[1], locators)
+
     def iterator(self, ctx: Context) -> Iter:
         if self.num_parallel_calls is None:
             return SequentialInterleaveIter(self, ctx)
@@ -103,25 +119,46 @@ def _resolve(n: int | None) -> int:
 class _Slot:
     """One cycle element: the inner iterator and, when parallel, what was read ahead from it."""
 
-    __slots__ = ("element", "index", "inner", "buffer", "busy", "done", "error_pending", "orphaned")
+    __slots__ = ("element", "index", "inner", "buffer", "busy", "done", "error_pending", "orphaned", "key",
+                 "inner_source", "source")
 
     def __init__(self, element: Any, index: int, inner: Iter | None):
         self.element = element  # the input element map_func turned into this dataset
         self.index = index  # how many input elements were opened before this one
         self.inner = inner
-        self.buffer: collections.deque = collections.deque()  # (kind, value), parallel only
+        self.buffer: collections.deque = collections.deque()  # (kind, value, provenance), parallel only
         self.busy = False  # a reader thread is inside next(inner)
         self.done = False  # the inner iterator ended (an _END entry is queued)
         self.error_pending = False  # an _ERROR entry is queued; reading resumes once it is returned
         self.orphaned = False  # the interleave closed while a reader was busy: the reader closes inner
+        self.key: Any = None  # to_json(element), once a provenance needs it
+        self.inner_source: Any = None  # the inner source that `source` wraps
+        self.source: list | None = None  # [key, inner_source]: this slot's elements' provenance source
+
+    def wrap(self, inner: tuple[Any, int] | None) -> tuple[list, int] | None:
+        """The interleave's provenance of an element whose inner provenance is `inner`; one source
+        object per inner source, so a saved buffer names each file once."""
+        if inner is None:
+            return None
+        source, locator = inner
+        if self.source is None or self.inner_source is not source:
+            if self.key is None:
+                self.key = to_json(self.element)
+            self.inner_source, self.source = source, [self.key, source]
+        return self.source, locator
 
     def state(self) -> dict[str, Any]:
+        # A queued error is not saved: the resumed inner iterator retries the failing call.
+        items = [(v, p) for kind, v, p in self.buffer if kind == _ITEM]
+        if items and all(p is not None for _, p in items):
+            buffer = provenance.encode([p for _, p in items])
+        else:
+            buffer = [to_json(v) for v, _ in items]
         return {
             "element": to_json(self.element),
             "index": self.index,
             "inner": None if self.done else self.inner.get_state(),
-            # A queued error is not saved: the resumed inner iterator retries the failing call.
-            "buffer": [to_json(v) for kind, v in self.buffer if kind == _ITEM],
+            "buffer": buffer,
             "done": self.done,
         }
 
@@ -136,8 +173,11 @@ class _InterleaveBase(Iter):
         super().__init__(node.name, ctx, node.inputs[0].iterator(ctx.child(0)))
         self._input = self.inputs[0]
         self._input_node = node.inputs[0]
+        self._node = node
         self._ctx = ctx
         self._map_func = node.map_func
+        self._tracking = False
+        self._provenance: tuple[list, int] | None = None  # of the element the last `next` returned
         self._cycle = _resolve(node.cycle_length)
         self._node_cycle = None if node.cycle_length in (None, AUTOTUNE) else node.cycle_length
         self._block = node.block_length
@@ -152,16 +192,21 @@ class _InterleaveBase(Iter):
     # ---- opening slots
 
     def _make_inner(self, element: Any, index: int) -> Iter:
-        node = call(self._map_func, element)
-        if not isinstance(node, Node):
-            raise TypeError(
-                f"interleave's map_func must return a dataset, {describe_fn(self._map_func)} returned "
-                f"{type(node).__name__}"
-            )
+        node = self._node.dataset_of(element)
         # Inner iterators come and go (one per input element): give each its own statistics list
         # so that a long run over many files does not grow the pipeline's list without bound.
         ctx = dataclasses.replace(self._ctx.child(1).child(index), stats={})
-        return node.iterator(ctx)
+        inner = node.iterator(ctx)
+        if self._tracking:
+            inner.enable_provenance()  # an inner dataset that cannot leaves its elements without one
+        return inner
+
+    def enable_provenance(self) -> bool:
+        self._tracking = True
+        return True
+
+    def provenance(self) -> tuple[list, int] | None:
+        return self._provenance
 
     def _open_next(self) -> _Slot | None:
         """Consume one input element and open its dataset; None at the end of the input."""
@@ -222,7 +267,7 @@ class _InterleaveBase(Iter):
         done = s["done"].as_bool()
         if done and not self._read_ahead:
             raise s["done"].error("expected false: a sequential interleave closes a slot as soon as it ends")
-        buffer = s["buffer"].as_elements(max_len=self._read_ahead)
+        buffer, provenances = self._restore_buffer(s["buffer"], element)
         slot = _Slot(element, index, None)
         if done:
             if not s["inner"].is_none():
@@ -230,11 +275,20 @@ class _InterleaveBase(Iter):
         else:
             slot.inner = self._make_inner(element, index)
             slot.inner.set_state(s["inner"])
-        slot.buffer.extend((_ITEM, v) for v in buffer)
+        slot.buffer.extend((_ITEM, v, p) for v, p in zip(buffer, provenances, strict=True))
         if done:
             slot.done = True
-            slot.buffer.append((_END, None))
+            slot.buffer.append((_END, None, None))
         return slot
+
+    def _restore_buffer(self, field: StateField, element: Any) -> tuple[list, list]:
+        """A slot's read-ahead elements and their inner provenances (None when saved as elements)."""
+        if not provenance.is_encoded(field):
+            elements = field.as_elements(max_len=self._read_ahead)
+            return elements, [None] * len(elements)
+        if not (self._tracking and self._read_ahead):
+            raise provenance.refused(field)
+        return provenance.decode(field, self._node.dataset_of(element), max_len=self._read_ahead)
 
     def close(self) -> None:
         slots, self._slots = self._slots, [None] * self._cycle
@@ -257,6 +311,8 @@ class SequentialInterleaveIter(_InterleaveBase):
                 except StopIteration:
                     pass
                 else:
+                    if self._tracking:
+                        self._provenance = slot.wrap(slot.inner.provenance())
                     self._after_emit()
                     return x
                 slot.close()
@@ -353,11 +409,13 @@ class ParallelInterleaveIter(_InterleaveBase):
                     room = self._capacity - len(slot.buffer)
                 # Read a few elements per claim (not one): fewer lock round trips and thread switches.
                 inner = slot.inner
+                tracking = self._tracking
                 got: list = []
                 kind = _ITEM
                 try:
                     for _ in range(min(room, _READ_BATCH)):
-                        got.append((_ITEM, next(inner)))
+                        x = next(inner)
+                        got.append((_ITEM, x, inner.provenance() if tracking else None))
                         # Hand over early when someone waits: the consumer (for this slot, or
                         # for any slot when not deterministic), get_state, or close.
                         waiting = self._consumer_waits_for
@@ -366,11 +424,11 @@ class ParallelInterleaveIter(_InterleaveBase):
                             break
                 except StopIteration:
                     kind = _END
-                    got.append((_END, None))
+                    got.append((_END, None, None))
                     inner.close()  # release files as soon as a dataset ends
                 except Exception as e:
                     kind = _ERROR
-                    got.append((_ERROR, e))
+                    got.append((_ERROR, e, None))
                 with self._lock:
                     slot.busy = False
                     if slot.orphaned:
@@ -390,7 +448,7 @@ class ParallelInterleaveIter(_InterleaveBase):
 
     # ---- consumer
 
-    def _take(self) -> tuple[int, Any]:
+    def _take(self) -> tuple[int, Any, Any]:
         """Wait for the next entry of the slot whose turn it is (or, when not deterministic, of any
         slot with one ready, making it the current slot)."""
         while True:
@@ -421,14 +479,15 @@ class ParallelInterleaveIter(_InterleaveBase):
             if new is not None:
                 self._install(need_open, new)
 
-    def _pop(self, slot: _Slot) -> tuple[int, Any]:
-        kind, value = slot.buffer.popleft()
+    def _pop(self, slot: _Slot) -> tuple[int, Any, Any]:
+        entry = slot.buffer.popleft()
+        kind = entry[0]
         if kind == _ERROR:
             slot.error_pending = False  # the reader may retry the failing call, as sequential would
             self._space_ready.notify()
         elif len(slot.buffer) == self._capacity // 2:  # wake a reader once the buffer is half empty
             self._space_ready.notify()
-        return kind, value
+        return entry
 
     def _install(self, j: int, slot: _Slot) -> None:
         with self._lock:
@@ -444,8 +503,10 @@ class ParallelInterleaveIter(_InterleaveBase):
         while not self._end_of_input or self._num_open > 0:
             slot = self._slots[self._ci]
             if slot is not None:
-                kind, value = self._take()
+                kind, value, inner = self._take()
                 if kind == _ITEM:
+                    if self._tracking:  # _take may have moved the turn to another slot
+                        self._provenance = self._slots[self._ci].wrap(inner)
                     self._after_emit()
                     return value
                 if kind == _ERROR:

@@ -43,6 +43,7 @@ class RepeatNode(Node):
 
 
 class RepeatIter(UnaryIter):
+    passes_elements = True
     _STATE_KEYS = ("epoch", "fresh")
 
     def __init__(self, node: RepeatNode, ctx: Context):
@@ -61,6 +62,8 @@ class RepeatIter(UnaryIter):
         self._fresh = True
         self._input = self._node.inputs[0].iterator(self._ctx.child(0).with_epoch(epoch))
         self.inputs = [self._input]
+        if self._tracking:
+            self._input.enable_provenance()
 
     def _next(self) -> Any:
         count = self._node.count

@@ -50,6 +50,7 @@ class ShardNode(Node):
 
 
 class ShardIter(UnaryIter):
+    passes_elements = True
     _STATE_KEYS = ("started",)
 
     def __init__(self, node: ShardNode, ctx: Context):

@@ -39,6 +39,7 @@ class SkipNode(Node):
 
 
 class SkipIter(UnaryIter):
+    passes_elements = True
     _STATE_KEYS = ("skipped",)
 
     def __init__(self, node: SkipNode, ctx: Context):

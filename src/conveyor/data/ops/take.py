@@ -39,6 +39,7 @@ class TakeNode(Node):
 
 
 class TakeIter(UnaryIter):
+    passes_elements = True
     _STATE_KEYS = ("taken",)
 
     def __init__(self, node: TakeNode, ctx: Context):

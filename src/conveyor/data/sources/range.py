@@ -49,6 +49,16 @@ class RangeNode(Node):
     def iterator(self, ctx: Context) -> Iter:
         return RangeIter(self, ctx)
 
+    def reread(self, source: StateField, locators: list[StateField]) -> list:
+        return [self.range[i] for i in index_locators(source, locators, self.length)]
+
+
+def index_locators(source: StateField, locators: list[StateField], length: int) -> list[int]:
+    """Checked element indices of a source whose provenance is (None, index)."""
+    if not source.is_none():
+        raise source.error("expected null (elements of this source are named by their index alone)")
+    return [f.as_int(0, length - 1) for f in locators]
+
 
 class RangeIter(Iter):
     def __init__(self, node: RangeNode, ctx: Context):
@@ -56,6 +66,12 @@ class RangeIter(Iter):
         self._range = node.range
         self._length = node.length
         self._next_index = 0
+
+    def enable_provenance(self) -> bool:
+        return True
+
+    def provenance(self) -> tuple[None, int]:
+        return None, self._next_index - 1
 
     def _next(self) -> int:
         i = self._next_index

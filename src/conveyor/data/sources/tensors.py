@@ -29,6 +29,7 @@ import numpy as np
 from conveyor.data.base import Context, Iter, Node, StateField
 from conveyor.data.elements import unflatten
 from conveyor.data.errors import InvalidArgumentError
+from conveyor.data.sources.range import index_locators
 
 
 class TensorSlicesNode(Node):
@@ -64,6 +65,10 @@ class TensorSlicesNode(Node):
 
     def iterator(self, ctx: Context) -> Iter:
         return TensorSlicesIter(self, ctx)
+
+    def reread(self, source: StateField, locators: list[StateField]) -> list:
+        it = TensorSlicesIter(self, Context(root_seed=0, iteration=0))
+        return [it.row(i) for i in index_locators(source, locators, self.length)]
 
 
 def _prepare(x: Any, where: str, leaves: list, lengths: dict[str, int]) -> tuple[Any, str]:
@@ -122,8 +127,17 @@ class TensorSlicesIter(Iter):
         if i >= self._length:
             raise StopIteration
         self._next_index = i + 1
+        return self.row(i)
+
+    def row(self, i: int) -> Any:
         row = [leaf[i].copy() if copy else leaf[i] for leaf, copy in self._columns]
         return row[0] if self._spec is None else unflatten(self._spec, row)
+
+    def enable_provenance(self) -> bool:
+        return True
+
+    def provenance(self) -> tuple[None, int]:
+        return None, self._next_index - 1
 
     def get_state(self) -> dict[str, Any]:
         return {"next": self._next_index}

@@ -68,6 +68,25 @@ class TFRecordNode(Node):
     def iterator(self, ctx: Context) -> Iter:
         return TFRecordIter(self, ctx)
 
+    def reread(self, source: StateField, locators: list[StateField]) -> list:
+        """Records at the saved offsets of one file, which must be listed and unchanged: the file is
+        opened once and read in offset order, seeking over long gaps (uncompressed files)."""
+        parts = source.as_list(length=3)
+        path = _listed(self.inputs[0], parts[0])
+        saved = (parts[1].as_int(0), parts[2].as_int(None))
+        offsets = [f.as_int(0) for f in locators]
+        try:
+            now = _stat(path)
+        except FileNotFoundError:
+            raise StateMismatchError(f"{path}, which the iterator state holds records of, no longer exists; "
+                                     f"restore it, or start without the data state (--no-resume)",
+                                     source.where) from None
+        if now != saved:
+            raise _changed(path, saved, now, min(offsets, default=0), source.where)
+        records = _read_at(path, self.compression_type, sorted(zip(offsets, locators, strict=True),
+                                                               key=lambda p: p[0]))
+        return [records[o] for o in offsets]
+
 
 def _as_path(x: Any) -> str:
     """A file-name element (str, bytes, or a numpy scalar/0-d array of either) as a str path."""
@@ -94,6 +113,9 @@ class TFRecordIter(Iter):
         self._stat: tuple[int, int] | None = None  # (size, mtime_ns) of the current file when opened
         self._resumed: StateField | None = None  # the restored offset field, until the file is reopened
         self._resumed_where: str | None = None  # where the restored state sat in the whole state
+        self._tracking = False
+        self._source: list | None = None  # [path, size, mtime_ns] of the open file, the elements' provenance
+        self._last_offset = 0  # where the record the last `next` returned starts
 
     def _open(self) -> TFRecordReader:
         try:
@@ -111,6 +133,7 @@ class TFRecordIter(Iter):
             self._reader = None
             raise _changed(self._path, self._stat, seen, self._offset, self._resumed_where)
         self._stat = seen
+        self._source = [self._path, *seen]
         return self._reader
 
     def _bad_offset(self, e: DataLossError) -> Exception:
@@ -121,6 +144,22 @@ class TFRecordIter(Iter):
             return e
         return field.error(f"{self._path} has no record at byte {self._offset} ({e.what}), although its size and "
                            f"modification time are those saved with the state")
+
+    def enable_provenance(self) -> bool:
+        # Only files from a known list: a restore re-opens what the state names, which must be listed.
+        self._tracking = self._files_node.known_elements() is not None
+        if self._tracking:  # an instance attribute: iterators that do not track pay nothing per record
+            self._next = self._next_tracked
+        return self._tracking
+
+    def provenance(self) -> tuple[list, int] | None:
+        return (self._source, self._last_offset) if self._tracking else None
+
+    def _next_tracked(self) -> bytes:
+        record = TFRecordIter._next(self)
+        # the reader stays open until the next call; a record takes 16 + len bytes
+        self._last_offset = self._reader.offset - len(record) - _FRAMING
+        return record
 
     def _next(self) -> bytes:
         while True:
@@ -204,17 +243,68 @@ class TFRecordIter(Iter):
 
     def _listed(self, field: StateField) -> str:
         """The saved current file, which must be one the file-name input can produce."""
-        path = field.as_str()
-        known = self._files_node.known_elements()
-        if known is not None and path not in {_as_path(x) for x in known}:
-            raise field.error(f"{path!r} is not in this pipeline's file list")
-        return path
+        return _listed(self._files_node, field, required=False)
 
     def close(self) -> None:
         reader, self._reader = self._reader, None
         if reader is not None:
             reader.close()
         super().close()
+
+
+_FRAMING = 16  # bytes around each record's data: length (8), its CRC (4), the data's CRC (4)
+_SEEK_GAP = 1 << 18  # re-open at the next wanted offset rather than read through more than this
+
+
+def _listed(files_node: Node, field: StateField, required: bool = True) -> str:
+    """A saved file name, which must be one `files_node` can produce (when that list is known, or
+    always when `required`)."""
+    path = field.as_str()
+    known = files_node.known_elements()
+    if known is None and required:
+        raise field.error(f"{path!r} cannot be checked against this pipeline's file list (the names are computed)")
+    if known is not None and path not in {_as_path(x) for x in known}:
+        raise field.error(f"{path!r} is not in this pipeline's file list")
+    return path
+
+
+def _read_at(path: str, compression: str | None, wanted: list[tuple[int, StateField]]) -> dict[int, bytes]:
+    """The records starting at the `wanted` offsets (sorted), each checked to be a record boundary."""
+    records: dict[int, bytes] = {}
+    reader: TFRecordReader | None = None
+    try:
+        for offset, field in wanted:
+            if offset in records:
+                continue
+            if reader is None or (compression is None and offset - reader.offset > _SEEK_GAP):
+                if reader is not None:
+                    reader.close()
+                reader = _open_at(path, compression, offset, field)
+            records[offset] = _record_at(reader, offset, field)
+    finally:
+        if reader is not None:
+            reader.close()
+    return records
+
+
+def _open_at(path: str, compression: str | None, offset: int, field: StateField) -> TFRecordReader:
+    try:
+        return TFRecordReader(path, compression, offset=offset)
+    except DataLossError as e:
+        raise field.error(f"{path} has no record at byte {offset} ({e.what})") from None
+
+
+def _record_at(reader: TFRecordReader, offset: int, field: StateField) -> bytes:
+    try:
+        while reader.offset < offset:  # read through a short gap (or, compressed, any gap)
+            next(reader)
+        if reader.offset != offset:
+            raise field.error(f"{reader.path} has no record boundary at byte {offset} (a record spans it)")
+        return next(reader)
+    except DataLossError as e:
+        raise field.error(f"{reader.path} has no record at byte {offset} ({e.what})") from None
+    except StopIteration:
+        raise field.error(f"offset {offset} is past the last record of {reader.path}") from None
 
 
 def _stat(path: str) -> tuple[int, int]:
