@@ -11,6 +11,8 @@ import re
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conveyor.cluster import (
     ClusterConfigError,
@@ -24,6 +26,7 @@ from conveyor.cluster import (
     slurm_port,
     split_address,
 )
+from conveyor.cluster.spec import _json_depth
 
 HUGE = "1" * 5000  # over Python 3.11's int-string limit (4300 digits): int(HUGE) raises a plain ValueError
 WORKER = {"worker": ["w0:2222", "w1:2222"]}
@@ -252,3 +255,28 @@ def test_messages_do_not_echo_megabytes_or_control_characters():
     with raises(r"not valid JSON") as info:
         parse_tf_config('{"cluster": \x1b[2J\x00\udc80}')
     assert all(line.isprintable() for line in str(info.value).splitlines())
+
+
+# -- the depth scan is sound ------------------------------------------------------------------------
+
+
+def _depth(value: object) -> int:
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(alphabet='[]{}"\\ ax\n'),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(alphabet='[]{}"\\a'), inner, max_size=3),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(json_values, st.booleans())
+def test_depth_scan_measures_what_json_nests(value, ascii_only):
+    # strings full of brackets, quotes and backslashes must not change the count
+    assert _json_depth(json.dumps(value, ensure_ascii=ascii_only)) == _depth(value)

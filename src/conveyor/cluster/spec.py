@@ -309,7 +309,8 @@ class ClusterSpec:
 
     Built directly (``ClusterSpec(worker=("h1:2222", "h2:2222"))``), from TF_CONFIG, from classic
     ``--ps_hosts/--worker_hosts`` strings, or by the helpers in :mod:`conveyor.cluster.env`; each way is
-    validated: addresses are ``host:port`` with a port in 1-65535, no address appears twice, at most one
+    validated: addresses are ``host:port`` with a port in 1-65535, no socket appears twice however it is
+    spelled (``localhost:P`` is ``127.0.0.1:P``; see :func:`_socket_key`), at most one
     chief and one evaluator, at least one task.
     """
 
@@ -459,7 +460,9 @@ def parse_tf_config(tf_config: str | Mapping[str, Any]) -> tuple[ClusterSpec, Ta
 
     Accepts what TensorFlow's ``TFConfigClusterResolver`` accepts: ``task.index`` may be a number or a
     string of digits (TF calls ``int()`` on it) and defaults to 0 when absent. The task must be in the
-    cluster (an evaluator may be absent from it, as in TF).
+    cluster (an evaluator may be absent from it, as in TF). Text over :data:`MAX_TF_CONFIG_CHARS` or nested
+    deeper than :data:`MAX_TF_CONFIG_DEPTH` is refused before it is decoded. Whatever is wrong raises
+    :class:`ClusterConfigError` naming the field; nothing else escapes for any text.
     """
     doc = _load_tf_config(tf_config)
     spec = _cluster_of(doc)
