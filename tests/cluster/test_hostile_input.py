@@ -84,6 +84,18 @@ def test_huge_task_index_is_named(index):
         parse_tf_config(text)
 
 
+def test_leading_zeros_do_not_count_towards_the_int_limit():
+    # fuzz finding (tf_config): 8128 zeros passed the digit check, then int() of the whole string raised
+    zeros = "0" * 5000
+    assert parse_tf_config(tf_config(index=zeros + "1"))[1] == TaskId("worker", 1)
+    assert split_address("h:" + zeros + "1") == ("h", 1)
+    assert parse_cluster_flags(["--worker_hosts=w:1", "--job_name=worker", f"--task_index={zeros}"])[1] == \
+        TaskId("worker", 0)
+    assert discover({**TORCHRUN, "RANK": zeros + "1"}).rank == 1
+    assert slurm_port(zeros + "7") == 20007
+    assert expand_tasks_per_node(f"{zeros}2(x{zeros}2)") == [2, 2]
+
+
 def test_huge_json_number_is_named_where_it_is():
     text = tf_config().replace('"index": 0', f'"index": {HUGE}')
     with raises(r"^TF_CONFIG\.task\.index = <a 5000-digit number>; expected an integer >= 0"):

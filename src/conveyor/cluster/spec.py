@@ -479,8 +479,8 @@ def parse_tf_config(tf_config: str | Mapping[str, Any]) -> tuple[ClusterSpec, Ta
         raise ClusterConfigError(f'TF_CONFIG.task.type {what}; expected one of {_names(JOBS)}, e.g. '
                                  f'{{"type": "worker", "index": 0}}')
     index = task_doc.get("index", 0)
-    if isinstance(index, str) and parse_decimal(index, MAX_INDEX) is not None:
-        index = int(index)
+    if isinstance(index, str) and (number := parse_decimal(index, MAX_INDEX)) is not None:
+        index = number
     if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index <= MAX_INDEX:
         raise ClusterConfigError(f'TF_CONFIG.task.index = {show(index)}; expected an integer >= 0 (at most '
                                  f'{MAX_INDEX}), e.g. {{"type": "{task_type}", "index": 0}}')

@@ -14,6 +14,7 @@ from conveyor.cluster import (
 from conveyor.cluster.spec import parse_host
 
 EXPECTED = (ClusterConfigError,)
+_MAX_EXPANDED = 1 << 18  # characters: keeps each input well under 10 ms
 
 SEEDS = [
     b"--ps_hosts=ps0:2222,ps1:2222\n--worker_hosts=w0:2222,[::1]:2222\n--job_name=worker\n--task_index=1\n--lr=0.1",
@@ -23,12 +24,13 @@ SEEDS = [
     b'TF_CONFIG={"cluster": {"chief": ["c0:2222"], "worker": ["w0:2222"]}, "task": {"type": "worker", "index": 0}}\n'
     b"CONVEYOR_TASK_TYPE=worker\nCONVEYOR_TASK_INDEX=0\nRANK=1\nWORLD_SIZE=2\nLOCAL_RANK=0\nLOCAL_WORLD_SIZE=1\n"
     b"MASTER_ADDR=127.0.0.1\nMASTER_PORT=23999\nCONVEYOR_JOB_SECRET=abcd",
+    b"RANK=\x000\x04\nWORLD_SIZE=1\nSLURM_PROCID=0\nSLURM_NTASKS=1\nSLURM_JOB_NODELIST=n[\x000\x01-1]",
 ]
 
 
 def target(data: bytes) -> None:
     """Run every parser on ``data``; each may refuse it (ClusterConfigError), none may fail another way."""
-    text = data.decode("utf-8", "surrogateescape")  # as os.environ and sys.argv decode undecodable bytes
+    text = _expand_runs(data.decode("utf-8", "surrogateescape"))  # as os.environ and sys.argv decode undecodable bytes
     lines = text.split("\n")
     env = dict(line.partition("=")[::2] for line in lines)
     for parse in (_flags, _hostlists, _discover):
@@ -69,3 +71,19 @@ def _discover(lines: list[str], env: dict[str, str]) -> None:
     assert 0 <= found.local_rank < found.local_world_size <= found.world_size
     if found.world_size > 1:
         assert found.master_addr is not None and found.master_port is not None
+
+
+def _expand_runs(text: str) -> str:
+    """NUL, a character c and a count character n stand for c written 32 * (ord(n) % 256) times.
+
+    No environment variable or argv string can hold NUL, so the escape hides no real input; it lets the
+    fuzzer reach what its 4 KiB inputs cannot spell out (1000-level nesting, 5000-digit numbers).
+    """
+    head, *runs = text.split("\x00")
+    out, size = [head], len(head)
+    for run in runs:
+        count = 32 * (ord(run[1]) % 256) if len(run) >= 2 else 0
+        piece = run[:1] * min(count, max(0, _MAX_EXPANDED - size)) + run[2:]
+        out.append(piece)
+        size += len(piece)
+    return "".join(out)
