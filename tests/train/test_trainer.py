@@ -535,3 +535,10 @@ def test_two_workers_killed_one_resumes_to_the_uninterrupted_result(tmp_path):
     assert summary["strategy"] == "allreduce" and summary["samples"] == 4 * 2 * (12 - summary["resumed_from_step"])
     steps = CheckpointManager(out / "checkpoints").list_steps()
     assert len(steps) > 12 // 3 and steps[-1] == 12  # time-based saves on top of every 3rd step, all ranks agreeing
+
+
+def test_the_trainer_options_are_public():
+    import conveyor
+
+    assert conveyor.TrainConfig is TrainConfig and "TrainConfig" in conveyor.__all__
+    assert "max_steps" in TrainConfig.__doc__ and "steps_per_epoch" in TrainConfig.__doc__
