@@ -1,12 +1,15 @@
 # make test  — set up .venv if needed, lint, run the test suite
 # make demo  — set up .venv if needed, train the digits demo on two workers
+# Both install the `dev` extra, which includes `all` (plots, TensorBoard, scikit-learn for the demo's data).
 # make bench — the benchmarks (input pipeline, all-reduce, parameter-server transport and training)
+# make fuzz  — every fuzz target for FUZZ_SECONDS each (make test runs them for 3 s each)
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test lint demo bench clean
+.PHONY: setup test lint demo bench fuzz clean
+FUZZ_SECONDS ?= 120
 
 setup: $(STAMP)
 
@@ -34,6 +37,12 @@ bench: setup
 	$(PY) benchmarks/allreduce.py
 	$(PY) benchmarks/ps.py
 	$(PY) benchmarks/ps_training.py
+
+# One JSON report per target in runs/fuzz/; stops at the first target with a finding.
+fuzz: setup
+	for t in tests/fuzz/targets/*.py; do \
+	  $(PY) tests/fuzz/runner.py $$t --seconds $(FUZZ_SECONDS) --json runs/fuzz/$$(basename $$t .py).json || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import secrets
 import statistics
@@ -77,14 +76,22 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by file path
-from machine import format_goals, loadavg, machine_facts, publish_run, write_results  # noqa: E402
+import harness as h  # noqa: E402
+from harness import format_goals  # noqa: E402, F401  (the benchmark's PASS/FAIL lines)
+from machine import write_results  # noqa: E402
 
 HERE = Path(__file__).resolve()
-DEFAULT_OUT = HERE.parent / "results"
-CONTENDERS = ("bare_ddp_1", "bare_ddp_2", "conveyor_2", "conveyor_1")  # round order; odd rounds reversed
+CONTENDERS_SPEC = (  # round order; odd rounds reversed
+    h.Contender("bare_ddp_1", "plain model, one process"),
+    h.Contender("bare_ddp_2", "dist.init_process_group('gloo', tcp://) + DistributedDataParallel"),
+    h.Contender("conveyor_2", "conveyor.init() with conveyor run's environment for -n 2 (allreduce)"),
+    h.Contender("conveyor_1", "conveyor.init() with conveyor run's environment for -n 1 (local)"),
+)
+CONTENDERS = tuple(c.name for c in CONTENDERS_SPEC)
 WORLD = {"bare_ddp_1": 1, "bare_ddp_2": 2, "conveyor_1": 1, "conveyor_2": 2}
 MODELS = {"resnet20": (3, (16, 32, 64)), "tiny": (1, (4, 8, 8))}  # blocks per stage, channels per stage
-GOAL = 0.97
+GOALS = (h.Goal("conveyor_2 samples/s >= 0.97 x bare_ddp_2 (2 workers, same run, ratio of medians)",
+                "conveyor_vs_bare_2", 0.97),)
 DATA_BATCHES = 4  # distinct fixed batches per worker, cycled
 
 COMM_METHODS = {
@@ -354,7 +361,7 @@ def worker(config: dict[str, Any]) -> dict[str, Any]:
 # ==================================================================================================
 
 
-class ContenderError(RuntimeError):
+class ContenderError(h.ContenderFailed):
     pass
 
 
@@ -407,7 +414,7 @@ def run_contender(contender: str, config: dict[str, Any], workdir: Path, timeout
                 failed = f"{log.stem} exited with code {code}: {_tail(log)}"
                 break
         if failed:
-            raise ContenderError(f"{contender}: {failed}")
+            raise ContenderError(failed)
     finally:
         for proc, _ in procs:  # only our own children, by handle
             if proc.poll() is None:
@@ -417,7 +424,7 @@ def run_contender(contender: str, config: dict[str, Any], workdir: Path, timeout
     for r in range(WORLD[contender]):
         path = workdir / f"rank{r}.json"
         if not path.exists():
-            raise ContenderError(f"{contender}: rank {r} wrote no result ({path})")
+            raise ContenderError(f"rank {r} wrote no result ({path})")
         results.append(json.loads(path.read_text()))
     return results
 
@@ -433,101 +440,65 @@ def _tail(path: Path, lines: int = 6) -> str:
 def run_rounds(config: dict[str, Any], repeats: int, timeout: float, log: Callable[[str], None] = print,
                contenders: Sequence[str] = CONTENDERS) -> dict[str, Any]:
     """``repeats`` interleaved rounds of every contender; per contender the samples and rank-0 details."""
-    samples: dict[str, list[float]] = {c: [] for c in contenders}
-    runs: dict[str, list[dict[str, Any] | None]] = {c: [] for c in contenders}
-    errors: list[str] = []
-    order_log = []
     with tempfile.TemporaryDirectory(prefix="conveyor-allreduce-bench-") as tmp:
-        for rnd in range(repeats):
-            order = list(contenders) if rnd % 2 == 0 else list(reversed(contenders))
-            order_log.append(order)
-            log(f"round {rnd + 1}/{repeats}: {', '.join(order)}")
-            for c in order:
-                t0 = time.perf_counter()
-                try:
-                    ranks = run_contender(c, config, Path(tmp) / f"r{rnd}-{c}", timeout)
-                except ContenderError as e:
-                    errors.append(f"round {rnd + 1}: {e}")
-                    samples[c].append(math.nan)
-                    runs[c].append(None)
-                    log(f"  {c:<11} FAILED: {e}")
-                    continue
-                head = dict(ranks[0])
-                fps = [rk["fingerprint"] for rk in ranks]
-                head["fingerprints"] = fps
-                head["ranks_in_sync"] = max(fps) - min(fps) <= 1e-9 * max(1.0, abs(fps[0]))
-                samples[c].append(head["samples_per_s"])
-                runs[c].append(head)
-                share = head.get("comm_share")
-                extra = f", comm {100 * share:.1f} %" if share is not None else ""
-                log(f"  {c:<11} {head['samples_per_s']:8.1f} samples/s  (step {head['step_ms_median']:.0f} ms"
-                    f"{extra}; {time.perf_counter() - t0:.0f} s incl. start-up)")
-    return {"samples": samples, "runs": runs, "errors": errors, "order": order_log}
+        def measure(c: str, rnd: int) -> tuple[float, dict[str, Any]]:
+            ranks = run_contender(c, config, Path(tmp) / f"r{rnd}-{c}", timeout)
+            head = dict(ranks[0])
+            fps = [rk["fingerprint"] for rk in ranks]
+            head["fingerprints"] = fps
+            head["ranks_in_sync"] = max(fps) - min(fps) <= 1e-9 * max(1.0, abs(fps[0]))
+            return head["samples_per_s"], head
 
+        def describe(sps: float, head: dict[str, Any]) -> str:
+            share = head.get("comm_share")
+            extra = f", comm {100 * share:.1f} %" if share is not None else ""
+            return f"{sps:8.1f} samples/s  (step {head['step_ms_median']:.0f} ms{extra})"
 
-def _median(values: Sequence[float | None]) -> float:
-    vals = [v for v in values if v is not None and math.isfinite(v)]
-    return statistics.median(vals) if vals else math.nan
-
-
-def _ratio(a: float, b: float) -> float:
-    return a / b if math.isfinite(a) and math.isfinite(b) and b > 0 else math.nan
+        return h.interleaved_rounds(contenders, repeats, measure, describe=describe, log=log)
 
 
 def derive(res: dict[str, Any]) -> dict[str, Any]:
     # Contenders left out (--contenders) count as not measured: NaN everywhere they would appear.
     s = {c: list(res["samples"].get(c, [])) for c in CONTENDERS}
     runs = {c: list(res["runs"].get(c, [])) for c in CONTENDERS}
-    med = {c: _median(v) for c, v in s.items()}
-    n = max(len(v) for v in s.values())
-
-    def at(c: str, i: int) -> float:
-        return s[c][i] if i < len(s[c]) else math.nan
-
-    def per_round(f: Callable[[int], float]) -> list[float]:
-        return [f(i) for i in range(n)]
+    med = {c: h.median(v) for c, v in s.items()}
 
     def field(c: str, key: str) -> list[float | None]:
         return [None if r is None else r.get(key) for r in runs[c]]
 
-    vs = per_round(lambda i: _ratio(at("conveyor_2", i), at("bare_ddp_2", i)))
-    eff_bare = per_round(lambda i: _ratio(at("bare_ddp_2", i), 2 * at("bare_ddp_1", i)))
-    eff_conv = per_round(lambda i: _ratio(at("conveyor_2", i), 2 * at("conveyor_1", i)))
+    def share(c: str, key: str, method: str) -> dict[str, Any]:
+        return {"median": h.median(field(c, key)), "per_round": field(c, key), "method": COMM_METHODS[method]}
+
+    vs = h.paired(s["conveyor_2"], s["bare_ddp_2"])
+    eff_bare = h.paired(s["bare_ddp_2"], s["bare_ddp_1"], scale=2)
+    eff_conv = h.paired(s["conveyor_2"], s["conveyor_1"], scale=2)
     hook_sps = [None if r is None or "hook_pass" not in r else r["hook_pass"]["samples_per_s"]
                 for r in runs["bare_ddp_2"]]
     return {
         "median": med,
-        "min": {c: min((x for x in v if math.isfinite(x)), default=math.nan) for c, v in s.items()},
-        "max": {c: max((x for x in v if math.isfinite(x)), default=math.nan) for c, v in s.items()},
-        "conveyor_vs_bare_2": _ratio(med["conveyor_2"], med["bare_ddp_2"]),
+        "min": {c: h.lowest(v) for c, v in s.items()},
+        "max": {c: h.highest(v) for c, v in s.items()},
+        "conveyor_vs_bare_2": h.ratio(med["conveyor_2"], med["bare_ddp_2"]),
         "conveyor_vs_bare_2_per_round": vs,
-        "conveyor_vs_bare_2_paired_median": _median(vs),
-        "conveyor_vs_bare_1": _ratio(med["conveyor_1"], med["bare_ddp_1"]),
-        "scaling_efficiency": {"bare_ddp": _ratio(med["bare_ddp_2"], 2 * med["bare_ddp_1"]),
-                               "conveyor": _ratio(med["conveyor_2"], 2 * med["conveyor_1"])},
+        "conveyor_vs_bare_2_paired_median": h.median(vs),
+        "conveyor_vs_bare_1": h.ratio(med["conveyor_1"], med["bare_ddp_1"]),
+        "scaling_efficiency": {"bare_ddp": h.ratio(med["bare_ddp_2"], 2 * med["bare_ddp_1"]),
+                               "conveyor": h.ratio(med["conveyor_2"], 2 * med["conveyor_1"])},
         "scaling_efficiency_per_round": {"bare_ddp": eff_bare, "conveyor": eff_conv},
         "comm_share": {
-            "conveyor_2": {"median": _median(field("conveyor_2", "comm_share")),
-                           "per_round": field("conveyor_2", "comm_share"), "method": COMM_METHODS["conveyor_2"]},
-            "bare_ddp_2": {"median": _median(field("bare_ddp_2", "comm_share")),
-                           "per_round": field("bare_ddp_2", "comm_share"), "method": COMM_METHODS["bare_ddp_2"]},
-            "bare_ddp_2_isolated": {"median": _median(field("bare_ddp_2", "isolated_comm_share")),
-                                    "per_round": field("bare_ddp_2", "isolated_comm_share"),
-                                    "allreduce_ms_median": _median(field("bare_ddp_2", "isolated_allreduce_ms")),
-                                    "method": COMM_METHODS["bare_ddp_2_isolated"]},
+            "conveyor_2": share("conveyor_2", "comm_share", "conveyor_2"),
+            "bare_ddp_2": share("bare_ddp_2", "comm_share", "bare_ddp_2"),
+            "bare_ddp_2_isolated": {**share("bare_ddp_2", "isolated_comm_share", "bare_ddp_2_isolated"),
+                                    "allreduce_ms_median": h.median(field("bare_ddp_2", "isolated_allreduce_ms"))},
         },
-        "bare_ddp_2_with_timing_hook_samples_per_s": {"median": _median(hook_sps), "per_round": hook_sps},
-        "step_breakdown_ms": {c: {**{k: _median(field(c, f"{k}_ms_median"))
+        "bare_ddp_2_with_timing_hook_samples_per_s": {"median": h.median(hook_sps), "per_round": hook_sps},
+        "step_breakdown_ms": {c: {**{k: h.median(field(c, f"{k}_ms_median"))
                                      for k in ("step", "forward", "backward", "optimizer")},
-                                  "cpu": _median(field(c, "cpu_ms_per_step")),
-                                  "comm": _median(field(c, "comm_ms_per_step"))} for c in s},
+                                  "cpu": h.median(field(c, "cpu_ms_per_step")),
+                                  "comm": h.median(field(c, "comm_ms_per_step"))} for c in s},
         "ranks_in_sync": {c: all(r["ranks_in_sync"] for r in runs[c] if r is not None) for c in s
                           if WORLD[c] > 1 and any(r is not None for r in runs[c])},
     }
-
-
-def _fmt(x: float | None, spec: str, scale: float = 1.0) -> str:
-    return "-" if x is None or not math.isfinite(x) else format(x * scale, spec)
 
 
 def format_table(res: dict[str, Any], d: dict[str, Any], config: dict[str, Any]) -> str:
@@ -540,42 +511,38 @@ def format_table(res: dict[str, Any], d: dict[str, Any], config: dict[str, Any])
     for c in ("bare_ddp_1", "bare_ddp_2", "conveyor_1", "conveyor_2"):
         b = d["step_breakdown_ms"][c]
         share = d["comm_share"][c]["median"] if c in d["comm_share"] else None
-        rows.append((c, str(WORLD[c]), _fmt(d["median"][c], ".1f"), _fmt(d["min"][c], ".1f"),
-                     _fmt(d["max"][c], ".1f"), _fmt(b["step"], ".0f"), _fmt(b["forward"], ".0f"),
-                     _fmt(b["backward"], ".0f"), _fmt(b["optimizer"], ".0f"), _fmt(b["cpu"], ".0f"),
-                     _fmt(share, ".1f", 100),
-                     " ".join(_fmt(x, ".1f") for x in s[c]) or "skipped"))
+        rows.append((c, str(WORLD[c]), h.fmt(d["median"][c], ".1f"), h.fmt(d["min"][c], ".1f"),
+                     h.fmt(d["max"][c], ".1f"), h.fmt(b["step"], ".0f"), h.fmt(b["forward"], ".0f"),
+                     h.fmt(b["backward"], ".0f"), h.fmt(b["optimizer"], ".0f"), h.fmt(b["cpu"], ".0f"),
+                     h.fmt(share, ".1f", 100),
+                     " ".join(h.fmt(x, ".1f") for x in s[c]) or "skipped"))
     hook = d["bare_ddp_2_with_timing_hook_samples_per_s"]
     if any(x is not None for x in hook["per_round"]):
-        rows.append(("bare_ddp_2+hook", "2", _fmt(hook["median"], ".1f"), "", "", "", "", "", "", "", "",
-                     " ".join(_fmt(x, ".1f") for x in hook["per_round"])))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = [head, ""]
-    for r in rows:
-        lines.append("  ".join(v.ljust(w) if i in (0, len(r) - 1) else v.rjust(w)
-                               for i, (v, w) in enumerate(zip(r, widths, strict=True))).rstrip())
+        rows.append(("bare_ddp_2+hook", "2", h.fmt(hook["median"], ".1f"), "", "", "", "", "", "", "", "",
+                     " ".join(h.fmt(x, ".1f") for x in hook["per_round"])))
+    lines = [head, "", h.format_rows(rows, left=(0, len(rows[0]) - 1))]
     cs = d["comm_share"]
     lines += [
         "",
-        f"conveyor_2 / bare_ddp_2          {_fmt(d['conveyor_vs_bare_2'], '.3f')}  (ratio of medians; paired per "
-        f"round: {' '.join(_fmt(x, '.3f') for x in d['conveyor_vs_bare_2_per_round'])}; paired median "
-        f"{_fmt(d['conveyor_vs_bare_2_paired_median'], '.3f')})",
-        f"conveyor_1 / bare_ddp_1          {_fmt(d['conveyor_vs_bare_1'], '.3f')}",
-        f"scaling efficiency 1->2, bare    {_fmt(d['scaling_efficiency']['bare_ddp'], '.3f')}  (per round: "
-        f"{' '.join(_fmt(x, '.3f') for x in d['scaling_efficiency_per_round']['bare_ddp'])})",
-        f"scaling efficiency 1->2, conveyor {_fmt(d['scaling_efficiency']['conveyor'], '.3f')} (per round: "
-        f"{' '.join(_fmt(x, '.3f') for x in d['scaling_efficiency_per_round']['conveyor'])})",
-        f"comm share, conveyor_2           {_fmt(cs['conveyor_2']['median'], '.1f', 100)} %  "
+        f"conveyor_2 / bare_ddp_2          {h.fmt(d['conveyor_vs_bare_2'], '.3f')}  (ratio of medians; paired per "
+        f"round: {' '.join(h.fmt(x, '.3f') for x in d['conveyor_vs_bare_2_per_round'])}; paired median "
+        f"{h.fmt(d['conveyor_vs_bare_2_paired_median'], '.3f')})",
+        f"conveyor_1 / bare_ddp_1          {h.fmt(d['conveyor_vs_bare_1'], '.3f')}",
+        f"scaling efficiency 1->2, bare    {h.fmt(d['scaling_efficiency']['bare_ddp'], '.3f')}  (per round: "
+        f"{' '.join(h.fmt(x, '.3f') for x in d['scaling_efficiency_per_round']['bare_ddp'])})",
+        f"scaling efficiency 1->2, conveyor {h.fmt(d['scaling_efficiency']['conveyor'], '.3f')} (per round: "
+        f"{' '.join(h.fmt(x, '.3f') for x in d['scaling_efficiency_per_round']['conveyor'])})",
+        f"comm share, conveyor_2           {h.fmt(cs['conveyor_2']['median'], '.1f', 100)} %  "
         f"[{cs['conveyor_2']['method']}]",
-        f"comm share, bare_ddp_2           {_fmt(cs['bare_ddp_2']['median'], '.1f', 100)} %  "
-        f"[{cs['bare_ddp_2']['method']}; that pass ran at {_fmt(hook['median'], '.1f')} samples/s "
+        f"comm share, bare_ddp_2           {h.fmt(cs['bare_ddp_2']['median'], '.1f', 100)} %  "
+        f"[{cs['bare_ddp_2']['method']}; that pass ran at {h.fmt(hook['median'], '.1f')} samples/s "
         f"(row bare_ddp_2+hook)]",
-        f"comm share, bare_ddp_2 isolated  {_fmt(cs['bare_ddp_2_isolated']['median'], '.1f', 100)} %  "
-        f"(all-reduce {_fmt(cs['bare_ddp_2_isolated']['allreduce_ms_median'], '.2f')} ms) "
+        f"comm share, bare_ddp_2 isolated  {h.fmt(cs['bare_ddp_2_isolated']['median'], '.1f', 100)} %  "
+        f"(all-reduce {h.fmt(cs['bare_ddp_2_isolated']['allreduce_ms_median'], '.2f')} ms) "
         f"[{cs['bare_ddp_2_isolated']['method']}]",
-        f"comm time per step: conveyor_2 {_fmt(d['step_breakdown_ms']['conveyor_2']['comm'], '.1f')} ms, bare_ddp_2 "
-        f"{_fmt(d['step_breakdown_ms']['bare_ddp_2']['comm'], '.1f')} ms (hook-timed) vs "
-        f"{_fmt(cs['bare_ddp_2_isolated']['allreduce_ms_median'], '.1f')} ms for the isolated all-reduce of the same "
+        f"comm time per step: conveyor_2 {h.fmt(d['step_breakdown_ms']['conveyor_2']['comm'], '.1f')} ms, bare_ddp_2 "
+        f"{h.fmt(d['step_breakdown_ms']['bare_ddp_2']['comm'], '.1f')} ms (hook-timed) vs "
+        f"{h.fmt(cs['bare_ddp_2_isolated']['allreduce_ms_median'], '.1f')} ms for the isolated all-reduce of the same "
         f"bytes: the rest is overlap with backward and waiting for the slower rank",
         f"ranks in sync (parameter sums equal after training): "
         f"{', '.join(f'{c} {v}' for c, v in d['ranks_in_sync'].items())}",
@@ -584,13 +551,11 @@ def format_table(res: dict[str, Any], d: dict[str, Any], config: dict[str, Any])
 
 
 def goals(d: dict[str, Any]) -> list[dict[str, Any]]:
-    value = d["conveyor_vs_bare_2"]
-    return [{"name": "conveyor_2 samples/s >= 0.97 x bare_ddp_2 (2 workers, same run, ratio of medians)",
-             "value": value, "threshold": GOAL, "pass": bool(math.isfinite(value) and value >= GOAL)}]
+    return h.evaluate_goals(GOALS, d)
 
 
 def machine_info() -> dict[str, Any]:
-    return {**machine_facts(("torch",)), "loadavg_start": loadavg()}
+    return h.machine_start(("torch",))
 
 
 def write_json(report: dict[str, Any], out_dir: Path) -> Path:
@@ -598,40 +563,24 @@ def write_json(report: dict[str, Any], out_dir: Path) -> Path:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = h.parser(__doc__, "1 round, 10 steps, 3 warm-up")
     p.add_argument("--steps", type=int, default=None, help="timed steps per contender (default 30; --quick 10)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5; --quick 3)")
-    p.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 3; --quick 1)")
     p.add_argument("--batch", type=int, default=64, help="batch per worker (default 64)")
     p.add_argument("--comm-steps", type=int, default=None,
                    help="steps of bare DDP's timing-hook pass (default 10; --quick 5; 0 skips it)")
     p.add_argument("--model", choices=sorted(MODELS), default="resnet20",
                    help="resnet20 (default) or tiny (smoke tests)")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON folder (default {DEFAULT_OUT})")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds per contender run before it is stopped (default 60 + 10 per step)")
-    p.add_argument("--contenders", default=",".join(CONTENDERS),
+    p.add_argument("--contenders", type=h.contender_names(CONTENDERS), default=CONTENDERS,
                    help=f"comma-separated subset of {','.join(CONTENDERS)} (default all; the goal needs the "
                    f"2-worker pair, scaling efficiency all four)")
-    p.add_argument("--quick", action="store_true", help="1 round, 10 steps, 3 warm-up")
     p.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    defaults = {"steps": (30, 10), "warmup": (5, 3), "repeats": (3, 1), "comm_steps": (10, 5)}
-    for name, (full, quick) in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, quick if args.quick else full)
-    for name in ("steps", "repeats", "batch"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1")
-    for name in ("warmup", "comm_steps"):
-        if getattr(args, name) < 0:
-            p.error(f"--{name.replace('_', '-')} must be >= 0")
-    chosen = [c.strip() for c in args.contenders.split(",") if c.strip()]
-    unknown = sorted(set(chosen) - set(CONTENDERS))
-    if unknown or not chosen:
-        p.error(f"--contenders {args.contenders!r}: expected names from {', '.join(CONTENDERS)}")
-    args.contenders = [c for c in CONTENDERS if c in chosen]  # the interleaving order, not the order given
+    args = h.settle(p, p.parse_args(argv), {"steps": (30, 10), "warmup": (5, 3), "repeats": (3, 1),
+                                            "comm_steps": (10, 5)},
+                    positive=("steps", "repeats", "batch"), non_negative=("warmup", "comm_steps"))
+    args.contenders = list(args.contenders)  # the interleaving order, not the order given
     if args.timeout is None:
         args.timeout = 60.0 + 10.0 * (args.warmup + args.steps + args.comm_steps)
     return args
@@ -651,25 +600,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     res = run_rounds(config, args.repeats, args.timeout, contenders=args.contenders)
     d = derive(res)
     gs = goals(d)
-    machine["loadavg_end"] = loadavg()
     table = format_table(res, d, config)
     report = {
-        "benchmark": "allreduce",
-        "command": " ".join([Path(sys.executable).name, "benchmarks/allreduce.py",
-                             *(sys.argv[1:] if argv is None else argv)]),
-        "machine": machine,
+        "benchmark": "allreduce", "command": h.command_line("allreduce", argv), "machine": h.machine_end(machine),
         "config": {**config, "repeats": args.repeats, "quick": args.quick, "timeout": args.timeout,
                    "contenders_run": args.contenders,
                    "threads_per_worker": 1, "optimizer": "SGD(lr=0.1, momentum=0.9)",
                    "data": f"{DATA_BATCHES} fixed random batches per worker (seed 1000 + rank), cycled",
-                   "contenders": {"bare_ddp_1": "plain model, one process",
-                                  "bare_ddp_2": "dist.init_process_group('gloo', tcp://) + DistributedDataParallel",
-                                  "conveyor_1": "conveyor.init() with conveyor run's environment for -n 1 (local)",
-                                  "conveyor_2": "conveyor.init() with conveyor run's environment for -n 2 "
-                                                "(allreduce)"},
+                   "contenders": {c.name: c.label for c in CONTENDERS_SPEC},
                    "order": res["order"]},
     }
-    publish_run("allreduce", report, res, d, gs, table, started, format_goals(gs), args.out)
+    h.publish_run("allreduce", report, res, d, gs, table, started, h.format_goals(gs), args.out)
     return 0
 
 

@@ -7,7 +7,6 @@ import json
 import math
 import os
 import platform
-import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -80,38 +79,3 @@ def _plain(x: Any) -> Any:
     if hasattr(x, "tolist"):  # numpy scalars and arrays
         return _strict(x.tolist())
     return str(x)
-
-
-def format_goals(goals: list[dict[str, Any]]) -> str:
-    """One PASS/FAIL line per goal: name, value (or "not measured"), threshold (``compare``, default >=)."""
-    lines = []
-    for g in goals:
-        value = g["value"]
-        shown = f"{value:.3f}" if value is not None and math.isfinite(value) else "not measured"
-        lines.append(f"{'PASS' if g['pass'] else 'FAIL'} {g['name']}: {shown} "
-                     f"(goal {g.get('compare', '>=')} {g['threshold']})")
-    return "\n".join(lines)
-
-
-def publish_run(name: str, head: dict[str, Any], res: dict[str, Any], derived: dict[str, Any],
-                goals: list[dict[str, Any]], table: str, started: float, goal_lines: str,
-                out_dir: str | os.PathLike) -> Path:
-    """Complete a rounds-based report (`head` + the rounds' samples, runs and errors, the derived values,
-    goals and table, the wall time since `started`) and `publish` it."""
-    report = {**head, "samples": res["samples"], "runs": res["runs"], "derived": derived, "goals": goals,
-              "all_pass": all(g["pass"] for g in goals), "errors": res["errors"], "table": table,
-              "wall_seconds": time.perf_counter() - started}
-    return publish(name, report, goal_lines, out_dir)
-
-
-def publish(name: str, report: dict[str, Any], goal_lines: str, out_dir: str | os.PathLike) -> Path:
-    """Print the report's table, its errors and the PASS/FAIL lines, then write the JSON."""
-    print()
-    print(report["table"])
-    if report.get("errors"):
-        print("\nerrors:\n  " + "\n  ".join(report["errors"]))
-    print()
-    print(goal_lines)
-    path = write_results(name, report, out_dir)
-    print(f"\nJSON: {path} (and {path.parent / f'{name}-latest.json'}); total {report['wall_seconds']:.0f} s")
-    return path

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import secrets
 import socket
@@ -51,15 +50,24 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by file path
+import harness as h  # noqa: E402
 from conveyor.launch.ports import free_ports  # noqa: E402
-from machine import format_goals, loadavg, machine_facts, publish_run, write_results  # noqa: E402
+from machine import write_results  # noqa: E402
 
 HERE = Path(__file__).resolve()
-DEFAULT_OUT = HERE.parent / "results"
-CONTENDERS = ("raw_tcp", "gloo_allreduce", "conveyor_ps")  # round order; odd rounds reversed
+CONTENDERS_SPEC = (  # round order; odd rounds reversed
+    h.Contender("raw_tcp", "one TCP connection, sendall + echo back, 2 processes"),
+    h.Contender("gloo_allreduce", "torch.distributed gloo all_reduce, 2 processes, tcp:// init"),
+    h.Contender("conveyor_ps", "2 conveyor.comm.transport.Server processes + 1 Client process: "
+                               "pipelined push of every tensor, then pipelined pull"),
+)
+CONTENDERS = tuple(c.name for c in CONTENDERS_SPEC)
 SECRET_ENV = "CONVEYOR_BENCH_PS_SECRET"
-GOAL_GLOO = 1.0
-GOAL_TCP = 0.5
+GOALS = (
+    h.Goal("conveyor_ps GB/s >= 1.0 x gloo all-reduce bus bandwidth (same bytes, same run)",
+           "conveyor_vs_gloo_busbw", 1.0),
+    h.Goal("conveyor_ps GB/s >= 0.5 x raw loopback TCP (same accounting, same run)", "conveyor_vs_raw_tcp", 0.5),
+)
 MB = 1_000_000
 
 
@@ -233,94 +241,78 @@ def _spawn(config: dict[str, Any], env: dict[str, str]) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def _configs(contender: str, base: dict[str, Any], env: dict[str, str]) -> list[dict[str, Any]]:
+    """The settings of each process of `contender` (the conveyor one also gets its secret in `env`)."""
+    if contender == "conveyor_ps":
+        env[SECRET_ENV] = secrets.token_bytes(32).hex()
+        ports = free_ports(2)
+        configs = [{**base, "role": "ps_server", "index": k, "port": p} for k, p in enumerate(ports)]
+        return [*configs, {**base, "role": "ps_client", "ports": ports}]
+    port = free_ports(1)[0]
+    if contender == "gloo_allreduce":
+        return [{**base, "role": "gloo", "rank": r, "port": port} for r in range(2)]
+    return [{**base, "role": "tcp", "side": side, "port": port} for side in ("echo", "client")]
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout: float) -> list[str]:
+    """Wait for every process; a process that fails (or the deadline) stops the others, so nobody waits on a
+    dead peer. The errors, one per failed process."""
+    errors = []
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs):
+        failed = any(p.returncode for p in procs)
+        if failed or time.monotonic() > deadline:
+            if not failed:
+                errors.append(f"timed out after {timeout:.0f} s")
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            break
+        time.sleep(0.02)
+    outputs = [p.communicate()[0] for p in procs]
+    for p, out in zip(procs, outputs, strict=True):
+        if p.returncode:
+            errors.append(f"pid {p.pid} exited {p.returncode}: {out.strip()[-800:]}")
+    return errors
+
+
 def run_contender(contender: str, settings: dict[str, Any], timeout: float) -> dict[str, Any]:
     """Start the contender's processes, wait for them, return rank 0's result (``{"error": ...}`` on failure)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     with tempfile.TemporaryDirectory(prefix="conveyor-bench-ps-") as tmp:
-        result_path = str(Path(tmp) / "result.json")
-        base = {**settings, "result": result_path, "timeout": timeout}
-        if contender == "conveyor_ps":
-            env[SECRET_ENV] = secrets.token_bytes(32).hex()
-            ports = free_ports(2)
-            configs = [{**base, "role": "ps_server", "index": k, "port": p} for k, p in enumerate(ports)]
-            configs.append({**base, "role": "ps_client", "ports": ports})
-        elif contender == "gloo_allreduce":
-            port = free_ports(1)[0]
-            configs = [{**base, "role": "gloo", "rank": r, "port": port} for r in range(2)]
-        else:
-            port = free_ports(1)[0]
-            configs = [{**base, "role": "tcp", "side": side, "port": port} for side in ("echo", "client")]
-        procs = [_spawn(c, env) for c in configs]
-        errors = []
-        deadline = time.monotonic() + timeout
-        # Poll: a process that fails (or the deadline) stops the others, so nobody waits on a dead peer.
-        while any(p.poll() is None for p in procs):
-            failed = any(p.returncode for p in procs)
-            if failed or time.monotonic() > deadline:
-                if not failed:
-                    errors.append(f"timed out after {timeout:.0f} s")
-                for p in procs:
-                    if p.poll() is None:
-                        p.kill()
-                break
-            time.sleep(0.02)
-        outputs = [p.communicate()[0] for p in procs]
-        for p, out in zip(procs, outputs, strict=True):
-            if p.returncode:
-                errors.append(f"pid {p.pid} exited {p.returncode}: {out.strip()[-800:]}")
-        if errors or not Path(result_path).exists():
-            return {"error": "; ".join(errors) or "no result written", "output": outputs}
-        return json.loads(Path(result_path).read_text())
+        result_path = Path(tmp) / "result.json"
+        configs = _configs(contender, {**settings, "result": str(result_path), "timeout": timeout}, env)
+        errors = _wait_all([_spawn(c, env) for c in configs], timeout)
+        if errors or not result_path.exists():
+            return {"error": "; ".join(errors) or "no result written"}
+        return json.loads(result_path.read_text())
 
 
 def run_rounds(settings: dict[str, Any], repeats: int, timeout: float) -> dict[str, Any]:
-    samples: dict[str, list[float | None]] = {c: [] for c in CONTENDERS}
-    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in CONTENDERS}
-    order, errors = [], []
-    for r in range(repeats):
-        for c in CONTENDERS if r % 2 == 0 else CONTENDERS[::-1]:
-            order.append(c)
-            res = run_contender(c, settings, timeout)
-            runs[c].append(res)
-            if "error" in res:
-                errors.append(f"round {r} {c}: {res['error']}")
-                samples[c].append(None)
-            else:
-                samples[c].append(res["gbps"])
-            shown = "failed" if samples[c][-1] is None else f"{samples[c][-1]:.3f} GB/s"
-            print(f"  round {r + 1}/{repeats} {c:<15} {shown}", flush=True)
-    return {"samples": samples, "runs": runs, "order": order, "errors": errors}
+    def measure(c: str, rnd: int) -> tuple[float, dict[str, Any]]:
+        res = run_contender(c, settings, timeout)
+        if "error" in res:
+            raise h.ContenderFailed(res["error"], res)
+        return res["gbps"], res
 
-
-def _med(xs: Sequence[float | None]) -> float:
-    vals = [x for x in xs if x is not None]
-    return statistics.median(vals) if vals else math.nan
-
-
-def _ratio(a: float, b: float) -> float:
-    return a / b if math.isfinite(a) and math.isfinite(b) and b > 0 else math.nan
+    return h.interleaved_rounds(CONTENDERS, repeats, measure, describe=lambda v, run: f"{v:.3f} GB/s")
 
 
 def derive(res: dict[str, Any]) -> dict[str, Any]:
     s = res["samples"]
-    med = {c: _med(s[c]) for c in CONTENDERS}
-    paired = {name: [_ratio(a, b) if a is not None and b is not None else math.nan
-                     for a, b in zip(s["conveyor_ps"], s[other], strict=True)]
-              for name, other in (("conveyor_vs_gloo_busbw", "gloo_allreduce"), ("conveyor_vs_raw_tcp", "raw_tcp"))}
+    med = {c: h.median(s[c]) for c in CONTENDERS}
+    paired = {"conveyor_vs_gloo_busbw": h.paired(s["conveyor_ps"], s["gloo_allreduce"]),
+              "conveyor_vs_raw_tcp": h.paired(s["conveyor_ps"], s["raw_tcp"])}
     return {
         "median_gbps": med,
-        "min_gbps": {c: min((x for x in s[c] if x is not None), default=math.nan) for c in CONTENDERS},
-        "max_gbps": {c: max((x for x in s[c] if x is not None), default=math.nan) for c in CONTENDERS},
-        "conveyor_vs_gloo_busbw": _ratio(med["conveyor_ps"], med["gloo_allreduce"]),
-        "conveyor_vs_raw_tcp": _ratio(med["conveyor_ps"], med["raw_tcp"]),
+        "min_gbps": {c: h.lowest(s[c]) for c in CONTENDERS},
+        "max_gbps": {c: h.highest(s[c]) for c in CONTENDERS},
+        "conveyor_vs_gloo_busbw": h.ratio(med["conveyor_ps"], med["gloo_allreduce"]),
+        "conveyor_vs_raw_tcp": h.ratio(med["conveyor_ps"], med["raw_tcp"]),
         "paired_per_round": paired,
         "roundtrip_ok": all(r.get("roundtrip_ok", False) for c in ("conveyor_ps", "raw_tcp") for r in res["runs"][c]
                             if "error" not in r),
     }
-
-
-def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None or not math.isfinite(x) else format(x, spec)
 
 
 UNITS = {"conveyor_ps": "GB/s (2 x bytes / push+pull time)",
@@ -333,36 +325,21 @@ def format_table(res: dict[str, Any], d: dict[str, Any], settings: dict[str, Any
             f"{repeats} round(s) x {settings['iters']} timed iteration(s), loopback, 1 thread/process")
     rows = [("contender", "GB/s", "min", "max", "per round", "measure")]
     for c in CONTENDERS:
-        rows.append((c, _fmt(d["median_gbps"][c], ".3f"), _fmt(d["min_gbps"][c], ".3f"), _fmt(d["max_gbps"][c], ".3f"),
-                     " ".join(_fmt(x, ".3f") for x in res["samples"][c]), UNITS[c]))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = [head, ""]
-    for r in rows:
-        lines.append("  ".join(v.ljust(w) if i in (0, 4, 5) else v.rjust(w)
-                               for i, (v, w) in enumerate(zip(r, widths, strict=True))).rstrip())
+        rows.append((c, h.fmt(d["median_gbps"][c], ".3f"), h.fmt(d["min_gbps"][c], ".3f"),
+                     h.fmt(d["max_gbps"][c], ".3f"), h.fmt_all(res["samples"][c], ".3f"), UNITS[c]))
     pr = d["paired_per_round"]
-    lines += [
-        "",
-        f"conveyor_ps / gloo busbw  {_fmt(d['conveyor_vs_gloo_busbw'], '.3f')}  (ratio of medians; paired per round: "
-        f"{' '.join(_fmt(x, '.3f') for x in pr['conveyor_vs_gloo_busbw'])})",
-        f"conveyor_ps / raw TCP     {_fmt(d['conveyor_vs_raw_tcp'], '.3f')}  (ratio of medians; paired per round: "
-        f"{' '.join(_fmt(x, '.3f') for x in pr['conveyor_vs_raw_tcp'])})",
+    return "\n".join([
+        head, "", h.format_rows(rows, left=(0, 4, 5)), "",
+        f"conveyor_ps / gloo busbw  {h.fmt(d['conveyor_vs_gloo_busbw'], '.3f')}  (ratio of medians; paired per "
+        f"round: {h.fmt_all(pr['conveyor_vs_gloo_busbw'], '.3f')})",
+        f"conveyor_ps / raw TCP     {h.fmt(d['conveyor_vs_raw_tcp'], '.3f')}  (ratio of medians; paired per round: "
+        f"{h.fmt_all(pr['conveyor_vs_raw_tcp'], '.3f')})",
         f"data round-trips intact: {d['roundtrip_ok']}",
-    ]
-    return "\n".join(lines)
+    ])
 
 
 def goals(d: dict[str, Any]) -> list[dict[str, Any]]:
-    out = []
-    for key, name, threshold in (
-            ("conveyor_vs_gloo_busbw", "conveyor_ps GB/s >= 1.0 x gloo all-reduce bus bandwidth (same bytes, same run)",
-             GOAL_GLOO),
-            ("conveyor_vs_raw_tcp", "conveyor_ps GB/s >= 0.5 x raw loopback TCP (same accounting, same run)",
-             GOAL_TCP)):
-        value = d[key]
-        out.append({"name": name, "value": value, "threshold": threshold,
-                    "pass": bool(math.isfinite(value) and value >= threshold)})
-    return out
+    return h.evaluate_goals(GOALS, d)
 
 
 def write_json(report: dict[str, Any], out_dir: Path) -> Path:
@@ -370,24 +347,14 @@ def write_json(report: dict[str, Any], out_dir: Path) -> Path:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = h.parser(__doc__, "16 MB, 1 round, 2 iterations")
     p.add_argument("--mb", type=float, default=None, help="model size in MB of 10^6 bytes (default 100; --quick 16)")
-    p.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 5; --quick 1)")
     p.add_argument("--iters", type=int, default=None, help="timed iterations per run (default 3; --quick 2)")
     p.add_argument("--tensors", type=int, default=25, help="tensors the conveyor model is split into (default 25)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per contender run (default 120)")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON folder (default {DEFAULT_OUT})")
-    p.add_argument("--quick", action="store_true", help="16 MB, 1 round, 2 iterations")
     p.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    for name, (full, quick) in {"mb": (100.0, 16.0), "repeats": (5, 1), "iters": (3, 2)}.items():
-        if getattr(args, name) is None:
-            setattr(args, name, quick if args.quick else full)
-    for name in ("mb", "repeats", "iters", "tensors", "timeout"):
-        if not getattr(args, name) > 0:
-            p.error(f"--{name} must be > 0")
-    return args
+    return h.settle(p, p.parse_args(argv), {"mb": (100.0, 16.0), "repeats": (5, 1), "iters": (3, 2)},
+                    positive=("mb", "repeats", "iters", "tensors", "timeout"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -399,26 +366,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     nbytes = int(args.mb * MB) // (4 * args.tensors) * 4 * args.tensors  # whole float32 tensors of equal size
     settings = {"bytes": nbytes, "tensors": args.tensors, "iters": args.iters}
-    machine = {**machine_facts(("torch", "pyzmq")), "loadavg_start": loadavg()}
+    machine = h.machine_start(("torch", "pyzmq"))
     print(f"{nbytes / MB:.0f} MB, {args.repeats} round(s) x {args.iters} iteration(s), {machine['cores']} cores")
     res = run_rounds(settings, args.repeats, args.timeout)
     d = derive(res)
     gs = goals(d)
-    machine["loadavg_end"] = loadavg()
-    table = format_table(res, d, settings, args.repeats)
     report = {
-        "benchmark": "ps",
-        "command": " ".join([Path(sys.executable).name, "benchmarks/ps.py", *(sys.argv[1:] if argv is None else argv)]),
-        "machine": machine,
+        "benchmark": "ps", "command": h.command_line("ps", argv), "machine": h.machine_end(machine),
         "config": {**settings, "mb": args.mb, "repeats": args.repeats, "quick": args.quick, "timeout": args.timeout,
                    "ps_tasks": 2, "threads_per_process": 1, "order": res["order"],
-                   "contenders": {"conveyor_ps": "2 conveyor.comm.transport.Server processes + 1 Client process: "
-                                                 "pipelined push of every tensor, then pipelined pull",
-                                  "gloo_allreduce": "torch.distributed gloo all_reduce, 2 processes, tcp:// init",
-                                  "raw_tcp": "one TCP connection, sendall + echo back, 2 processes"},
-                   "units": UNITS},
+                   "contenders": {c.name: c.label for c in CONTENDERS_SPEC}, "units": UNITS},
     }
-    publish_run("ps", report, res, d, gs, table, started, format_goals(gs), args.out)
+    h.publish_run("ps", report, res, d, gs, format_table(res, d, settings, args.repeats), started,
+                  h.format_goals(gs), args.out)
     return 0
 
 

@@ -61,7 +61,6 @@ import json
 import math
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -71,17 +70,21 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by file path
-from machine import format_goals, loadavg, machine_facts, publish_run, write_results  # noqa: E402
+import harness as h  # noqa: E402
+from machine import write_results  # noqa: E402
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
 EXAMPLE = ROOT / "examples" / "digits" / "train.py"
-DEFAULT_OUT = HERE.parent / "results"
 CONTENDERS = ("allreduce", "ps-sync", "ps-async", "ps-sync+straggler", "ps-async+straggler")  # odd rounds reversed
 STRAGGLER_RANK = 1
 STRAGGLER_FILE = f"straggler-worker-{STRAGGLER_RANK}.json"
-GOAL_SPEEDUP = 1.5
-GOAL_ACCURACY_GAP = 0.02
+GOALS = (
+    h.Goal("straggler (worker 1 2x slower): ps-async samples/s >= 1.5 x ps-sync samples/s (same run)",
+           "straggler_async_vs_sync_samples_per_second", 1.5, ">="),
+    h.Goal("straggler: |ps-async test accuracy - ps-sync test accuracy| <= 0.02 (same epochs, lr, seed)",
+           "straggler_accuracy_gap", 0.02, "<="),
+)
 WORKERS = 2
 PS_TASKS = 1
 METRICS = ("steps_per_second", "samples_per_second", "wall_seconds", "eval_accuracy")
@@ -224,38 +227,25 @@ def run_job(contender: str, settings: dict[str, Any], data_dir: Path, out_dir: P
 
 
 def run_rounds(contenders: Sequence[str], settings: dict[str, Any], repeats: int, timeout: float) -> dict[str, Any]:
-    samples = {c: {m: [] for m in METRICS} for c in contenders}
-    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in contenders}
-    order, errors = [], []
     with tempfile.TemporaryDirectory(prefix="conveyor-bench-ps-training-") as tmp:
         data_dir = Path(tmp) / "data"  # shared: the first job writes the TFRecord shards
-        for r in range(repeats):
-            for c in contenders if r % 2 == 0 else contenders[::-1]:
-                order.append(c)
-                res = run_job(c, settings, data_dir, Path(tmp) / f"out-{len(order)}-{c}", timeout)
-                runs[c].append(res)
-                if "error" in res:
-                    errors.append(f"round {r} {c}: {res['error']}")
-                for m in METRICS:
-                    samples[c][m].append(None if "error" in res else res[m])
-                shown = ("failed" if "error" in res else
-                         f"{res['steps_per_second']:.1f} steps/s, {res['samples_per_second']:.0f} samples/s, "
-                         f"accuracy {res['eval_accuracy']:.4f}")
-                print(f"  round {r + 1}/{repeats} {c:<19} {shown}", flush=True)
-    return {"samples": samples, "runs": runs, "order": order, "errors": errors}
+        jobs = iter(range(1, 1 << 30))
 
+        def measure(c: str, rnd: int) -> tuple[dict[str, float], dict[str, Any]]:
+            res = run_job(c, settings, data_dir, Path(tmp) / f"out-{next(jobs)}-{c}", timeout)
+            if "error" in res:
+                raise h.ContenderFailed(res["error"], res)
+            return {m: res[m] for m in METRICS}, res
 
-def _med(xs: Sequence[float | None]) -> float:
-    vals = [x for x in xs if x is not None and math.isfinite(x)]
-    return statistics.median(vals) if vals else math.nan
+        def describe(value: dict[str, float], res: dict[str, Any]) -> str:
+            return (f"{res['steps_per_second']:.1f} steps/s, {res['samples_per_second']:.0f} samples/s, "
+                    f"accuracy {res['eval_accuracy']:.4f}")
 
-
-def _ratio(a: float | None, b: float | None) -> float:
-    return a / b if a is not None and b is not None and math.isfinite(a) and math.isfinite(b) and b > 0 else math.nan
-
-
-def _gap(a: float | None, b: float | None) -> float:
-    return abs(a - b) if a is not None and b is not None and math.isfinite(a) and math.isfinite(b) else math.nan
+        res = h.interleaved_rounds(contenders, repeats, measure, describe=describe)
+    # Per contender, per metric, the rounds' values (None where the job failed).
+    res["samples"] = {c: {m: [v[m] if isinstance(v, dict) else None for v in res["samples"][c]] for m in METRICS}
+                      for c in contenders}
+    return res
 
 
 def _worker_steps(run: dict[str, Any], batch_size: int) -> list[int] | None:
@@ -267,37 +257,31 @@ def _worker_steps(run: dict[str, Any], batch_size: int) -> list[int] | None:
 
 def derive(res: dict[str, Any], contenders: Sequence[str], batch_size: int) -> dict[str, Any]:
     s = res["samples"]
-    med = {m: {c: _med(s[c][m]) for c in contenders} for m in METRICS}
+    med = {m: {c: h.median(s[c][m]) for c in contenders} for m in METRICS}
     d: dict[str, Any] = {f"median_{m}": med[m] for m in METRICS}
     d["worker_steps"] = {c: [_worker_steps(run, batch_size) for run in res["runs"][c]] for c in contenders}
     sync, asyn = "ps-sync+straggler", "ps-async+straggler"
     have = sync in contenders and asyn in contenders
     d["straggler_async_vs_sync_samples_per_second"] = (
-        _ratio(med["samples_per_second"][asyn], med["samples_per_second"][sync]) if have else math.nan)
+        h.ratio(med["samples_per_second"][asyn], med["samples_per_second"][sync]) if have else math.nan)
     d["straggler_accuracy_gap"] = (
-        _gap(med["eval_accuracy"][asyn], med["eval_accuracy"][sync]) if have else math.nan)
+        h.gap(med["eval_accuracy"][asyn], med["eval_accuracy"][sync]) if have else math.nan)
     d["paired_per_round"] = {
         "straggler_async_vs_sync_samples_per_second":
-            [_ratio(a, b) for a, b in zip(s[asyn]["samples_per_second"], s[sync]["samples_per_second"], strict=True)]
-            if have else [],
+            h.paired(s[asyn]["samples_per_second"], s[sync]["samples_per_second"]) if have else [],
         "straggler_accuracy_gap":
-            [_gap(a, b) for a, b in zip(s[asyn]["eval_accuracy"], s[sync]["eval_accuracy"], strict=True)]
-            if have else [],
+            h.paired(s[asyn]["eval_accuracy"], s[sync]["eval_accuracy"], op=h.gap) if have else [],
     }
-    d["paired_median"] = {k: _med(v) for k, v in d["paired_per_round"].items()}
+    d["paired_median"] = {k: h.median(v) for k, v in d["paired_per_round"].items()}
     base = "allreduce" if "allreduce" in contenders else None
     d["steps_per_second_vs_allreduce"] = {
-        c: _ratio(med["steps_per_second"][c], med["steps_per_second"][base]) if base else math.nan
+        c: h.ratio(med["steps_per_second"][c], med["steps_per_second"][base]) if base else math.nan
         for c in contenders if "+" not in c}
     # What the straggler runs cost against the same strategy without one (same run, ratio of medians).
     d["straggler_vs_unslowed_samples_per_second"] = {
-        c: _ratio(med["samples_per_second"][c], med["samples_per_second"][c.partition("+")[0]])
+        c: h.ratio(med["samples_per_second"][c], med["samples_per_second"][c.partition("+")[0]])
         for c in contenders if "+" in c and c.partition("+")[0] in contenders}
     return d
-
-
-def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None or not math.isfinite(x) else format(x, spec)
 
 
 def format_table(res: dict[str, Any], d: dict[str, Any], contenders: Sequence[str], settings: dict[str, Any],
@@ -312,81 +296,51 @@ def format_table(res: dict[str, Any], d: dict[str, Any], contenders: Sequence[st
     for c in contenders:
         s = res["samples"][c]
         steps = "/".join("-" if w is None else f"{w[0]}+{w[1]}" for w in d["worker_steps"][c])
-        rows.append((c, _fmt(d["median_steps_per_second"][c], ".1f"), _fmt(d["median_samples_per_second"][c], ".0f"),
-                     _fmt(d["median_wall_seconds"][c], ".2f"), _fmt(d["median_eval_accuracy"][c], ".4f"), steps,
-                     " ".join(_fmt(x, ".0f") for x in s["samples_per_second"]),
-                     " ".join(_fmt(x, ".4f") for x in s["eval_accuracy"])))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = [head, ""]
-    for r in rows:
-        lines.append("  ".join(v.ljust(w) if i in (0, 5, 6, 7) else v.rjust(w)
-                               for i, (v, w) in enumerate(zip(r, widths, strict=True))).rstrip())
+        rows.append((c, h.fmt(d["median_steps_per_second"][c], ".1f"), h.fmt(d["median_samples_per_second"][c], ".0f"),
+                     h.fmt(d["median_wall_seconds"][c], ".2f"), h.fmt(d["median_eval_accuracy"][c], ".4f"), steps,
+                     h.fmt_all(s["samples_per_second"], ".0f"), h.fmt_all(s["eval_accuracy"], ".4f")))
+    lines = [head, "", h.format_rows(rows, left=(0, 5, 6, 7))]
     lines.append("(worker steps: chief + other worker, per round)")
     lines.append("")
     vs = d["steps_per_second_vs_allreduce"]
     if "allreduce" in contenders:
-        lines.append("steps/s vs allreduce: " + ", ".join(f"{c} {_fmt(v, '.3f')}" for c, v in vs.items()
+        lines.append("steps/s vs allreduce: " + ", ".join(f"{c} {h.fmt(v, '.3f')}" for c, v in vs.items()
                                                          if c != "allreduce"))
     for c, v in d["straggler_vs_unslowed_samples_per_second"].items():
-        lines.append(f"{c} samples/s / {c.partition('+')[0]} samples/s  {_fmt(v, '.3f')}")
+        lines.append(f"{c} samples/s / {c.partition('+')[0]} samples/s  {h.fmt(v, '.3f')}")
     pr, pm = d["paired_per_round"], d["paired_median"]
     key = "straggler_async_vs_sync_samples_per_second"
     lines += [
-        f"straggler: ps-async / ps-sync samples/s   {_fmt(d[key], '.3f')}  (ratio of medians; paired per round: "
-        f"{' '.join(_fmt(x, '.3f') for x in pr[key])}, their median {_fmt(pm[key], '.3f')})",
-        f"straggler: |ps-async - ps-sync| accuracy  {_fmt(d['straggler_accuracy_gap'], '.4f')}  (of medians; "
-        f"per round: {' '.join(_fmt(x, '.4f') for x in pr['straggler_accuracy_gap'])}, their median "
-        f"{_fmt(pm['straggler_accuracy_gap'], '.4f')})",
+        f"straggler: ps-async / ps-sync samples/s   {h.fmt(d[key], '.3f')}  (ratio of medians; paired per round: "
+        f"{h.fmt_all(pr[key], '.3f')}, their median {h.fmt(pm[key], '.3f')})",
+        f"straggler: |ps-async - ps-sync| accuracy  {h.fmt(d['straggler_accuracy_gap'], '.4f')}  (of medians; "
+        f"per round: {h.fmt_all(pr['straggler_accuracy_gap'], '.4f')}, their median "
+        f"{h.fmt(pm['straggler_accuracy_gap'], '.4f')})",
     ]
     return "\n".join(lines)
 
 
 def goals(d: dict[str, Any]) -> list[dict[str, Any]]:
-    speedup, gap = d["straggler_async_vs_sync_samples_per_second"], d["straggler_accuracy_gap"]
-    return [
-        {"name": "straggler (worker 1 2x slower): ps-async samples/s >= 1.5 x ps-sync samples/s (same run)",
-         "value": speedup, "threshold": GOAL_SPEEDUP, "compare": ">=",
-         "pass": bool(math.isfinite(speedup) and speedup >= GOAL_SPEEDUP)},
-        {"name": "straggler: |ps-async test accuracy - ps-sync test accuracy| <= 0.02 (same epochs, lr, seed)",
-         "value": gap, "threshold": GOAL_ACCURACY_GAP, "compare": "<=",
-         "pass": bool(math.isfinite(gap) and gap <= GOAL_ACCURACY_GAP)},
-    ]
+    return h.evaluate_goals(GOALS, d)
 
 
 def write_json(report: dict[str, Any], out_dir: Path) -> Path:
     return write_results("ps_training", report, out_dir)
 
 
-def _contenders(text: str) -> tuple[str, ...]:
-    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
-    unknown = [n for n in names if n not in CONTENDERS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown contender(s) {unknown}; choose from {', '.join(CONTENDERS)}")
-    return tuple(c for c in CONTENDERS if c in names)  # the canonical order
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 3; --quick 1)")
+    p = h.parser(__doc__, "1 round, 1 epoch")
     p.add_argument("--epochs", type=int, default=None, help="epochs per job, every contender (default 8; --quick 1)")
     p.add_argument("--lr", type=float, default=0.02, help="SGD learning rate, every contender (default 0.02)")
     p.add_argument("--batch-size", type=int, default=32, help="per worker (default 32)")
     p.add_argument("--seed", type=int, default=0, help="torch seed of the model (default 0)")
     p.add_argument("--slowdown", type=float, default=2.0, help="the straggler's step time factor (default 2)")
-    p.add_argument("--contenders", type=_contenders, default=CONTENDERS,
+    p.add_argument("--contenders", type=h.contender_names(CONTENDERS), default=CONTENDERS,
                    help=f"comma-separated subset of {','.join(CONTENDERS)} (default all)")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per job (default 180)")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON folder (default {DEFAULT_OUT})")
-    p.add_argument("--quick", action="store_true", help="1 round, 1 epoch")
     p.add_argument("--train", metavar="JSON", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    for name, (full, quick) in {"repeats": (3, 1), "epochs": (8, 1)}.items():
-        if getattr(args, name) is None:
-            setattr(args, name, quick if args.quick else full)
-    for name in ("repeats", "epochs", "lr", "batch_size", "timeout"):
-        if not getattr(args, name) > 0:
-            p.error(f"--{name.replace('_', '-')} must be > 0")
+    args = h.settle(p, p.parse_args(argv), {"repeats": (3, 1), "epochs": (8, 1)},
+                    positive=("repeats", "epochs", "lr", "batch_size", "timeout"))
     if not args.slowdown >= 1:
         p.error("--slowdown must be >= 1")
     return args
@@ -400,19 +354,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     settings = {"epochs": args.epochs, "lr": args.lr, "batch_size": args.batch_size, "seed": args.seed,
                 "slowdown": args.slowdown, "checkpoint_every": 50}
-    machine = {**machine_facts(("torch", "pyzmq")), "loadavg_start": loadavg()}
+    machine = h.machine_start(("torch", "pyzmq"))
     print(f"{len(args.contenders)} contender(s) x {args.repeats} round(s), {args.epochs} epoch(s) each, "
           f"{machine['cores']} cores")
     res = run_rounds(args.contenders, settings, args.repeats, args.timeout)
     d = derive(res, args.contenders, args.batch_size)
     gs = goals(d)
-    machine["loadavg_end"] = loadavg()
     table = format_table(res, d, args.contenders, settings, args.repeats)
     report = {
-        "benchmark": "ps_training",
-        "command": " ".join([Path(sys.executable).name, "benchmarks/ps_training.py",
-                             *(sys.argv[1:] if argv is None else argv)]),
-        "machine": machine,
+        "benchmark": "ps_training", "command": h.command_line("ps_training", argv), "machine": h.machine_end(machine),
         "config": {**settings, "repeats": args.repeats, "quick": args.quick, "timeout": args.timeout,
                    "workers": WORKERS, "ps_tasks": PS_TASKS, "straggler_rank": STRAGGLER_RANK,
                    "threads_per_process": 1, "contenders": list(args.contenders), "order": res["order"],
@@ -424,7 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "wall_seconds": "chief's training wall seconds (summary.json)",
                              "eval_accuracy": "test-split accuracy at the end (summary.json)"}},
     }
-    publish_run("ps_training", report, res, d, gs, table, started, format_goals(gs), args.out)
+    h.publish_run("ps_training", report, res, d, gs, table, started, h.format_goals(gs), args.out)
     return 0
 
 

@@ -29,7 +29,11 @@ FEATURES = {"image": FixedLenFeature([64], "float32"), "label": FixedLenFeature(
 
 def write_tfrecords(folder: str) -> None:
     """scikit-learn's digits as train/test TFRecord shards (80/20, fixed seed)."""
-    from sklearn.datasets import load_digits
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as e:  # the data itself: nothing to skip, so stop with the fix
+        raise SystemExit(f"the digits example reads scikit-learn's bundled digits, and scikit-learn is not "
+                         f"installed ({e}); pip install 'conveyor[examples]' brings it") from e
 
     from conveyor.data.convert import convert_arrays
 

@@ -5,6 +5,7 @@ Not a performance assertion: rates are only checked to be positive and finite.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import time
@@ -12,9 +13,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
+
+from conveyor.data import encode_example
 
 ROOT = Path(__file__).resolve().parents[2]
-CONTENDERS = ("single_thread", "parallel_plain", "old", "new", "dataloader")
+CONTENDERS = ("single_thread", "parallel_plain", "sequential", "parallel", "dataloader")
 
 
 BENCHMARK = "pipeline"
@@ -55,7 +59,9 @@ def test_images_are_not_flat(bench):
 @pytest.mark.parametrize("size, crop, fn", [(32, 32, "cifar_fn"), (256, 224, "chexnet_fn")])
 def test_per_record_function(bench, size, crop, fn):
     image = bench.make_images(np.random.default_rng(1), 1, size)[0]
-    record = bench.encode_example({"image": bench.encode_jpeg(image, 90), "label": 3})
+    buf = io.BytesIO()
+    Image.fromarray(image, "RGB").save(buf, format="JPEG", quality=90)
+    record = encode_example({"image": buf.getvalue(), "label": 3})
     x, y = getattr(bench, fn)(record)
     assert x.shape == (3, crop, crop) and x.dtype == np.float32 and x.flags.c_contiguous
     assert np.isfinite(x).all() and -5 < x.mean() < 5 and x.std() > 0.05
@@ -75,9 +81,9 @@ def test_parse_args_quick(bench):
 def test_run_workload_and_report(bench, tmp_path):
     wl = tiny(bench)
     lines: list[str] = []
-    res = bench.run_workload(wl, tmp_path / "data", n_records=96, repeats=2, warmup_batches=1,
-                             idle_batches=4, memory_epochs=5, with_tfdata=False, progress=False,
-                             log=lines.append)
+    settings = bench.RunSettings(n_records=96, repeats=2, warmup_batches=1, idle_batches=4, memory_epochs=5,
+                                 with_tfdata=False, progress=False)
+    res = bench.run_workload(wl, tmp_path / "data", settings, log=lines.append)
     assert any("round 2/2" in line for line in lines)
 
     for c in CONTENDERS:
@@ -88,13 +94,13 @@ def test_run_workload_and_report(bench, tmp_path):
     d = res["derived"]
     assert d["cores"] >= 1
     assert d["limit"] == pytest.approx(d["cores"] * res["median"]["single_thread"])
-    assert d["new_vs_dataloader"] == pytest.approx(res["median"]["new"] / res["median"]["dataloader"])
-    assert d["tfdata_vs_new"] is None
+    assert d["parallel_vs_dataloader"] == pytest.approx(res["median"]["parallel"] / res["median"]["dataloader"])
+    assert d["tfdata_vs_parallel"] is None
 
     idle = res["idle"]
     assert idle["batches"] == 4 and 0 <= idle["idle_fraction"] <= 1
     assert idle["sleep_s"] == pytest.approx(0.8 * idle["batch_time_s"])  # calibrated in the same run
-    assert idle["reference_batch_time_s"] == pytest.approx(wl.batch_size / res["median"]["new"])
+    assert idle["reference_batch_time_s"] == pytest.approx(wl.batch_size / res["median"]["parallel"])
 
     mem = res["memory"]
     assert mem["records_per_epoch"] == 150 and len(mem["peak_mb_per_epoch"]) == 5
@@ -116,7 +122,7 @@ def test_run_workload_and_report(bench, tmp_path):
     for p in (path, tmp_path / "out" / "pipeline-latest.json"):
         data = json.loads(p.read_text())
         assert data["machine"]["cores"] == d["cores"] and data["machine"]["torch"]
-        assert data["results"]["tiny"]["samples"]["new"] == res["samples"]["new"]
+        assert data["results"]["tiny"]["samples"]["parallel"] == res["samples"]["parallel"]
         assert data["results"]["tiny"]["workload"]["fn"] == "cifar_fn"
         assert data["all_pass"] == all(g["pass"] for g in goals)
 
@@ -141,8 +147,9 @@ def broken_fn(record):
 def test_failing_contenders_are_reported_not_fatal(bench, tmp_path):
     wl = tiny(bench, fn=broken_fn, num_images=64)
     lines: list[str] = []
-    res = bench.run_workload(wl, tmp_path / "data", n_records=32, repeats=1, warmup_batches=1,
-                             memory_epochs=1, with_tfdata=False, progress=False, log=lines.append)
+    settings = bench.RunSettings(n_records=32, repeats=1, warmup_batches=1, memory_epochs=1, with_tfdata=False,
+                                 progress=False)
+    res = bench.run_workload(wl, tmp_path / "data", settings, log=lines.append)
     assert all(math.isnan(v[0]) for v in res["samples"].values())
     assert len(res["errors"]) == len(CONTENDERS) + 1  # every contender, and the memory run
     assert all("no such image" in e for e in res["errors"])
@@ -152,4 +159,4 @@ def test_failing_contenders_are_reported_not_fatal(bench, tmp_path):
     assert "not measured" in bench.format_goals(report["goals"])
     assert "ERROR" in bench.format_details({wl.name: res})
     data = json.loads(bench.write_json(report, tmp_path / "out").read_text())  # strict JSON: null, not NaN
-    assert data["results"]["tiny"]["samples"]["new"] == [None]
+    assert data["results"]["tiny"]["samples"]["parallel"] == [None]

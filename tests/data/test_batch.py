@@ -1,4 +1,4 @@
-"""batch(batch_size, drop_remainder): TFDATA.md §8."""
+"""batch(batch_size, drop_remainder): docs/tfdata-semantics.md §8."""
 
 from __future__ import annotations
 

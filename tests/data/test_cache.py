@@ -1,4 +1,4 @@
-"""cache(filename): TFDATA.md §11."""
+"""cache(filename): docs/tfdata-semantics.md §11."""
 
 from __future__ import annotations
 

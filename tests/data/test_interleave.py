@@ -1,4 +1,4 @@
-"""interleave: tf.data's exact order (TFDATA.md §6), the parallel versions, errors, close, resume."""
+"""interleave: tf.data's exact order (docs/tfdata-semantics.md §6), the parallel versions, errors, close, resume."""
 
 from __future__ import annotations
 

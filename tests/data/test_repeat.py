@@ -1,4 +1,4 @@
-"""repeat(count): TFDATA.md §5."""
+"""repeat(count): docs/tfdata-semantics.md §5."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""shard(num_shards, index): TFDATA.md §3."""
+"""shard(num_shards, index): docs/tfdata-semantics.md §3."""
 
 from __future__ import annotations
 

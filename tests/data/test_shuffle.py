@@ -1,4 +1,4 @@
-"""shuffle: tf.data's buffer semantics (TFDATA.md §4, §16) and exact resume."""
+"""shuffle: tf.data's buffer semantics (docs/tfdata-semantics.md §4, §16) and exact resume."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""take(count) and skip(count): TFDATA.md §10."""
+"""take(count) and skip(count): docs/tfdata-semantics.md §10."""
 
 from __future__ import annotations
 

@@ -297,6 +297,24 @@ def test_init_first_wins_and_a_mismatched_placement_is_refused(served) -> None:
 
 
 @pytest.mark.timeout(30)
+def test_ps0_keeps_each_workers_newest_data_position(served) -> None:
+    server, (w0, w1) = served("async")
+    model = nn.Linear(3, 2)
+    _init(w0, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    as_tensor = lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8)
+    reply = w0.request("positions", {"rank": 0})
+    assert reply.kind == "positions" and reply.header["ranks"] == []
+    for data in (b'{"step": 10}', b'{"step": 20}'):
+        assert w1.request("position", {"rank": 1}, [as_tensor(data)]).kind == "ok"
+    reply = w0.request("positions", {"rank": 0})
+    assert reply.header["ranks"] == [1] and [t.numpy().tobytes() for t in reply.torch_tensors()] == [b'{"step": 20}']
+    with pytest.raises(RemoteError, match="rank"):
+        w1.request("position", {"rank": 5}, [as_tensor(b"{}")])
+    with pytest.raises(RemoteError, match="uint8"):
+        w1.request("position", {"rank": 1}, [torch.zeros(2)])
+
+
+@pytest.mark.timeout(30)
 def test_sync_averages_in_rank_order_and_applies_once(served) -> None:
     server, (w0, w1) = served("sync")
     model = nn.Linear(3, 2)
@@ -435,7 +453,9 @@ def test_trainer_lets_async_workers_run_apart_and_stops_on_the_shared_step_count
     checkpoints = tmp_path / "output" / "checkpoints"
     manifest = json.loads((checkpoints / (checkpoints / "latest").read_text().strip() / "COMPLETE").read_text())
     assert {"ps-0.safetensors", "ps-1.json", "data/worker-0.json", "data/worker-1.json"} <= set(manifest["parts"])
-    assert (checkpoints / ".positions" / "worker-1.json").exists()  # published by the slow worker as it went
+    earlier = [json.loads((step / "COMPLETE").read_text())["parts"] for step in checkpoints.glob("step-*")
+               if step.name != (checkpoints / "latest").read_text().strip()]
+    assert any("data/worker-1.json" in parts for parts in earlier)  # left with ps:0 by the slow worker as it went
 
 
 @pytest.mark.multiprocess

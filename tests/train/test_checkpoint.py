@@ -395,19 +395,6 @@ def test_parts_from_other_tasks_join_the_step(tmp_path):
         ps.read_part(100, "ps-0.safetensors")
 
 
-def test_published_positions_replace_each_other(tmp_path):
-    mgr = CheckpointManager(tmp_path, fsync=False)
-    assert mgr.latest_position("worker-1") is None
-    mgr.publish_position("worker-1", b'{"step": 10}')
-    mgr.publish_position("worker-1", b'{"step": 20}')
-    assert mgr.latest_position("worker-1") == b'{"step": 20}'
-    assert [p.name for p in (tmp_path / ".positions").iterdir()] == ["worker-1.json"]  # no temp files left
-    mgr.clear_positions()
-    assert mgr.latest_position("worker-1") is None
-    with pytest.raises(ValueError):
-        mgr.publish_position("../escape", b"{}")
-
-
 def test_missing_part_fails_the_save_and_keeps_latest(tmp_path, monkeypatch):
     mgr = CheckpointManager(tmp_path, fsync=False)
     save_tiny(mgr, 1)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from conveyor.data import Dataset, set_seed
+from conveyor.strategies import Strategy
 from conveyor.train.checkpoint import CheckpointManager
 from conveyor.train.trainer import ResumeError, TrainConfig, Trainer, accuracy
 
@@ -21,14 +22,12 @@ N, BATCH, CLASSES = 40, 8, 3  # 5 steps per epoch
 # a job: conveyor.init() once it exists, else a stand-in with the same attributes (docs/training-contracts.md)
 
 
-class FakeStrategy:
+class FakeStrategy(Strategy):
     name = "local"
+    distributed = False
 
-    def comm_seconds(self) -> float:
-        return 0.0
-
-    def __str__(self) -> str:
-        return self.name
+    def prepare(self, model, optimizer):
+        return model, optimizer
 
 
 class FakeJob:

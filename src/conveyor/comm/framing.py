@@ -25,7 +25,7 @@ and the frame's index: never reused, as GMAC requires. HMAC-SHA256 then signs th
 GMAC tags, so the header is authenticated before it is parsed, and the tensor frames right after
 (their key and nonce come from the authenticated header).
 
-Why this shape: no pickle crosses the network (DESIGN.md), the header says everything needed to rebuild
+Why this shape: no pickle crosses the network (docs/architecture.md), the header says everything needed to rebuild
 the arrays, and the tag is checked *before* the header is parsed, so the msgpack parser only ever sees
 bytes that someone holding the secret wrote. What ``decode`` rejects, and the ``reason`` it gives (the
 transport counts drops by it):

@@ -4,7 +4,7 @@
 """
 
 from conveyor.data.base import AUTOTUNE, DatasetIterator, set_seed
-from conveyor.data.errors import DataLossError, InvalidArgumentError, StateMismatchError
+from conveyor.data.errors import DataLossError, InvalidArgumentError, StateError, StateMismatchError
 from conveyor.data.pipeline import Dataset, TFRecordDataset
 from conveyor.data.records import (
     FixedLenFeature,
@@ -23,6 +23,7 @@ __all__ = [
     "DatasetIterator",
     "FixedLenFeature",
     "InvalidArgumentError",
+    "StateError",
     "StateMismatchError",
     "TFRecordDataset",
     "TFRecordWriter",

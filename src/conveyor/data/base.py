@@ -8,7 +8,10 @@ the consumer's waits, and wraps the tree's state with a version and a fingerprin
 so that a state is never loaded into a different pipeline.
 
 Contract for op authors:
-- `Iter.set_state` is only ever called on a freshly built iterator, before its first `next`.
+- `Iter.set_state` is only ever called on a freshly built iterator, before its first `next`. Its
+  state is untrusted (checkpoints may be writable by others): read every field through the
+  `StateField` it gets, which checks types and ranges and names the field in its `StateError`, and
+  check saved elements against `Node.known_elements()`, before opening or allocating anything.
 - Background work (threads, processes) starts lazily, on the first `next`, and stops in `close`.
 - `get_state` is called from the consumer's thread between two `next` calls and must describe
   exactly the elements not yet returned: work that is in flight is part of the state.
@@ -25,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from conveyor.data.errors import StateMismatchError
+from conveyor.data.elements import from_json
+from conveyor.data.errors import StateError, StateMismatchError
 
 AUTOTUNE = -1
 STATE_FORMAT = "conveyor.data.iterator"
@@ -81,6 +85,110 @@ class Context:
         return np.random.Generator(np.random.PCG64(np.random.SeedSequence([e & 0xFFFFFFFF for e in entropy])))
 
 
+_NO_KEY = object()
+
+
+class StateField:
+    """One field of a saved state being loaded, with checked reads that name the field when it is wrong.
+
+    States come from checkpoints that others may be able to write, so nothing in them is trusted:
+    every read checks the type and range, and a bad value raises `StateError` naming its path,
+    e.g. `state["state"]["input"]["offset"]: expected int >= 0, got 'x'`. Used only in `set_state`,
+    never while iterating.
+    """
+
+    __slots__ = ("value", "where")
+
+    def __init__(self, value: Any, where: str = "state"):
+        self.value = value
+        self.where = where
+
+    def error(self, problem: str) -> StateError:
+        return StateError(
+            f"{self.where}: {problem}. The iterator state is damaged or does not belong to this pipeline: "
+            f"restore the checkpoint it came from, or start without the data state (--no-resume)", self.where)
+
+    def _expected(self, what: str) -> StateError:
+        return self.error(f"expected {what}, got {_show(self.value)}")
+
+    def fields(self, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> StateField:
+        """Check that this is a dict with exactly these keys (`optional` ones may be absent)."""
+        if not isinstance(self.value, dict):
+            raise self._expected("a dict with keys " + ", ".join(map(repr, required)))
+        missing = [k for k in required if k not in self.value]
+        unknown = [k for k in self.value if k not in required and k not in optional]
+        if missing or unknown:
+            raise self.error(f"expected the keys {list(required)}, but {_show(missing)} are missing and "
+                             f"{_show(unknown)} are unknown")
+        return self
+
+    def __getitem__(self, key: str | int) -> StateField:
+        value = self.value.get(key, _NO_KEY) if isinstance(self.value, dict) else _NO_KEY
+        if value is _NO_KEY:
+            raise self._expected(f"a dict with the key {key!r}")
+        return StateField(value, f'{self.where}["{key}"]')
+
+    def get(self, key: str) -> StateField | None:
+        """The field `key`, or None when the dict does not have it (a state from an older release)."""
+        return self[key] if isinstance(self.value, dict) and key in self.value else None
+
+    def is_none(self) -> bool:
+        return self.value is None
+
+    def as_int(self, lo: int | None = 0, hi: int | None = None) -> int:
+        """An int in [lo, hi] (bools are not ints here)."""
+        v = self.value
+        if type(v) is not int or (lo is not None and v < lo) or (hi is not None and v > hi):
+            bounds = " and ".join(b for b in (lo is not None and f">= {lo}", hi is not None and f"<= {hi}") if b)
+            raise self._expected(f"int {bounds}".strip())
+        return v
+
+    def as_bool(self) -> bool:
+        if type(self.value) is not bool:
+            raise self._expected("true or false")
+        return self.value
+
+    def as_str(self) -> str:
+        if type(self.value) is not str:
+            raise self._expected("a str")
+        return self.value
+
+    def as_dict(self) -> dict:
+        if not isinstance(self.value, dict):
+            raise self._expected("a dict")
+        return self.value
+
+    def as_list(self, max_len: int | None = None, length: int | None = None) -> list[StateField]:
+        """The items of a list, each as a field; checks the length before touching any item."""
+        v = self.value
+        if not isinstance(v, list):
+            raise self._expected("a list")
+        if length is not None and len(v) != length:
+            raise self.error(f"expected a list of {length} items, got {len(v)}")
+        if max_len is not None and len(v) > max_len:
+            raise self.error(f"expected a list of at most {max_len} items, got {len(v)}")
+        return [StateField(x, f"{self.where}[{i}]") for i, x in enumerate(v)]
+
+    def as_element(self, known: frozenset | None = None) -> Any:
+        """A dataset element saved with `elements.to_json`; with `known` (every element the input can
+        produce, see `Node.known_elements`) it must be one of them."""
+        try:
+            x = from_json(self.value)
+        except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError, MemoryError):
+            raise self._expected("an element saved by elements.to_json") from None
+        if known is not None and not (isinstance(x, (str, bytes)) and x in known):
+            raise self.error(f"{_show(x)} is not an element of this pipeline's input (e.g. not in its file list)")
+        return x
+
+    def as_elements(self, max_len: int | None = None, known: frozenset | None = None) -> list:
+        return [f.as_element(known) for f in self.as_list(max_len)]
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 class StageStats:
     """Counters one stage keeps: how many elements it produced and the time it spent working."""
 
@@ -127,7 +235,9 @@ class Iter:
     def get_state(self) -> dict[str, Any]:
         raise NotImplementedError
 
-    def set_state(self, state: dict[str, Any]) -> None:
+    def set_state(self, state: StateField) -> None:
+        """Restore a position from untrusted `state`: check every field (via `StateField`) before
+        opening, starting or allocating anything."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -139,10 +249,13 @@ class Iter:
 class UnaryIter(Iter):
     """An op with one input, which it closes and drops once it is "finished" (exhausted, or done).
 
-    State: the op's own fields (`_extra_state`) followed by the input's state under "input", which
-    is None once finished. `set_state` loads the op's fields first (`_load_extra_state`, which may
-    validate them or call `_finish()` itself), then finishes the input or restores it.
+    State: the op's own fields (`_extra_state`, whose keys are `_STATE_KEYS`) followed by the
+    input's state under "input", which is None once finished. `set_state` checks the keys, loads the
+    op's fields (`_load_extra_state`, which validates them and may call `_finish()` itself), then
+    finishes the input or restores it.
     """
+
+    _STATE_KEYS: tuple[str, ...] = ()
 
     def __init__(self, name: str, ctx: Context, source: Iter | None):
         super().__init__(name, ctx, *(() if source is None else (source,)))
@@ -156,15 +269,16 @@ class UnaryIter(Iter):
     def _extra_state(self) -> dict[str, Any]:
         return {}
 
-    def _load_extra_state(self, state: dict[str, Any]) -> None:
+    def _load_extra_state(self, state: StateField) -> None:
         pass
 
     def get_state(self) -> dict[str, Any]:
         return {**self._extra_state(), "input": None if self._input is None else self._input.get_state()}
 
-    def set_state(self, state: dict[str, Any]) -> None:
+    def set_state(self, state: StateField) -> None:
+        state.fields(self._STATE_KEYS + ("input",))
         self._load_extra_state(state)
-        if state["input"] is None or self._input is None:
+        if state["input"].is_none() or self._input is None:
             self._finish()
         else:
             self._input.set_state(state["input"])
@@ -177,12 +291,20 @@ class Node:
     """
 
     name: str = "node"
+    keeps_elements = False  # every output element is an input element (shuffle, take, ...)
 
     def __init__(self, *inputs: Node):
         self.inputs: tuple[Node, ...] = inputs
 
     def params(self) -> dict[str, Any]:
         return {}
+
+    def known_elements(self) -> frozenset | None:
+        """Every str/bytes element this dataset can produce (a file list), or None when that set is
+        not known. Loading a state checks saved elements (buffered file names, the file a reader is
+        in) against it, so a tampered state cannot make the pipeline open a file it does not list.
+        Computed when a state is loaded, never while iterating."""
+        return self.inputs[0].known_elements() if self.keeps_elements else None
 
     def iterator(self, ctx: Context) -> Iter:
         raise NotImplementedError
@@ -250,11 +372,14 @@ class DatasetIterator:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state_dict()` output. The state is untrusted (checkpoints may be writable by
+        others): it is checked against this pipeline before any file is opened, and a bad one raises
+        `StateError` (`StateMismatchError` for another pipeline or changed files) naming the field."""
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise StateMismatchError("not a conveyor.data iterator state (missing format marker)")
         if state.get("version") != STATE_VERSION:
             raise StateMismatchError(
-                f"iterator state has version {state.get('version')}, this conveyor reads version "
+                f"iterator state has version {_short(state.get('version'))}, this conveyor reads version "
                 f"{STATE_VERSION}; resume with the conveyor release that saved it"
             )
         saved = state.get("pipeline")
@@ -264,12 +389,24 @@ class DatasetIterator:
                 f"(same ops and arguments) to resume it.\n  saved:   {_short(saved)}\n  current: "
                 f"{_short(self._fingerprint)}"
             )
+        top = StateField(state).fields(("format", "version", "pipeline", "root_seed", "iteration", "exhausted",
+                                        "state"))
+        root_seed, iteration = top["root_seed"].as_int(0, 2**64 - 1), top["iteration"].as_int(0, 2**63 - 1)
+        exhausted = top["exhausted"].as_bool()
+        if not exhausted and top["state"].is_none():
+            raise top["state"].error("expected the pipeline's state (it is null, but 'exhausted' is false)")
+        before = (self._ctx.root_seed, self._ctx.iteration)
         self.close()
-        self._build(int(state["root_seed"]), int(state["iteration"]))
-        if state.get("exhausted"):
+        self._build(root_seed, iteration)
+        if exhausted:
             self._exhausted = True
-        else:
-            self._root.set_state(state["state"])
+            return
+        try:
+            self._root.set_state(top["state"])
+        except BaseException:
+            self.close()  # no half-restored iterator (nor its threads) survives a refused state
+            self._build(*before)
+            raise
 
     # ---- statistics
 

@@ -27,5 +27,24 @@ class InvalidArgumentError(ValueError):
     """An argument to a dataset op is out of range (tf.errors.InvalidArgumentError's meaning)."""
 
 
-class StateMismatchError(ValueError):
-    """An iterator state was saved from a different pipeline (or format version)."""
+class StateError(ValueError):
+    """A saved iterator state cannot be loaded into this pipeline: it is malformed, does not fit the
+    pipeline, or no longer fits the files it points into.
+
+    States come from checkpoints, which others may be able to write, so `load_state_dict` checks
+    every field before it opens or allocates anything. `field` names the offending entry, as a
+    path into the dict given to `load_state_dict` (e.g. `state["state"]["input"]["offset"]`), or
+    is None when the state as a whole does not fit.
+    """
+
+    def __init__(self, message: str, field: str | None = None):
+        self.field = field
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.field))
+
+
+class StateMismatchError(StateError):
+    """An iterator state was saved from a different pipeline (or format version), or a file it
+    points into changed since it was saved."""

@@ -10,7 +10,7 @@
                .prefetch(AUTOTUNE))
     it = iter(ds)               # resumable: it.state_dict() / it.load_state_dict(state)
 
-Semantics, argument names and defaults follow tf.data (see TFDATA.md in the design notes).
+Semantics, argument names and defaults follow tf.data (see docs/tfdata-semantics.md).
 """
 
 from __future__ import annotations

@@ -96,6 +96,13 @@ class AllReduceStrategy(Strategy):
         ddp.register_comm_hook(None, self._allreduce_hook)
         return ddp, optimizer
 
+    def check_prepared(self, model: nn.Module) -> None:
+        if self.job.world_size > 1 and not isinstance(model, DistributedDataParallel):
+            raise ValueError(
+                "the model is not wrapped for the allreduce strategy, so workers would train apart without "
+                "averaging gradients: pass the model and optimizer that `job.prepare(model, optimizer)` returned"
+            )
+
     def comm_seconds(self) -> float:
         """Seconds during which a gradient all-reduce was in flight, so far (see the module docstring).
 

@@ -6,17 +6,21 @@
     before = strategy.comm_seconds(); ...one step...; comm = strategy.comm_seconds() - before
     strategy.shutdown()
 
-``conveyor.init()`` does the first two lines and ``job.prepare`` the third; the trainer reads
-``comm_seconds()`` around each step.
+``conveyor.init()`` does the first two lines and ``job.prepare`` the third. The trainer asks the
+strategy for its :meth:`~Strategy.coordinator` (how workers keep together), runs each step with
+:meth:`~Strategy.train_step`, and reads ``comm_seconds()`` around it.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
+
+from conveyor.strategies.coordination import Coordinator, LockstepCoordinator
 
 __all__ = ["Strategy", "check_optimizer"]
 
@@ -31,10 +35,6 @@ class Strategy(ABC):
 
     name: ClassVar[str] = ""
     distributed: ClassVar[bool] = True
-    #: Whether the workers move one step at a time together. When False (asynchronous parameter
-    #: servers), the trainer lets each worker run at its own pace and stops on the strategy's shared
-    #: step count (:meth:`global_progress`) instead of synchronising every step.
-    lockstep: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self._job: Any = None
@@ -75,13 +75,34 @@ class Strategy(ABC):
         """Undo :meth:`save_optimizer` on resume (every rank calls it)."""
         optimizer.load_state_dict(state)
 
-    def global_progress(self) -> tuple[int, int | None]:
-        """For strategies that are not ``lockstep``: (steps all workers committed, the total they stop at)."""
-        raise NotImplementedError(f"strategy {self.name!r} moves in lockstep and counts no shared steps")
+    def stats(self) -> dict[str, Any] | None:
+        """Communication figures for the run's summary beyond ``comm_seconds`` (None: nothing more to say)."""
+        return None
 
-    def announce_total(self, total: int) -> None:
-        """Tell the other workers the total number of steps (over all of them) this job stops at."""
-        raise NotImplementedError(f"strategy {self.name!r} moves in lockstep and counts no shared steps")
+    def check_prepared(self, model: nn.Module) -> None:
+        """Raise when ``model`` is not what :meth:`prepare` returned and training it would go wrong silently."""
+        return None
+
+    def coordinator(self, job: Any) -> Coordinator:
+        """How this strategy's workers keep together in a training loop (:mod:`conveyor.strategies.coordination`)."""
+        return LockstepCoordinator(job)
+
+    def train_step(self, model: nn.Module, optimizer: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
+                   inputs: Any, targets: Any, mark: Callable[[str], None]) -> torch.Tensor:
+        """One training step on one batch; returns the (detached) batch-mean loss.
+
+        ``mark(phase)`` closes a phase of the step's time breakdown (``"forward_backward"``,
+        ``"optimizer"``). The default is plain PyTorch: zero the gradients, forward, loss, backward,
+        optimizer step. A strategy that runs a schedule over microbatches on several processes
+        replaces it.
+        """
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        mark("forward_backward")
+        optimizer.step()
+        mark("optimizer")
+        return loss.detach()
 
     def __str__(self) -> str:
         return self.name

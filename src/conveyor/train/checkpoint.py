@@ -15,7 +15,6 @@ Layout of `root` (normally `<output_dir>/checkpoints`):
         ps-0.safetensors, ...       parts contributed by other tasks (below)
     .tmp-step-00002000-1a2b3c4d/    being written; never read
     .parts-step-00002000/           parts other tasks have contributed to step 2000 so far
-    .positions/worker-1.json        newest data position of a worker training apart (publish_position)
     .trash-step-00000500-.../       being deleted by rotation; never read
 
 Why it is safe to read at any moment: a step folder is written under a `.tmp-*` name, every file
@@ -536,27 +535,6 @@ class CheckpointManager:
             raise CheckpointError(f"{folder / name}: damaged (size or sha256 differ from the manifest); delete "
                                   f"{folder} to resume from the previous checkpoint")
         return data
-
-    def publish_position(self, task: str, data: bytes) -> Path:
-        """Replace `task`'s newest data position (`.positions/<task>.json`, atomic) for the chief to pick up.
-
-        Workers that train apart (asynchronous parameter servers) are never at the chief's step
-        when it saves, so each publishes where it is every few steps, and the chief's checkpoint
-        holds the newest position of each; see `latest_position`.
-        """
-        _check_part_name(f"{task}.json")
-        return self._replace_file(self.root / ".positions" / f"{task}.json", data)
-
-    def clear_positions(self) -> None:
-        """Forget every published position (a new run of the job starts)."""
-        shutil.rmtree(self.root / ".positions", ignore_errors=True)
-
-    def latest_position(self, task: str) -> bytes | None:
-        """What `task` last published with `publish_position` (None: nothing yet)."""
-        try:
-            return (self.root / ".positions" / f"{task}.json").read_bytes()
-        except FileNotFoundError:
-            return None
 
     def _read_tree(self, folder: Path, name: str, map_location: str) -> Any:
         path = folder / f"{name}.safetensors"

@@ -54,6 +54,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from conveyor.extras import optional_import
+
 __all__ = ["PHASES", "StepProfiler", "StepTimes", "plot_step_breakdown", "plot_timeline"]
 
 PHASES = ("input_wait", "forward_backward", "communication", "optimizer")
@@ -295,8 +297,10 @@ _CATEGORIES = {
 
 
 def _pyplot():
-    import matplotlib
-
+    """pyplot drawing into files, or None (said once on stderr) when the `plots` extra is missing."""
+    matplotlib = optional_import("matplotlib", skipped="the plots (plots/*.png)", extra="plots")
+    if matplotlib is None:
+        return None
     matplotlib.use("Agg", force=False)  # files only; never open a window from a training job
     import matplotlib.pyplot as plt
 
@@ -316,7 +320,7 @@ def _load_trace(trace: Mapping[str, Any] | str | os.PathLike[str] | Iterable[Ste
 
 
 def plot_timeline(trace: Mapping[str, Any] | str | os.PathLike[str] | Iterable[StepTimes],
-                  path: str | os.PathLike[str], *, max_seconds: float | None = None) -> Path:
+                  path: str | os.PathLike[str], *, max_seconds: float | None = None) -> Path | None:
     """Draw the timeline of one worker: one row of bars (`broken_barh`) per category over time.
 
     `trace`: a `StepProfiler.trace()` dict, a path to a trace JSON, or a list of `StepTimes`.
@@ -324,8 +328,12 @@ def plot_timeline(trace: Mapping[str, Any] | str | os.PathLike[str] | Iterable[S
     it computed, communicated and stepped the optimizer, and other work (evaluation, checkpoints).
     When the trace holds input-pipeline counters, a second panel plots each stage's busy fraction
     (the CPU input work running in the background) over the same time axis. `max_seconds` clips
-    the time axis (a long run's bars are thinner than a pixel otherwise).
+    the time axis (a long run's bars are thinner than a pixel otherwise). Returns None, drawing
+    nothing, without matplotlib.
     """
+    plt = _pyplot()
+    if plt is None:
+        return None
     data = _load_trace(trace)
     events = [e for e in data.get("traceEvents", ()) if e.get("ph") == "X" and e.get("name") != "step"]
     counters = [e for e in data.get("traceEvents", ()) if e.get("ph") == "C"]
@@ -341,7 +349,6 @@ def plot_timeline(trace: Mapping[str, Any] | str | os.PathLike[str] | Iterable[S
                    "eval / checkpoint / other")
         rows[cat].append((start, max(dur, 1e-6)))
 
-    plt = _pyplot()
     panels = 2 if counters else 1
     fig, axes = plt.subplots(panels, 1, figsize=(12, 3.2 + 2.2 * (panels - 1)), sharex=True, squeeze=False)
     ax = axes[0][0]
@@ -377,15 +384,19 @@ def plot_timeline(trace: Mapping[str, Any] | str | os.PathLike[str] | Iterable[S
     return _save(fig, plt, path)
 
 
-def plot_step_breakdown(steps: Sequence[StepTimes], path: str | os.PathLike[str], *, max_bars: int = 400) -> Path:
+def plot_step_breakdown(steps: Sequence[StepTimes], path: str | os.PathLike[str], *,
+                        max_bars: int = 400) -> Path | None:
     """Stacked bars of each step's phases (input wait, forward+backward, optimizer, other), with
     the measured communication as a line: a step whose orange part is large waited for data.
 
-    More than `max_bars` steps are averaged in equal groups so the bars stay readable.
+    More than `max_bars` steps are averaged in equal groups so the bars stay readable. Returns
+    None, drawing nothing, without matplotlib.
     """
+    plt = _pyplot()
+    if plt is None:
+        return None
     steps = list(steps)
     if not steps:
-        plt = _pyplot()
         fig, ax = plt.subplots(figsize=(12, 4))
         ax.text(0.5, 0.5, "no steps recorded", ha="center", va="center", transform=ax.transAxes)
         ax.set_axis_off()
@@ -396,7 +407,6 @@ def plot_step_breakdown(steps: Sequence[StepTimes], path: str | os.PathLike[str]
         groups = [steps[i : i + size] for i in range(0, len(steps), size)]
     xs = [g[0].step for g in groups]
     mean = lambda g, attr: sum(getattr(s, attr) for s in g) / len(g) * 1e3  # ms
-    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(12, 4))
     bottom = [0.0] * len(groups)
     width = (xs[1] - xs[0]) * 0.9 if len(xs) > 1 else 0.8

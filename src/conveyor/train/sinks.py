@@ -23,6 +23,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from conveyor.extras import optional_import
+
 __all__ = ["JsonlSink", "MetricsSink", "TensorBoardSink"]
 
 
@@ -59,17 +61,21 @@ class TensorBoardSink:
 
     `purge_step`: on a resumed run, the step resumed from; TensorBoard then drops what the crashed
     run logged after it, so the curves show one history instead of two overlapping ones.
+    Without the `tensorboard` extra the sink writes nothing and says so once.
     """
 
     _SKIP = {"event", "step", "epoch", "time"}
 
     def __init__(self, logdir: str | os.PathLike[str], purge_step: int | None = None):
-        from torch.utils.tensorboard import SummaryWriter  # imported here: tensorboard is only for the chief
-
+        # Imported here: tensorboard is only for the chief, and optional (metrics.jsonl has the same numbers).
+        tb = optional_import("torch.utils.tensorboard", package="tensorboard",
+                             skipped="the TensorBoard scalars (tensorboard/)", extra="tensorboard")
         self.logdir = Path(logdir)
-        self._writer = SummaryWriter(str(self.logdir), purge_step=purge_step)
+        self._writer = None if tb is None else tb.SummaryWriter(str(self.logdir), purge_step=purge_step)
 
     def write(self, record: Mapping[str, Any]) -> None:
+        if self._writer is None:
+            return
         step = int(record.get("step", 0))
         group = "eval" if record.get("event") == "eval" else "train"
         wall = record.get("time")
@@ -81,4 +87,5 @@ class TensorBoardSink:
         self._writer.flush()
 
     def close(self) -> None:
-        self._writer.close()
+        if self._writer is not None:
+            self._writer.close()

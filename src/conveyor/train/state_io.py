@@ -1,7 +1,7 @@
 """PyTorch state as files without pickle: tensors go to safetensors, everything else to JSON.
 
 `torch.save` pickles, and unpickling a file runs whatever code its author chose, so a checkpoint on
-a shared disk would be a way into every job that resumes from it (DESIGN.md, "No pickle"). Here a
+a shared disk would be a way into every job that resumes from it (docs/architecture.md, "No pickle"). Here a
 state tree (a model's or optimizer's `state_dict()`, RNG states, ...) is split in two:
 
     tensors, meta = flatten_state(optimizer.state_dict())
@@ -282,3 +282,29 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     if state.get("cuda") and torch.cuda.is_available():
         for i, s in enumerate(list(state["cuda"])[: torch.cuda.device_count()]):
             torch.cuda.set_rng_state(torch.as_tensor(s, dtype=torch.uint8, device="cpu").clone(), i)
+
+
+def rng_to_json(state: Mapping[str, Any]) -> dict[str, Any]:
+    """`rng_state()` as plain JSON (a worker's data state carries it): torch's byte blobs in base64."""
+    out = {k: v for k, v in state.items() if k in ("python", "numpy")}
+    out["torch"] = _b64(state["torch"])
+    if "cuda" in state:
+        out["cuda"] = [_b64(s) for s in state["cuda"]]
+    return out
+
+
+def rng_from_json(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Undo `rng_to_json`: a state for `set_rng_state`."""
+    out = {k: v for k, v in state.items() if k in ("python", "numpy")}
+    out["torch"] = _blob(state["torch"])
+    if "cuda" in state:
+        out["cuda"] = [_blob(s) for s in state["cuda"]]
+    return out
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode("ascii")
+
+
+def _blob(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)

@@ -1,4 +1,4 @@
-"""CRC-32C and TensorFlow's mask against the vectors of TFDATA.md §14."""
+"""CRC-32C and TensorFlow's mask against the vectors of docs/tfdata-semantics.md §14."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from conveyor.data.records import (
     parse_single_example,
 )
 
-# TFDATA.md §15: Example{"a": int64_list [1]}
+# docs/tfdata-semantics.md §15: Example{"a": int64_list [1]}
 VECTOR = bytes.fromhex("0a 0c 0a 0a 0a 01 61 12 05 1a 03 0a 01 01")
 
 

@@ -1,6 +1,6 @@
 """`batch(batch_size, drop_remainder=False)`: stack consecutive elements component-wise.
 
-tf.data semantics (TFDATA.md §8): every batch holds `batch_size` consecutive elements except
+tf.data semantics (docs/tfdata-semantics.md §8): every batch holds `batch_size` consecutive elements except
 possibly the last, which holds the `N % batch_size` left over, or is dropped with
 `drop_remainder=True` (then every batch has the same, static size).
 

@@ -1,6 +1,6 @@
 """`cache(filename="")`: record the first complete pass over the input and replay it afterwards.
 
-tf.data semantics (TFDATA.md §11): the first iterator that reads the input *to its end* records
+tf.data semantics (docs/tfdata-semantics.md §11): the first iterator that reads the input *to its end* records
 the elements — in memory when `filename == ""`, else in a file — and every later iterator replays
 that recording without touching the input. "For the cache to be finalized, the input dataset must
 be iterated through in its entirety": an iterator closed half-way records nothing. `cache` yields
@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from conveyor.data.base import Context, Iter, Node
+from conveyor.data.base import Context, Iter, Node, StateField
 from conveyor.data.elements import flatten, pack_bytes, unpack
 from conveyor.data.errors import StateMismatchError
 from conveyor.data.records.tfrecord import TFRecordReader, TFRecordWriter
@@ -76,6 +76,11 @@ class CacheNode(Node):
 
     def params(self) -> dict[str, Any]:
         return {"filename": self.filename}
+
+    @property
+    def keeps_elements(self) -> bool:
+        # a cache file is replayed even when the input changed since it was written
+        return not self.filename
 
     def iterator(self, ctx: Context) -> Iter:
         return CacheIter(self, ctx)
@@ -220,19 +225,22 @@ class CacheIter(Iter):
             return {"mode": "file", "offset": offset, "size": self._size}
         return {"mode": "done"}
 
-    def set_state(self, state: dict[str, Any]) -> None:
-        mode = state["mode"]
+    def set_state(self, state: StateField) -> None:
+        mode = state["mode"].value
+        keys = _STATE_KEYS.get(mode) if isinstance(mode, str) else None
+        if keys is None:
+            raise state["mode"].error(f"expected one of {sorted(_STATE_KEYS)}")
+        state.fields(keys)
         self._finish()
         if mode == "pass":  # an input pass: it records only if nothing had been returned yet
-            self._pos = int(state["pos"])
-            self._open_input(state["source"], recording=self._pos == 0)
+            self._pos = state["pos"].as_int(0)
+            self._open_input(_source(state["source"]), recording=self._pos == 0)
             self._input.set_state(state["input"])
         elif mode == "memory":
-            self._resume_memory(int(state["pos"]), state["source"])
+            self._resume_memory(state["pos"].as_int(0), _source(state["source"]))
         elif mode == "file":
-            self._resume_file(int(state["offset"]), int(state["size"]))
-        elif mode != "done":
-            raise StateMismatchError(f"cache state has unknown mode {mode!r}")
+            size = state["size"].as_int(0)
+            self._resume_file(state["offset"].as_int(0, size), size)
 
     def _resume_memory(self, pos: int, source: dict) -> None:
         if self._node.path:
@@ -268,6 +276,18 @@ class CacheIter(Iter):
             _remove(self._tmp)
         self._finish()
         super().close()
+
+
+_STATE_KEYS = {"pass": ("mode", "pos", "source", "input"), "memory": ("mode", "pos", "source"),
+               "file": ("mode", "offset", "size"), "done": ("mode",)}
+
+
+def _source(field: StateField) -> dict:
+    """A saved context (see `_describe`), checked."""
+    field.fields(("root_seed", "iteration", "path", "epochs"))
+    return {"root_seed": field["root_seed"].as_int(0, 2**64 - 1), "iteration": field["iteration"].as_int(0),
+            "path": [f.as_int(0) for f in field["path"].as_list()],
+            "epochs": [f.as_int(0) for f in field["epochs"].as_list()]}
 
 
 def _describe(ctx: Context) -> dict:

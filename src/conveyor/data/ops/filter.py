@@ -23,6 +23,7 @@ from conveyor.data.base import Context, Iter, Node, UnaryIter, call, describe_fn
 
 class FilterNode(Node):
     name = "filter"
+    keeps_elements = True
 
     def __init__(self, input: Node, predicate: Callable[..., bool]):
         super().__init__(input)

@@ -1,7 +1,7 @@
 """`interleave(map_func, cycle_length, block_length, num_parallel_calls, deterministic)`.
 
 Opens `map_func(x)` for up to `cycle_length` input elements and takes `block_length` consecutive
-elements from each in turn (TFDATA.md §6). The order is tf.data's sequential kernel, exactly:
+elements from each in turn (docs/tfdata-semantics.md §6). The order is tf.data's sequential kernel, exactly:
 slots are opened lazily when the cycle reaches them, and a slot whose dataset ended is refilled
 only when the cycle comes back to it.
 
@@ -39,8 +39,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from conveyor.data.base import AUTOTUNE, Context, Iter, Node, call, cpu_budget, describe_fn
-from conveyor.data.elements import from_json, to_json
+from conveyor.data.base import AUTOTUNE, Context, Iter, Node, StateField, call, cpu_budget, describe_fn
+from conveyor.data.elements import to_json
 from conveyor.data.errors import InvalidArgumentError
 
 _WAIT = 0.05  # seconds between checks of the stop flag in every blocking wait
@@ -135,9 +135,11 @@ class _InterleaveBase(Iter):
     def __init__(self, node: InterleaveNode, ctx: Context):
         super().__init__(node.name, ctx, node.inputs[0].iterator(ctx.child(0)))
         self._input = self.inputs[0]
+        self._input_node = node.inputs[0]
         self._ctx = ctx
         self._map_func = node.map_func
         self._cycle = _resolve(node.cycle_length)
+        self._node_cycle = None if node.cycle_length in (None, AUTOTUNE) else node.cycle_length
         self._block = node.block_length
         self._slots: list[_Slot | None] = [None] * self._cycle
         self._ci = 0  # slot whose turn it is
@@ -193,33 +195,43 @@ class _InterleaveBase(Iter):
             "slots": slots,
         }
 
-    def set_state(self, state: dict[str, Any]) -> None:
+    _read_ahead = 0  # elements a slot may hold read ahead (in its state's "buffer")
+
+    def set_state(self, state: StateField) -> None:
+        state.fields(("input", "cycle_length", "ci", "bi", "num_opened", "slots"))
         # The saved cycle length wins over this machine's core count (AUTOTUNE), so the resumed
         # stream continues in the same order.
-        self._cycle = int(state["cycle_length"])
-        self.stats.extra["cycle_length"] = self._cycle
-        if state["input"] is None:
+        cycle = state["cycle_length"].as_int(1, None if self._node_cycle is None else self._node_cycle)
+        slot_fields = state["slots"].as_list(length=cycle)
+        ci, bi = state["ci"].as_int(0, cycle - 1), state["bi"].as_int(0, self._block - 1)
+        num_opened = state["num_opened"].as_int(0)
+        if state["input"].is_none():
             self._end_of_input = True
         else:
             self._input.set_state(state["input"])
-        self._ci, self._bi = int(state["ci"]), int(state["bi"])
-        self._num_opened = int(state["num_opened"])
-        self._slots = [None if s is None else self._restore_slot(s) for s in state["slots"]]
-        if len(self._slots) != self._cycle:
-            raise InvalidArgumentError(
-                f"interleave state has {len(self._slots)} slots for cycle_length {self._cycle}"
-            )
+        self._cycle, self._ci, self._bi, self._num_opened = cycle, ci, bi, num_opened
+        self.stats.extra["cycle_length"] = cycle
+        known = self._input_node.known_elements()
+        self._slots = [None if s.is_none() else self._restore_slot(s, known) for s in slot_fields]
         self._num_open = sum(s is not None for s in self._slots)
 
-    def _restore_slot(self, s: dict[str, Any]) -> _Slot:
-        element = from_json(s["element"])
-        index = int(s["index"])
+    def _restore_slot(self, s: StateField, known: frozenset | None) -> _Slot:
+        s.fields(("element", "index", "inner", "buffer", "done"))
+        element = s["element"].as_element(known)  # checked before map_func sees it
+        index = s["index"].as_int(0, self._num_opened - 1)
+        done = s["done"].as_bool()
+        if done and not self._read_ahead:
+            raise s["done"].error("expected false: a sequential interleave closes a slot as soon as it ends")
+        buffer = s["buffer"].as_elements(max_len=self._read_ahead)
         slot = _Slot(element, index, None)
-        if not s["done"]:
+        if done:
+            if not s["inner"].is_none():
+                raise s["inner"].error("expected null for a slot whose dataset ended")
+        else:
             slot.inner = self._make_inner(element, index)
             slot.inner.set_state(s["inner"])
-        slot.buffer.extend((_ITEM, from_json(v)) for v in s["buffer"])
-        if s["done"]:
+        slot.buffer.extend((_ITEM, v) for v in buffer)
+        if done:
             slot.done = True
             slot.buffer.append((_END, None))
         return slot
@@ -233,7 +245,7 @@ class _InterleaveBase(Iter):
 
 
 class SequentialInterleaveIter(_InterleaveBase):
-    """tf.data's sequential interleave kernel, line for line (TFDATA.md §6)."""
+    """tf.data's sequential interleave kernel, line for line (docs/tfdata-semantics.md §6)."""
 
     def _next(self):
         slots = self._slots
@@ -284,6 +296,7 @@ class ParallelInterleaveIter(_InterleaveBase):
         self._threads_wanted = 1 if self._autotune else self._threads_max
         self._consumer_waits = 0
         self._capacity = max(2 * self._block, _MIN_READ_AHEAD)  # per slot, in elements
+        self._read_ahead = self._capacity
         self._lock = threading.Lock()
         self._data_ready = threading.Condition(self._lock)  # consumer / snapshot wait here
         self._space_ready = threading.Condition(self._lock)  # readers wait here

@@ -28,8 +28,8 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
-from conveyor.data.base import AUTOTUNE, Context, Iter, Node, UnaryIter, call, cpu_budget, describe_fn
-from conveyor.data.elements import from_json, to_json
+from conveyor.data.base import AUTOTUNE, Context, Iter, Node, StateField, UnaryIter, call, cpu_budget, describe_fn
+from conveyor.data.elements import to_json
 from conveyor.data.errors import InvalidArgumentError
 from conveyor.data.workers import TASKS_PER_WORKER, WorkerPool
 
@@ -77,7 +77,8 @@ class MapNode(Node):
             return SequentialMapIter(self, ctx, source)
         if self.use_processes:
             return ProcessMapIter(ctx, source, self.map_func, self.parallelism, self.deterministic,
-                                  chunk_size=LIST_CHUNK, batch_mode=False, drop_remainder=False)
+                                  chunk_size=LIST_CHUNK, batch_mode=False, drop_remainder=False,
+                                  input_node=self.inputs[0])
         return ThreadMapIter(self, ctx, source)
 
 
@@ -101,7 +102,7 @@ class MapBatchNode(Node):
         # upstream draw the same numbers whether or not the pipeline was fused.
         return ProcessMapIter(ctx, self.inputs[0].iterator(ctx.child(0).child(0)), m.map_func, m.parallelism,
                               m.deterministic, chunk_size=self.batch_size, batch_mode=True,
-                              drop_remainder=self.drop_remainder)
+                              drop_remainder=self.drop_remainder, input_node=self.inputs[0])
 
 
 class SequentialMapIter(UnaryIter):
@@ -112,6 +113,10 @@ class SequentialMapIter(UnaryIter):
     def _next(self):
         return call(self._fn, next(self._input))
 
+    def _load_extra_state(self, state: StateField) -> None:
+        if state["input"].is_none():  # it never drops its input, so its own states never say so
+            raise state["input"].error("expected the input's state (a sequential map never finishes its input)")
+
 
 class ThreadMapIter(Iter):
     """Parallel map in a thread pool: for functions that release the GIL (I/O, decoders, numpy)."""
@@ -120,9 +125,11 @@ class ThreadMapIter(Iter):
         super().__init__("map[threads]", ctx, source)
         self._fn = node.map_func
         self._source = source
+        self._input_node = node.inputs[0]
         self._n = node.parallelism
         self._deterministic = node.deterministic
         self._pending: deque = deque()  # (input element, future), in input order
+        self._restored: list = []  # input elements in flight when the restored state was saved
         self._input_done = False
         self._pool: ThreadPoolExecutor | None = None
         self.stats.extra["threads"] = self._n
@@ -141,7 +148,7 @@ class ThreadMapIter(Iter):
 
     def _next(self):
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._n, thread_name_prefix="conveyor-map")
+            self._start()
         self._fill()
         if not self._pending:
             raise StopIteration
@@ -166,14 +173,21 @@ class ThreadMapIter(Iter):
         return {"input": self._source.get_state(), "input_done": self._input_done,
                 "pending": [to_json(x) for x, _ in self._pending]}
 
-    def set_state(self, state: dict[str, Any]) -> None:
+    def set_state(self, state: StateField) -> None:
+        state.fields(("input", "input_done", "pending"))
+        input_done = state["input_done"].as_bool()
+        # at most 2 * threads are in flight; the thread count (AUTOTUNE) may differ on this machine
+        pending = state["pending"].as_elements(known=self._input_node.known_elements())
         self._source.set_state(state["input"])
-        self._input_done = state["input_done"]
-        self._restored = [from_json(x) for x in state["pending"]]
-        if self._restored:
-            self._pool = ThreadPoolExecutor(self._n, thread_name_prefix="conveyor-map")
-            for x in self._restored:
-                self._submit(x)
+        self._input_done = input_done
+        self._restored = pending
+
+    def _start(self) -> None:
+        """The pool starts on the first `next`; elements that were in flight go first."""
+        self._pool = ThreadPoolExecutor(self._n, thread_name_prefix="conveyor-map")
+        for x in self._restored:
+            self._submit(x)
+        self._restored = []
 
     def close(self) -> None:
         if self._pool is not None:
@@ -187,11 +201,12 @@ class ProcessMapIter(Iter):
     one stacked batch in `batch_mode`."""
 
     def __init__(self, ctx: Context, source: Iter, fn: Callable, num_workers: int, deterministic: bool,
-                 chunk_size: int, batch_mode: bool, drop_remainder: bool):
+                 chunk_size: int, batch_mode: bool, drop_remainder: bool, input_node: Node):
         super().__init__("map_batch[processes]" if batch_mode else "map[processes]", ctx, source)
         if chunk_size < 1:
             raise InvalidArgumentError(f"batch_size must be at least 1, got {chunk_size}")
         self._source = source
+        self._input_node = input_node
         self._fn = fn
         self._num_workers = num_workers
         self._deterministic = deterministic
@@ -304,14 +319,27 @@ class ProcessMapIter(Iter):
                        for tid in sorted(self._chunks)],
         }
 
-    def set_state(self, state: dict[str, Any]) -> None:
-        self._source.set_state(state["input"])
-        self._input_done = state["input_done"]
-        self._next_task = state["next_task"]
-        for tid, xs, skip in state["chunks"]:
-            self._chunks[tid] = [from_json(x) for x in xs]
+    def set_state(self, state: StateField) -> None:
+        state.fields(("input", "input_done", "next_task", "chunks"))
+        input_done = state["input_done"].as_bool()
+        next_task = state["next_task"].as_int(0, 2**63 - 1)  # sent to workers as 8 bytes
+        known = self._input_node.known_elements()
+        chunks, resume_skip = {}, None
+        for chunk in state["chunks"].as_list():
+            tid_f, xs_f, skip_f = chunk.as_list(length=3)
+            tid = tid_f.as_int(0, next_task - 1)
+            if tid in chunks:
+                raise tid_f.error(f"chunk {tid} appears twice")
+            chunks[tid] = xs_f.as_elements(max_len=self._chunk_size, known=known)
+            if not chunks[tid]:
+                raise xs_f.error("expected at least one element (chunks are never empty)")
+            # only a list-mode chunk is returned piecemeal, and only one at a time
+            skip = skip_f.as_int(0, 0 if self._batch_mode or resume_skip else len(chunks[tid]) - 1)
             if skip:  # a chunk that was partly returned: recompute it, drop what was returned
-                self._resume_skip = (tid, skip)
+                resume_skip = (tid, skip)
+        self._source.set_state(state["input"])
+        self._input_done, self._next_task = input_done, next_task
+        self._chunks, self._resume_skip = chunks, resume_skip
 
     def close(self) -> None:
         if self._pool is not None:

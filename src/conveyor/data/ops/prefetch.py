@@ -16,8 +16,8 @@ import time
 from collections import deque
 from typing import Any
 
-from conveyor.data.base import AUTOTUNE, Context, Iter, Node
-from conveyor.data.elements import from_json, to_json
+from conveyor.data.base import AUTOTUNE, Context, Iter, Node, StateField
+from conveyor.data.elements import to_json
 from conveyor.data.errors import InvalidArgumentError
 
 AUTOTUNE_INITIAL_BUFFER = 2
@@ -27,6 +27,7 @@ _TICK = 0.5  # seconds: the longest any wait lasts before re-checking for stop o
 
 class PrefetchNode(Node):
     name = "prefetch"
+    keeps_elements = True
 
     def __init__(self, input: Node, buffer_size: int):
         super().__init__(input)
@@ -45,6 +46,7 @@ class PrefetchIter(Iter):
     def __init__(self, node: PrefetchNode, ctx: Context, source: Iter):
         super().__init__("prefetch", ctx, source)
         self._source = source
+        self._input_node = node.inputs[0]
         self._autotune = node.buffer_size == AUTOTUNE
         self._capacity = AUTOTUNE_INITIAL_BUFFER if self._autotune else node.buffer_size
         self._buffer: deque = deque()
@@ -120,12 +122,21 @@ class PrefetchIter(Iter):
             return {"input": self._source.get_state(), "done": self._done and self._error is None,
                     "buffer": [to_json(x) for x in self._buffer], "capacity": self._capacity}
 
-    def set_state(self, state: dict[str, Any]) -> None:
+    def set_state(self, state: StateField) -> None:
+        state.fields(("input", "done", "buffer"), optional=("capacity",))
+        capacity = self._capacity
+        saved = state.get("capacity")  # absent in states of older releases
+        if saved is not None and self._autotune:
+            capacity = saved.as_int(AUTOTUNE_INITIAL_BUFFER, AUTOTUNE_MAX_BUFFER)
+        elif saved is not None:
+            saved.as_int(0)
+        # the producer stops at `capacity` elements, so a state never holds more
+        buffer = state["buffer"].as_elements(max_len=capacity, known=self._input_node.known_elements())
+        done = state["done"].as_bool()
         self._source.set_state(state["input"])
-        self._buffer.extend(from_json(x) for x in state["buffer"])
-        self._done = state["done"]
-        if self._autotune:
-            self._capacity = state.get("capacity", self._capacity)
+        self._buffer.extend(buffer)
+        self._done = done
+        self._capacity = capacity
 
     def close(self) -> None:
         with self._cond:

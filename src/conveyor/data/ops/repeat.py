@@ -1,6 +1,6 @@
 """`repeat(count=None)`: the input, `count` times over; forever when `count` is None or -1.
 
-tf.data semantics (TFDATA.md §5): "Repeats this dataset so each original value is seen `count`
+tf.data semantics (docs/tfdata-semantics.md §5): "Repeats this dataset so each original value is seen `count`
 times". Every repetition starts a fresh input iterator, built with `Context.with_epoch(epoch)`, so
 a random op upstream with `reshuffle_each_iteration=True` draws a new order each epoch while a
 rebuilt (resumed) iterator draws the same one again.
@@ -21,12 +21,13 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-from conveyor.data.base import Context, Iter, Node, UnaryIter
+from conveyor.data.base import Context, Iter, Node, StateField, UnaryIter
 from conveyor.data.errors import InvalidArgumentError
 
 
 class RepeatNode(Node):
     name = "repeat"
+    keeps_elements = True
 
     def __init__(self, input: Node, count: int | None = None):
         super().__init__(input)
@@ -42,6 +43,8 @@ class RepeatNode(Node):
 
 
 class RepeatIter(UnaryIter):
+    _STATE_KEYS = ("epoch", "fresh")
+
     def __init__(self, node: RepeatNode, ctx: Context):
         super().__init__(node.name, ctx, None)
         self._node = node
@@ -77,15 +80,14 @@ class RepeatIter(UnaryIter):
     def _extra_state(self) -> dict[str, Any]:
         return {"epoch": self._epoch, "fresh": self._input is None or self._fresh}
 
-    def _load_extra_state(self, state: dict[str, Any]) -> None:
-        epoch = int(state["epoch"])
+    def _load_extra_state(self, state: StateField) -> None:
         count = self._node.count
-        if epoch < 0 or (count >= 0 and epoch >= max(count, 1)):
-            raise InvalidArgumentError(f"repeat state is in epoch {epoch}, but this repeat has count {count}")
-        if state["input"] is None:
+        epoch = state["epoch"].as_int(0, None if count < 0 else max(count, 1) - 1)
+        fresh = state["fresh"].as_bool()
+        if state["input"].is_none():
             self._epoch = epoch  # finished: the input is closed next
         else:
             if epoch != self._epoch or self._input is None:
                 self._open(epoch)
-            self._fresh = bool(state["fresh"])
+            self._fresh = fresh
 

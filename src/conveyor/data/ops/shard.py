@@ -1,6 +1,6 @@
 """`shard(num_shards, index)`: the elements whose position modulo `num_shards` equals `index`.
 
-tf.data semantics (TFDATA.md §3): deterministic; uneven shards are allowed.
+tf.data semantics (docs/tfdata-semantics.md §3): deterministic; uneven shards are allowed.
 
     Dataset.range(10).shard(3, 0)   # 0, 3, 6, 9
     Dataset.range(10).shard(3, 1)   # 1, 4, 7
@@ -20,12 +20,13 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-from conveyor.data.base import Context, Iter, Node, UnaryIter
+from conveyor.data.base import Context, Iter, Node, StateField, UnaryIter
 from conveyor.data.errors import InvalidArgumentError
 
 
 class ShardNode(Node):
     name = "shard"
+    keeps_elements = True
 
     def __init__(self, input: Node, num_shards: int, index: int):
         super().__init__(input)
@@ -49,6 +50,8 @@ class ShardNode(Node):
 
 
 class ShardIter(UnaryIter):
+    _STATE_KEYS = ("started",)
+
     def __init__(self, node: ShardNode, ctx: Context):
         super().__init__(node.name, ctx, node.inputs[0].iterator(ctx.child(0)))
         self._num_shards = node.num_shards
@@ -73,5 +76,5 @@ class ShardIter(UnaryIter):
     def _extra_state(self) -> dict[str, Any]:
         return {"started": self._started}
 
-    def _load_extra_state(self, state: dict[str, Any]) -> None:
-        self._started = bool(state["started"])
+    def _load_extra_state(self, state: StateField) -> None:
+        self._started = state["started"].as_bool()

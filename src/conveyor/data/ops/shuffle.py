@@ -1,6 +1,6 @@
 """`shuffle(buffer_size, seed, reshuffle_each_iteration)`: sample uniformly from a sliding buffer.
 
-tf.data's kernel (TFDATA.md §4): before each output, fill the buffer up to `buffer_size` elements
+tf.data's kernel (docs/tfdata-semantics.md §4): before each output, fill the buffer up to `buffer_size` elements
 from the input; pick one slot uniformly at random, emit it and move the last slot into the hole.
 When the input ends the buffer drains in random order. Output k (0-based) therefore comes from
 inputs [0, k + buffer_size), and `buffer_size >= len(input)` gives a uniform permutation.
@@ -19,8 +19,8 @@ from __future__ import annotations
 import operator
 from typing import Any
 
-from conveyor.data.base import AUTOTUNE, Context, Iter, Node
-from conveyor.data.elements import from_json, to_json
+from conveyor.data.base import AUTOTUNE, Context, Iter, Node, StateField
+from conveyor.data.elements import to_json
 from conveyor.data.errors import InvalidArgumentError
 
 _BLOCK = 1024  # random numbers drawn per numpy call
@@ -29,6 +29,7 @@ _RANGE = 1 << 62  # draws are uniform in [0, _RANGE); modulo bias for a buffer o
 
 class ShuffleNode(Node):
     name = "shuffle"
+    keeps_elements = True
 
     def __init__(self, input: Node, buffer_size: int, seed: int | None, reshuffle_each_iteration: bool):
         super().__init__(input)
@@ -68,6 +69,7 @@ class ShuffleIter(Iter):
     def __init__(self, node: ShuffleNode, ctx: Context):
         super().__init__(node.name, ctx, node.inputs[0].iterator(ctx.child(0)))
         self._input = self.inputs[0]
+        self._input_node = node.inputs[0]
         self._size = node.buffer_size
         self._rng = ctx.rng(node.seed, node.reshuffle_each_iteration)
         self._buffer: list = []
@@ -111,19 +113,29 @@ class ShuffleIter(Iter):
             "draws_used": self._pos if self._block else 0,
         }
 
-    def set_state(self, state: dict[str, Any]) -> None:
-        if state["input"] is None:
+    def set_state(self, state: StateField) -> None:
+        state.fields(("input", "buffer", "rng", "draws_used"))
+        buffer = state["buffer"].as_elements(max_len=self._size, known=self._input_node.known_elements())
+        rng = _rng_state(state["rng"])
+        used = state["draws_used"].as_int(0, _BLOCK)
+        if state["input"].is_none():
             self._input_done = True
         else:
             self._input.set_state(state["input"])
-        self._buffer = [from_json(x) for x in state["buffer"]]
-        if len(self._buffer) > self._size:
-            raise InvalidArgumentError(
-                f"shuffle state holds {len(self._buffer)} elements but buffer_size is {self._size}"
-            )
-        self._rng.bit_generator.state = state["rng"]
+        self._buffer = buffer
+        self._rng.bit_generator.state = rng
         self._block, self._pos = [], 0
-        used = int(state["draws_used"])
         if used:
             self._draw()
             self._pos = used
+
+
+def _rng_state(field: StateField) -> dict:
+    """A saved PCG64 state (the generator `Context.rng` makes), checked field by field."""
+    field.fields(("bit_generator", "state", "has_uint32", "uinteger"))
+    if field["bit_generator"].value != "PCG64":
+        raise field["bit_generator"].error("expected 'PCG64'")
+    inner = field["state"].fields(("state", "inc"))
+    return {"bit_generator": "PCG64",
+            "state": {"state": inner["state"].as_int(0, 2**128 - 1), "inc": inner["inc"].as_int(0, 2**128 - 1)},
+            "has_uint32": field["has_uint32"].as_int(0, 1), "uinteger": field["uinteger"].as_int(0, 2**32 - 1)}

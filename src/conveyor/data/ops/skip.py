@@ -1,6 +1,6 @@
 """`skip(count)`: the input without its first `count` elements.
 
-tf.data semantics (TFDATA.md §10): a count larger than the input yields nothing; `-1` (tf.data:
+tf.data semantics (docs/tfdata-semantics.md §10): a count larger than the input yields nothing; `-1` (tf.data:
 any negative count) skips everything, and then the input is not even read (so `skip(-1)` of an
 endless dataset is empty, not a hang).
 
@@ -17,12 +17,13 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-from conveyor.data.base import Context, Iter, Node, UnaryIter
+from conveyor.data.base import Context, Iter, Node, StateField, UnaryIter
 from conveyor.data.errors import InvalidArgumentError
 
 
 class SkipNode(Node):
     name = "skip"
+    keeps_elements = True
 
     def __init__(self, input: Node, count: int):
         super().__init__(input)
@@ -38,6 +39,8 @@ class SkipNode(Node):
 
 
 class SkipIter(UnaryIter):
+    _STATE_KEYS = ("skipped",)
+
     def __init__(self, node: SkipNode, ctx: Context):
         super().__init__(node.name, ctx, None)
         self._count = node.count
@@ -67,11 +70,10 @@ class SkipIter(UnaryIter):
     def _extra_state(self) -> dict[str, Any]:
         return {"skipped": self._skipped}
 
-    def _load_extra_state(self, state: dict[str, Any]) -> None:
-        if state["input"] is None:
+    def _load_extra_state(self, state: StateField) -> None:
+        skipped = state["skipped"].as_bool()
+        if state["input"].is_none():
             return  # finished: `_finish` marks it skipped
         if self._input is None:
-            raise InvalidArgumentError(
-                "skip state has an input position, but this skip(-1) never reads its input"
-            )
-        self._skipped = bool(state["skipped"])
+            raise state["input"].error("expected null: this skip(-1) never reads its input")
+        self._skipped = skipped

@@ -1,6 +1,6 @@
 """`take(count)`: at most the first `count` elements of the input.
 
-tf.data semantics (TFDATA.md §10): `-1` (tf.data: any negative count) or a count larger than the
+tf.data semantics (docs/tfdata-semantics.md §10): `-1` (tf.data: any negative count) or a count larger than the
 input yields everything; `0` yields nothing and never reads the input.
 
     Dataset.range(10).take(3)     # 0, 1, 2
@@ -17,12 +17,13 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-from conveyor.data.base import Context, Iter, Node, UnaryIter
+from conveyor.data.base import Context, Iter, Node, StateField, UnaryIter
 from conveyor.data.errors import InvalidArgumentError
 
 
 class TakeNode(Node):
     name = "take"
+    keeps_elements = True
 
     def __init__(self, input: Node, count: int):
         super().__init__(input)
@@ -38,6 +39,8 @@ class TakeNode(Node):
 
 
 class TakeIter(UnaryIter):
+    _STATE_KEYS = ("taken",)
+
     def __init__(self, node: TakeNode, ctx: Context):
         super().__init__(node.name, ctx, None)
         self._count = node.count
@@ -62,10 +65,8 @@ class TakeIter(UnaryIter):
     def _extra_state(self) -> dict[str, Any]:
         return {"taken": self._taken}
 
-    def _load_extra_state(self, state: dict[str, Any]) -> None:
-        taken = int(state["taken"])
-        if taken < 0 or (self._count >= 0 and taken > self._count):
-            raise InvalidArgumentError(f"take state has taken {taken} elements, but count is {self._count}")
+    def _load_extra_state(self, state: StateField) -> None:
+        taken = state["taken"].as_int(0, None if self._count < 0 else self._count)
         self._taken = taken
         if taken == self._count:
             self._finish()

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from conveyor.data.base import Context, Iter, Node, UnaryIter
-from conveyor.data.elements import flatten, from_json, to_json, unflatten, unstack
+from conveyor.data.base import Context, Iter, Node, StateField, UnaryIter
+from conveyor.data.elements import flatten, to_json, unflatten, unstack
 
 
 class UnbatchNode(Node):
@@ -29,6 +29,8 @@ class UnbatchNode(Node):
 
 
 class UnbatchIter(UnaryIter):
+    _STATE_KEYS = ("rest",)
+
     def __init__(self, node: UnbatchNode, ctx: Context):
         super().__init__(node.name, ctx, node.inputs[0].iterator(ctx.child(0)))
         self._batch: Any = None  # the current batch, and its rows
@@ -65,9 +67,13 @@ class UnbatchIter(UnaryIter):
             rest = to_json(unflatten(spec, [np.asarray(leaf)[self._pos:] for leaf in leaves]))
         return {"rest": rest}
 
-    def _load_extra_state(self, state: dict[str, Any]) -> None:
-        if state["rest"] is not None:
-            self._set_batch(from_json(state["rest"]))
+    def _load_extra_state(self, state: StateField) -> None:
+        rest = state["rest"]
+        if not rest.is_none():
+            try:
+                self._set_batch(rest.as_element())
+            except (ValueError, TypeError) as e:
+                raise rest.error(str(e)) from None
 
 
 def _shapes(batch: Any) -> str:

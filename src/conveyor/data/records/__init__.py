@@ -1,6 +1,6 @@
 """TFRecord files and ``tf.train.Example`` records, byte-compatible with TensorFlow.
 
-See TFDATA.md §13–§16 for the formats. ``tfrecord`` handles framing, compression, verified
+See docs/tfdata-semantics.md §13–§16 for the formats. ``tfrecord`` handles framing, compression, verified
 reading with resumable offsets and record indexes; ``example`` encodes and parses Examples into
 numpy; ``crc`` holds the masked CRC-32C both sides rely on.
 """

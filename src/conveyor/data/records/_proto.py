@@ -2,7 +2,7 @@
 
 Why not generated ``*_pb2`` code: it ties the repository to one protoc/protobuf version pair and
 adds a build step. Instead the schema of ``tensorflow/core/example/{feature,example}.proto``
-(TFDATA.md §15) is spelled out below as a ``FileDescriptorProto`` and loaded into a *private*
+(docs/tfdata-semantics.md §15) is spelled out below as a ``FileDescriptorProto`` and loaded into a *private*
 descriptor pool. The file is named ``conveyor/tensorflow_example.proto`` and lives outside the
 default pool, so importing TensorFlow in the same process (which registers the real
 ``tensorflow.Example`` in the default pool) cannot clash with it. The wire format is identical, so

@@ -1,6 +1,6 @@
 """TFRecord files: writing, verified reading, resumable offsets and a record index.
 
-Framing (TFDATA.md §14): every record is ``uint64 length | uint32 masked_crc32c(length bytes) |
+Framing (docs/tfdata-semantics.md §14): every record is ``uint64 length | uint32 masked_crc32c(length bytes) |
 data | uint32 masked_crc32c(data)``, little-endian, with no file header or footer. GZIP and ZLIB
 compress the *whole* file stream, not each record, exactly as TensorFlow does, so files move freely
 between TensorFlow and conveyor.

@@ -1,6 +1,6 @@
 """`match_files(patterns)`: the file list behind `Dataset.list_files`.
 
-tf.data semantics (TFDATA.md §2): every glob pattern is expanded (`MatchingFiles`), the matches of
+tf.data semantics (docs/tfdata-semantics.md §2): every glob pattern is expanded (`MatchingFiles`), the matches of
 all patterns are concatenated and the whole list is sorted lexicographically (the kernel's
 `std::sort`; Python's code-point order on `str` is the same order as bytes of UTF-8). Duplicates
 are kept. When nothing matches at all, `InvalidArgumentError("No files matched pattern: ...")`

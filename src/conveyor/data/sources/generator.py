@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from conveyor.data.base import Context, Iter, Node, describe_fn
+from conveyor.data.base import Context, Iter, Node, StateField, describe_fn
 
 NOT_RESUMABLE = (
     "from_generator(...) cannot save its position: a Python generator cannot be rewound. Write the data "
@@ -71,7 +71,7 @@ class GeneratorIter(Iter):
     def get_state(self) -> dict[str, Any]:
         raise TypeError(NOT_RESUMABLE)
 
-    def set_state(self, state: dict[str, Any]) -> None:
+    def set_state(self, state: StateField) -> None:
         raise TypeError(NOT_RESUMABLE)
 
     def close(self) -> None:

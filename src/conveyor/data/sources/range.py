@@ -16,7 +16,7 @@ from __future__ import annotations
 import operator
 from typing import Any
 
-from conveyor.data.base import Context, Iter, Node
+from conveyor.data.base import Context, Iter, Node, StateField
 from conveyor.data.errors import InvalidArgumentError
 
 
@@ -67,10 +67,5 @@ class RangeIter(Iter):
     def get_state(self) -> dict[str, Any]:
         return {"next": self._next_index}
 
-    def set_state(self, state: dict[str, Any]) -> None:
-        index = int(state["next"])
-        if not 0 <= index <= self._length:
-            raise InvalidArgumentError(
-                f"range state points at element {index}, but this range has {self._length} elements"
-            )
-        self._next_index = index
+    def set_state(self, state: StateField) -> None:
+        self._next_index = state.fields(("next",))["next"].as_int(0, self._length)

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from conveyor.data.base import Context, Iter, Node
+from conveyor.data.base import Context, Iter, Node, StateField
 from conveyor.data.elements import unflatten
 from conveyor.data.errors import InvalidArgumentError
 
@@ -52,6 +52,15 @@ class TensorSlicesNode(Node):
 
     def params(self) -> dict[str, Any]:
         return {"length": self.length, "structure": self.structure}
+
+    def known_elements(self) -> frozenset | None:
+        """The rows, when they are str or bytes (a file list); other data is not listed."""
+        if self.spec is not None:
+            return None
+        leaf = self.leaves[0]
+        if isinstance(leaf, np.ndarray):
+            return frozenset(leaf.tolist()) if leaf.ndim == 1 and leaf.dtype.kind in "US" else None
+        return frozenset(leaf)  # a list of str or of bytes (other lists became arrays)
 
     def iterator(self, ctx: Context) -> Iter:
         return TensorSlicesIter(self, ctx)
@@ -119,10 +128,5 @@ class TensorSlicesIter(Iter):
     def get_state(self) -> dict[str, Any]:
         return {"next": self._next_index}
 
-    def set_state(self, state: dict[str, Any]) -> None:
-        index = int(state["next"])
-        if not 0 <= index <= self._length:
-            raise InvalidArgumentError(
-                f"from_tensor_slices state points at row {index}, but the data has {self._length} rows"
-            )
-        self._next_index = index
+    def set_state(self, state: StateField) -> None:
+        self._next_index = state.fields(("next",))["next"].as_int(0, self._length)

@@ -1,5 +1,5 @@
 """`TFRecordDataset(filenames, compression_type, buffer_size)`: the records of files, one file after
-the other (TFDATA.md §13).
+the other (docs/tfdata-semantics.md §13).
 
     TFRecordDataset(["a.tfrecord", "b.tfrecord"])          # records of a, then of b, as bytes
     TFRecordDataset(files, compression_type="GZIP")        # the whole file stream is compressed
@@ -9,22 +9,30 @@ a list into one, and `num_parallel_reads` is an interleave over one such dataset
 Reading and verification are the records layer's job (`conveyor.data.records.tfrecord`): a
 damaged record raises `DataLossError` naming the file and the byte offset.
 
-State: the file-name input's state, the current file and the reader's offset (next record, in
-bytes of the decompressed stream), so a resumed iterator reopens the file there: a seek for
-uncompressed files, decompress-and-discard for GZIP/ZLIB. Files are opened lazily, on the first
-`next`, so a parallel interleave opens (and skips into) them on its reader threads.
+State: the file-name input's state, the current file, the reader's offset (next record, in
+bytes of the decompressed stream) and the file's size and modification time (ns) when it was
+opened, so a resumed iterator reopens the file there: a seek for uncompressed files,
+decompress-and-discard for GZIP/ZLIB. Files are opened lazily, on the first `next`, so a parallel
+interleave opens (and skips into) them on its reader threads.
+
+Loading a state never opens a file it does not list: the saved file must be one of the file-name
+input's elements when those are known (a list, `list_files`, and shuffle/shard/take/... of them;
+names computed by `map` cannot be listed and are taken as they are). A file whose size or
+modification time differs from the saved ones is refused (`StateMismatchError`: the offset would
+land in other data); a state saved before these were recorded is accepted with a warning.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import warnings
 from typing import Any
 
 import numpy as np
 
-from conveyor.data.base import Context, Iter, Node
-from conveyor.data.errors import InvalidArgumentError
+from conveyor.data.base import Context, Iter, Node, StateField
+from conveyor.data.errors import DataLossError, InvalidArgumentError, StateMismatchError
 from conveyor.data.records.tfrecord import COMPRESSION_TYPES, TFRecordReader
 
 
@@ -67,21 +75,42 @@ def _as_path(x: Any) -> str:
 class TFRecordIter(Iter):
     def __init__(self, node: TFRecordNode, ctx: Context):
         super().__init__(node.name, ctx, node.inputs[0].iterator(ctx.child(0)))
+        self._files_node = node.inputs[0]
         self._files = self.inputs[0]
         self._compression = node.compression_type
         self._files_done = False
         self._path: str | None = None  # current file
         self._offset = 0  # where to (re)open it, until the reader exists
         self._reader: TFRecordReader | None = None
+        self._stat: tuple[int, int] | None = None  # (size, mtime_ns) of the current file when opened
+        self._resumed: StateField | None = None  # the restored offset field, until the file is reopened
+        self._resumed_where: str | None = None  # where the restored state sat in the whole state
 
     def _open(self) -> TFRecordReader:
         try:
             self._reader = TFRecordReader(self._path, self._compression, offset=self._offset)
+            seen = _stat(self._path)
         except FileNotFoundError as e:
             raise FileNotFoundError(
                 errno.ENOENT, f"TFRecord file not found: {self._path} (check the file list or pattern)",
                 self._path) from e
+        except DataLossError as e:  # the saved offset is past the end of the (unchanged) file
+            raise self._bad_offset(e) from None
+        if self._stat is not None and seen != self._stat:  # changed between loading the state and now
+            self._reader.close()
+            self._reader = None
+            raise _changed(self._path, self._stat, seen, self._offset, self._resumed_where)
+        self._stat = seen
         return self._reader
+
+    def _bad_offset(self, e: DataLossError) -> Exception:
+        """A read error right where a restored state points means the state's offset is wrong (the
+        file was checked to be unchanged); anywhere else it is the file's."""
+        field, self._resumed = self._resumed, None
+        if field is None or e.offset != self._offset:
+            return e
+        return field.error(f"{self._path} has no record at byte {self._offset} ({e.what}), although its size and "
+                           f"modification time are those saved with the state")
 
     def _next(self) -> bytes:
         while True:
@@ -96,31 +125,96 @@ class TFRecordIter(Iter):
                         self._files_done = True
                         raise
                     self._offset = 0
+                    self._stat = None
                 reader = self._open()
+                if self._resumed is not None:  # once per restore, not per record
+                    try:
+                        return next(reader)
+                    except DataLossError as e:
+                        raise self._bad_offset(e) from None
+                    except StopIteration:
+                        pass
+                    finally:
+                        self._resumed = None
+                    self._end_of_file(reader)
+                    continue
             try:
                 return next(reader)
             except StopIteration:
-                reader.close()
-                self._reader = None
-                self._path = None
+                self._end_of_file(reader)
+
+    def _end_of_file(self, reader: TFRecordReader) -> None:
+        reader.close()
+        self._reader = None
+        self._path = None
+        self._stat = None
 
     def get_state(self) -> dict[str, Any]:
-        return {
+        state = {
             "files": None if self._files_done else self._files.get_state(),
             "path": self._path,
             "offset": self._reader.offset if self._reader is not None else self._offset,
         }
+        if self._path is not None and self._stat is not None:
+            state["size"], state["mtime_ns"] = self._stat
+        return state
 
-    def set_state(self, state: dict[str, Any]) -> None:
-        if state["files"] is None:
+    def set_state(self, state: StateField) -> None:
+        state.fields(("files", "path", "offset"), optional=("size", "mtime_ns"))
+        if state["files"].is_none():
             self._files_done = True
         else:
             self._files.set_state(state["files"])
-        self._path = state["path"]
-        self._offset = int(state["offset"])
+        self._offset = state["offset"].as_int(0)
+        if state["path"].is_none():
+            self._path = None
+            return
+        self._path = self._listed(state["path"])
+        size, mtime = state.get("size"), state.get("mtime_ns")
+        if size is None and mtime is None:
+            warnings.warn(f"resuming inside {self._path} from a state saved by an earlier conveyor, which did not "
+                          f"record the file's size and modification time: cannot check that the file is unchanged",
+                          stacklevel=2)
+            return
+        if size is None or mtime is None:
+            raise (size or mtime).error("expected both 'size' and 'mtime_ns' of the file, got only this one")
+        saved = (size.as_int(0), mtime.as_int(None))
+        if self._compression is None and self._offset > saved[0]:
+            raise state["offset"].error(f"offset {self._offset} is past the end of {self._path} ({saved[0]} bytes)")
+        try:
+            now = _stat(self._path)
+        except FileNotFoundError:
+            raise StateMismatchError(f"{self._path}, which the iterator state is positioned in, no longer exists; "
+                                     f"restore it, or start without the data state (--no-resume)",
+                                     state.where) from None
+        if now != saved:
+            raise _changed(self._path, saved, now, self._offset, state.where)
+        self._stat = saved
+        self._resumed, self._resumed_where = state["offset"], state.where
+
+    def _listed(self, field: StateField) -> str:
+        """The saved current file, which must be one the file-name input can produce."""
+        path = field.as_str()
+        known = self._files_node.known_elements()
+        if known is not None and path not in {_as_path(x) for x in known}:
+            raise field.error(f"{path!r} is not in this pipeline's file list")
+        return path
 
     def close(self) -> None:
         reader, self._reader = self._reader, None
         if reader is not None:
             reader.close()
         super().close()
+
+
+def _stat(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
+
+
+def _changed(path: str, saved: tuple[int, int], now: tuple[int, int], offset: int,
+             field: str | None) -> StateMismatchError:
+    return StateMismatchError(
+        f"{path} changed since the checkpoint: it had {saved[0]} bytes and mtime_ns {saved[1]} when the iterator "
+        f"state was saved, and has {now[0]} bytes and mtime_ns {now[1]} now, so the saved position (byte {offset}) "
+        f"would land in other data. Restore the original file, or start without the data state (--no-resume)", field)

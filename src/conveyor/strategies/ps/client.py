@@ -262,6 +262,25 @@ class PSClient:
                for s, c in enumerate(self.clients)]
         return [c.receive(rid) for c, rid in zip(self.clients, ids, strict=True)]
 
+    def publish_position(self, data: bytes) -> None:
+        """Leave this worker's newest data position with ps:0 (workers running apart; see the server)."""
+        self.finish_pull()
+        client = self.clients[0]
+        self._check(client.receive(client.send("position", {"rank": self.rank},
+                                               [torch.frombuffer(bytearray(data), dtype=torch.uint8)])), "position")
+
+    def positions(self) -> list[bytes | None]:
+        """Every worker's newest position left with ps:0 (index = rank; None: nothing left yet)."""
+        self.finish_pull()
+        client = self.clients[0]
+        reply = client.receive(client.send("positions", {"rank": self.rank}))
+        if reply.kind != "positions":
+            raise RuntimeError(f"unexpected {reply.kind!r} reply to a positions request")
+        found: list[bytes | None] = [None] * self.num_workers
+        for rank, tensor in zip(reply.header["ranks"], reply.torch_tensors(), strict=True):
+            found[int(rank)] = tensor.numpy().tobytes()
+        return found
+
     def close(self, *, done: bool = True) -> None:
         """Tell every server this worker is done (best effort), remove the hooks and close the sockets."""
         if self._closed:

@@ -32,6 +32,11 @@ port cannot change the parameters. Requests (all from workers, all signed):
 ``save``   ``{"step", "root"}``: write this server's shard (pieces + optimizer state) as ``ps-<i>.safetensors`` and
            ``ps-<i>.json`` into checkpoint step ``step`` (as a part the chief collects); reply: the names.
 ``restore`` ``{"step", "root"}``: load this server's shard back from the complete checkpoint step ``step``.
+``position`` ``{"rank"}`` + one uint8 tensor: that worker's newest data position (JSON). Workers that
+           run apart (``async``/``ssp``) leave it with ps:0 every checkpoint interval; ps:0 keeps the
+           newest of each, in memory (a restarted job starts with fresh ps tasks and no positions).
+``positions`` ``{"rank"}``: every worker's newest position (reply ``ranks``: which workers left one,
+           one uint8 tensor each), for the chief's checkpoint.
 ``done``   ``{"rank"}``: that worker has finished; when all have, :meth:`serve` returns.
 ``ping``   ``{}``: a worker's heartbeat (:class:`~conveyor.strategies.ps.client.PSClient` sends one every
            quarter of the job's timeout from a thread of its own), so a worker busy elsewhere — a long
@@ -157,6 +162,7 @@ class ParameterServer:
         self.counters: Counter[str] = Counter()
         self.done: set[int] = set()
         self.plan: int | None = None  # the global step count the workers stop at, once one announced it
+        self.positions: dict[int, bytes] = {}  # each worker's newest data position (workers running apart)
         self.shards = shards
         self._grads: dict[int, dict[str, dict[int, torch.Tensor]]] = {}  # sync: step -> key -> rank -> grad
         self._commits: dict[int, set[int]] = {}
@@ -373,6 +379,19 @@ class ParameterServer:
 
     def _on_ping(self, header: dict[str, Any], arrays: list[np.ndarray]):
         return "ok", {}, []
+
+    def _on_position(self, header: dict[str, Any], arrays: list[np.ndarray]):
+        rank = self._rank(header)
+        if len(arrays) != 1 or arrays[0].dtype != np.uint8 or arrays[0].ndim != 1:
+            raise ValueError("a position request carries exactly one 1-d uint8 tensor")
+        self.positions[rank] = arrays[0].tobytes()
+        return "ok", {}, []
+
+    def _on_positions(self, header: dict[str, Any], arrays: list[np.ndarray]):
+        self._rank(header)
+        ranks = sorted(self.positions)
+        return "positions", {"ranks": ranks}, [torch.from_numpy(np.frombuffer(self.positions[r], np.uint8).copy())
+                                                for r in ranks]
 
     def _on_done(self, header: dict[str, Any], arrays: list[np.ndarray]):
         self.done.add(self._rank(header))

@@ -51,10 +51,11 @@ its shard back (checked against the step's manifest) and all workers pull. Outsi
 reach the servers: the next pull overwrites them — load them before ``prepare`` (worker 0's values
 initialise the servers) or restore the optimizer state too. Out of scope for now: GPU workers.
 
-Pace. ``ps-sync`` is ``lockstep``. ``ps-async`` and ``ps-ssp:K`` are not: the trainer lets each worker go
-at its own speed and stops when the steps committed by all workers together (counted by ps:0, like
-TensorFlow's global step) reach the total one of them announced, so a fast worker does more of the
-work instead of waiting for a straggler.
+Pace. ``ps-sync`` moves in lockstep. ``ps-async`` and ``ps-ssp:K`` do not: their
+:meth:`PSStrategy.coordinator` lets each worker go at its own speed and stop when the steps committed
+by all workers together (counted by ps:0, like TensorFlow's global step) reach the total one of them
+announced, so a fast worker does more of the work instead of waiting for a straggler; ps:0 also keeps
+each worker's newest data position for the chief's checkpoints.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ from torch import nn
 
 from conveyor.comm.process_group import collective_guard
 from conveyor.strategies.base import Strategy, check_optimizer
+from conveyor.strategies.coordination import Coordinator, IndependentCoordinator, LockstepCoordinator
 from conveyor.strategies.ps.client import PSClient
 from conveyor.strategies.ps.server import parse_mode
 
@@ -92,7 +94,6 @@ class PSStrategy(Strategy):
         self.client: PSClient | None = None
         #: async/ssp: step() only sends the pull, the next forward (or state_dict()) receives it.
         self.prefetch = mode != "sync"
-        self.lockstep = mode == "sync"  # type: ignore[misc]  (an instance value for the class-level flag)
 
     @classmethod
     def from_name(cls, name: str) -> PSStrategy:
@@ -177,12 +178,12 @@ class PSStrategy(Strategy):
         self.job.barrier()  # no worker pulls before every shard is back
         client.pull()
 
-    def global_progress(self) -> tuple[int, int | None]:
-        client = self._client("global_progress")
-        return client.global_steps, client.plan
-
-    def announce_total(self, total: int) -> None:
-        self._client("announce_total").announce = int(total)
+    def coordinator(self, job: Any) -> Coordinator:
+        """``ps-sync`` (or a single worker) moves in lockstep; ``ps-async``/``ps-ssp`` workers run apart,
+        counting their shared steps and leaving their data positions with ps:0."""
+        if self.mode == "sync" or job.world_size == 1:
+            return LockstepCoordinator(job)
+        return IndependentCoordinator(job, _ServerBoard(self._client("training")))
 
     def _client(self, what: str) -> PSClient:
         if self.client is None:
@@ -234,6 +235,29 @@ class PSStrategy(Strategy):
         out = getattr(self._job, "output_dir", None)
         if out is not None:
             (Path(out) / "ps-stats.json").write_text(json.dumps(stats, indent=1))
+
+
+class _ServerBoard:
+    """The :class:`~conveyor.strategies.coordination.ProgressBoard` of workers running apart: ps:0.
+
+    The shared step count and the announced total travel with every commit (no extra request);
+    data positions go to ps:0 only when a checkpoint is due.
+    """
+
+    def __init__(self, client: PSClient) -> None:
+        self.client = client
+
+    def global_progress(self) -> tuple[int, int | None]:
+        return self.client.global_steps, self.client.plan
+
+    def announce_total(self, total: int) -> None:
+        self.client.announce = int(total)  # sent with the next commit
+
+    def publish_position(self, data: bytes) -> None:
+        self.client.publish_position(data)
+
+    def positions(self) -> list[bytes | None]:
+        return self.client.positions()
 
 
 class PSOptimizer(torch.optim.Optimizer):

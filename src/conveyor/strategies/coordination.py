@@ -1,0 +1,208 @@
+"""How the workers of one training run keep together; each strategy supplies one (`Strategy.coordinator`).
+
+    coord = job.strategy.coordinator(job)
+    coord.start(max_steps=..., total_epochs=...)
+    while not coord.finished(step, steps_per_epoch):
+        have_all = coord.agree(have_batch)          # False: another worker's shard ran out first
+        ...one step...
+        if coord.should_save(step, policy): ...positions = coord.positions(mine, final=False) ...
+
+The training loop asks these questions and never branches on the strategy. Two answers exist:
+
+- :class:`LockstepCoordinator` (all-reduce, ``ps-sync``, one process): every step starts with one
+  small all-reduce that says whether every rank still has a batch (an epoch ends for all ranks
+  together) and carries the chief's time-based "checkpoint now", so all ranks save the same step.
+- :class:`IndependentCoordinator` (``ps-async``, ``ps-ssp:K``): no per-step collective. Each worker
+  runs at its own pace, into further epochs of its shard if need be, and all stop when the steps
+  committed by all workers together reach the job's total (TensorFlow's global step). The count, the
+  planned total and every worker's newest data position live on a :class:`ProgressBoard` that the
+  strategy provides (ps:0 for the parameter-server strategies), not on a shared file system.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["Coordinator", "IndependentCoordinator", "LockstepCoordinator", "ProgressBoard"]
+
+
+class _Policy(Protocol):
+    every_steps: int | None
+
+    def should_save(self, step: int) -> bool: ...
+
+
+class Coordinator:
+    """The questions a training loop asks about the other workers. Subclasses answer them."""
+
+    #: how many workers' figures a log record averages over (1: this worker's own)
+    log_world: int = 1
+
+    def __init__(self, job: Any) -> None:
+        self.job = job
+        self.world = int(job.world_size)
+        self.rank = int(job.rank)
+        self.chief = bool(job.is_chief)
+        self.max_steps: int | None = None
+        self.total_epochs: int | None = None
+
+    def start(self, *, max_steps: int | None, total_epochs: int | None) -> None:
+        """The run's bounds, once per ``fit()`` before its first step."""
+        self.max_steps, self.total_epochs = max_steps, total_epochs
+
+    def resumed(self, extra: Mapping[str, Any]) -> None:
+        """The ``extra`` of the checkpoint the run resumes from (counts kept across restarts)."""
+
+    def tolerates_missing_positions(self, data_states: Mapping[str, Any]) -> bool:
+        """Whether a checkpoint lacking some workers' data positions may still be resumed."""
+        return False
+
+    def finished(self, step: int, steps_per_epoch: int | None) -> bool:
+        """Whether training is over before the next step (``max_steps`` reached)."""
+        return self.max_steps is not None and step >= self.max_steps
+
+    def epoch_limit(self) -> int | None:
+        """How many epochs of its shard this worker runs at most (None: no bound from epochs)."""
+        return self.total_epochs
+
+    def agree(self, have_batch: bool) -> bool:
+        """Whether every worker has a batch for this step (given whether this one has)."""
+        return have_batch
+
+    def should_save(self, step: int, policy: _Policy) -> bool:
+        """Whether to checkpoint after ``step``; every worker gets the same answer when they save together."""
+        return policy.should_save(step)
+
+    def evaluation(self, final: bool) -> str | None:
+        """How to evaluate now: ``"all"`` (a collective over every worker), ``"alone"`` (this worker's
+        shard, no collective) or None (this worker skips)."""
+        return "all"
+
+    def meets_for(self, final: bool) -> bool:
+        """Whether this save is a meeting of all workers even when this worker saved the step already."""
+        return False
+
+    def positions(self, mine: bytes, final: bool) -> list[bytes | None]:
+        """Every worker's data position for the checkpoint (the chief's result counts; index = rank)."""
+        return self.job.all_gather_bytes(mine)
+
+    def checkpoint_extra(self) -> dict[str, Any]:
+        """What the checkpoint records for :meth:`resumed`."""
+        return {}
+
+
+class LockstepCoordinator(Coordinator):
+    """Workers that move one step at a time together (see the module docstring)."""
+
+    def __init__(self, job: Any) -> None:
+        super().__init__(job)
+        self.log_world = self.world
+        self._save_request = False  # the chief's time-based decision, sent with the next step's agreement
+        self._save_flag = False  # what the last agreement carried
+
+    def agree(self, have_batch: bool) -> bool:
+        if self.world == 1:
+            return have_batch
+        want = self.chief and self._save_request
+        flags = torch.tensor([1.0 if have_batch else 0.0, 1.0 if want else 0.0], device=self.job.device)
+        self.job.all_reduce(flags)
+        everyone, save = flags.tolist()
+        self._save_flag = save > 0
+        return everyone >= self.world
+
+    def should_save(self, step: int, policy: _Policy) -> bool:
+        if self.world == 1:
+            return policy.should_save(step)
+        every = policy.every_steps
+        save = self._save_flag or bool(every and step % every == 0)
+        if self.chief:
+            due = policy.should_save(step)  # also restarts the policy's clock on step-based saves
+            self._save_request = due and not save  # time-based: every rank saves after the next step
+        return save
+
+
+class ProgressBoard(Protocol):
+    """Where workers that run apart count their shared steps and leave their data positions."""
+
+    def global_progress(self) -> tuple[int, int | None]:
+        """(steps all workers committed so far, the total one of them announced, or None)."""
+
+    def announce_total(self, total: int) -> None:
+        """Tell every worker the total number of steps (over all of them) this run stops at."""
+
+    def publish_position(self, data: bytes) -> None:
+        """Replace this worker's newest data position."""
+
+    def positions(self) -> list[bytes | None]:
+        """Every worker's newest published position (index = rank; None: nothing published yet)."""
+
+
+class IndependentCoordinator(Coordinator):
+    """Workers that run apart and stop on a shared step count (see the module docstring)."""
+
+    def __init__(self, job: Any, board: ProgressBoard) -> None:
+        super().__init__(job)
+        self.board = board
+        self.offset = 0  # steps all workers committed before this run (from the checkpoint)
+        self.planned: int | None = None  # the total of all workers' steps the job stops at
+
+    def resumed(self, extra: Mapping[str, Any]) -> None:
+        self.offset = int(extra.get("global_steps") or 0)
+
+    def tolerates_missing_positions(self, data_states: Mapping[str, Any]) -> bool:
+        # A worker that had published no position yet when the chief saved starts its data over.
+        return "worker-0" in data_states
+
+    def finished(self, step: int, steps_per_epoch: int | None) -> bool:
+        if self.planned is None:
+            self._plan(steps_per_epoch)
+        done, _ = self.board.global_progress()
+        return self.planned is not None and self.offset + done >= self.planned
+
+    def _plan(self, steps_per_epoch: int | None) -> None:
+        """The total to stop at, once this worker can tell it (announced to all), or as another announced it."""
+        totals = []
+        if self.max_steps is not None:
+            totals.append(self.max_steps * self.world)
+        if self.total_epochs is not None and steps_per_epoch:
+            totals.append(self.total_epochs * steps_per_epoch * self.world)
+        if totals:
+            self.planned = min(totals)
+            self.board.announce_total(max(0, self.planned - self.offset))
+            return
+        _, announced = self.board.global_progress()
+        if announced is not None:
+            self.planned = self.offset + int(announced)
+
+    def epoch_limit(self) -> int | None:
+        # A worker goes on into further epochs of its shard until the shared total is reached; it stops
+        # by itself only if it alone did every worker's share (the others are gone).
+        return None if self.total_epochs is None else self.total_epochs * self.world
+
+    def evaluation(self, final: bool) -> str | None:
+        if final:
+            return "all"
+        return "alone" if self.chief else None
+
+    def meets_for(self, final: bool) -> bool:
+        return final
+
+    def positions(self, mine: bytes, final: bool) -> list[bytes | None]:
+        if final:
+            return self.job.all_gather_bytes(mine)
+        if not self.chief:
+            self.board.publish_position(mine)
+            return []
+        return [mine, *self.board.positions()[1:]]
+
+    def checkpoint_extra(self) -> dict[str, Any]:
+        return {"global_steps": self.offset + self.board.global_progress()[0]}
+
+
+def decode_positions(gathered: list[bytes | None]) -> dict[str, Any]:
+    """Gathered data positions as a checkpoint's ``data_states`` (workers without one are left out)."""
+    return {f"worker-{r}": json.loads(bytes(b).decode()) for r, b in enumerate(gathered) if b is not None}

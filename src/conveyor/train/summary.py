@@ -1,0 +1,90 @@
+"""The end of a training run: every worker's trace, the chief's plots, and the summary every rank returns.
+
+    summary = summarize(job, profiler, run_figures)    # collective: every rank calls it
+
+Global figures (samples, input-wait and accelerator-idle fractions) are summed over ranks;
+``step_breakdown`` is this rank's. The chief adds the strategy's own figures (``communication``) and
+writes ``<output>/summary.json`` atomically. See ``docs/training-contracts.md`` for the keys.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from conveyor.train.profiler import StepProfiler, plot_step_breakdown, plot_timeline
+
+__all__ = ["summarize", "write_json_atomic"]
+
+
+def summarize(job: Any, prof: StepProfiler, *, wall: float, steps: int, epochs: int, eval_result: dict[str, Any],
+              resumed_from: int | None, checkpoints: Path) -> dict[str, Any]:
+    """The run's summary (module docstring); writes the trace, and on the chief the plots and summary.json."""
+    out, world = Path(job.output_dir), int(job.world_size)
+    figures = prof.summary()
+    totals = torch.tensor([figures["samples"], figures["input_wait_seconds"] / max(wall, 1e-9),
+                           figures["accelerator_idle_fraction"]], dtype=torch.float64, device=torch.device(job.device))
+    job.all_reduce(totals)
+    samples, wait_fraction_sum, idle_sum = totals.tolist()
+    outputs = _write_trace_and_plots(job, prof, out)
+    summary = {
+        "strategy": job.strategy.name,
+        "world_size": world,
+        "steps": steps,
+        "epochs": epochs,
+        "samples": int(samples),
+        "samples_per_second": samples / wall if wall > 0 else 0.0,
+        "wall_seconds": wall,
+        **{k: _finite(v) for k, v in eval_result.items() if k != "eval_samples"},
+        "input_wait_fraction": wait_fraction_sum / world,
+        "accelerator_idle_fraction": idle_sum / world,
+        "step_breakdown": figures["step_breakdown"],
+        "restarts": int(job.restart_count),
+        "resumed_from_step": resumed_from,
+        "steps_this_run": figures["steps"],
+        "checkpoints": str(checkpoints),
+        "outputs": outputs,
+    }
+    if job.is_chief:
+        # Strategies with more to say (parameter servers: push / pull / wait-for-servers seconds,
+        # bytes and staleness per server) add it to the summary.
+        details = job.strategy.stats()
+        if details:
+            summary["communication"] = details
+        write_json_atomic(out / "summary.json", summary)
+    return summary
+
+
+def _write_trace_and_plots(job: Any, prof: StepProfiler, out: Path) -> dict[str, Any]:
+    prof.write_trace(out / "trace" / f"worker-{job.rank}.json")
+    plots = [out / "plots" / "timeline.png", out / "plots" / "step_breakdown.png"]
+    if job.is_chief and prof.steps:  # a run that had nothing left to do keeps the plots of the run before
+        plot_timeline(prof.trace(), plots[0])
+        plot_step_breakdown(prof.steps, plots[1])
+    return {
+        "metrics": str(out / "metrics.jsonl"),
+        "tensorboard": str(out / "tensorboard"),
+        "trace": str(out / "trace"),
+        "plots": [str(p) for p in plots if p.exists()],
+        "summary": str(out / "summary.json"),
+    }
+
+
+def _finite(v: Any) -> Any:
+    return None if isinstance(v, float) and not math.isfinite(v) else v
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, allow_nan=False, default=_json_default) + "\n")
+    os.replace(tmp, path)
+
+
+def _json_default(x: Any) -> Any:
+    raise TypeError(f"summary value of type {type(x).__name__} is not JSON")
