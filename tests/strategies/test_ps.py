@@ -153,14 +153,15 @@ def apart_main(job, out: Path) -> None:
 
 
 class _Slow:
-    """Makes worker 1's steps take three times what they compute (at least 50 ms): however loaded the
-    machine, it stays well behind worker 0 (a fixed sleep would drown in the load)."""
+    """Makes worker 1's steps take three times what they compute: however loaded the machine, it runs at
+    about a third of worker 0's pace (a fixed sleep would drown in the load, or on an idle machine leave
+    worker 1 so far behind that it reaches no checkpoint interval before the job's last checkpoints)."""
 
     def __init__(self) -> None:
         self.last = time.perf_counter()
 
     def __call__(self, event) -> None:
-        time.sleep(max(0.05, 2 * (time.perf_counter() - self.last)))
+        time.sleep(2 * (time.perf_counter() - self.last))
         self.last = time.perf_counter()
 
 
