@@ -154,6 +154,7 @@ class Trainer:
         self.checkpoints = CheckpointManager(Path(job.output_dir) / "checkpoints", keep=self.config.keep_checkpoints)
         self.step = 0
         self.epoch = 0
+        self._warned_eval_shard = False
 
     def fit(self) -> dict[str, Any]:
         """Train (resuming from the latest checkpoint if there is one) and return the summary.
@@ -187,7 +188,7 @@ class Trainer:
     def _shard_eval_data(self, world: int):
         """`eval_data` split by batch over the workers, so that every sample is counted once (as tf.distribute's
         auto-sharding does); said once, since the user's own `shard` would also split the reading."""
-        if not getattr(self, "_warned_eval_shard", False):
+        if not self._warned_eval_shard:
             self._warned_eval_shard = True
             warnings.warn(f"eval_data is not sharded per worker (no .shard({world}, rank)), so each of the {world} "
                           f"workers would evaluate all of it and every sample would count {world} times; conveyor "
