@@ -36,7 +36,7 @@ import math
 import os
 import random
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -304,19 +304,20 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 
 def rng_to_json(state: Mapping[str, Any]) -> dict[str, Any]:
     """`rng_state()` as plain JSON (a worker's data state carries it): torch's byte blobs in base64."""
-    out = {k: v for k, v in state.items() if k in ("python", "numpy")}
-    out["torch"] = _b64(state["torch"])
-    if "cuda" in state:
-        out["cuda"] = [_b64(s) for s in state["cuda"]]
-    return out
+    return _map_blobs(state, _b64)
 
 
 def rng_from_json(state: Mapping[str, Any]) -> dict[str, Any]:
     """Undo `rng_to_json`: a state for `set_rng_state`."""
+    return _map_blobs(state, _blob)
+
+
+def _map_blobs(state: Mapping[str, Any], convert: Callable[[Any], Any]) -> dict[str, Any]:
+    """`state` with torch's and CUDA's generator states passed through `convert`; Python's and numpy's as they are."""
     out = {k: v for k, v in state.items() if k in ("python", "numpy")}
-    out["torch"] = _blob(state["torch"])
+    out["torch"] = convert(state["torch"])
     if "cuda" in state:
-        out["cuda"] = [_blob(s) for s in state["cuda"]]
+        out["cuda"] = [convert(s) for s in state["cuda"]]
     return out
 
 
