@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.extras import optional_import
+from conveyor.fileio import atomic_write
 
 __all__ = ["PHASES", "StepProfiler", "StepTimes", "plot_step_breakdown", "plot_timeline"]
 
@@ -270,13 +271,8 @@ class StepProfiler:
                 "otherData": {"producer": "conveyor.train.profiler", "rank": pid}}
 
     def write_trace(self, path: str | os.PathLike[str]) -> Path:
-        """Write `trace()` to `path` atomically (temp file + rename) and return the path."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(self.trace(), separators=(",", ":")))
-        os.replace(tmp, path)
-        return path
+        """Write `trace()` to `path` atomically (`conveyor.fileio.atomic_write`) and return the path."""
+        return atomic_write(path, json.dumps(self.trace(), separators=(",", ":")).encode())
 
 
 def _median(values: Sequence[float]) -> float:

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from conveyor.fileio import atomic_write
 from conveyor.train.profiler import StepProfiler, plot_step_breakdown, plot_timeline
 
 __all__ = ["summarize", "write_json_atomic"]
@@ -80,10 +80,8 @@ def _finite(v: Any) -> Any:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, allow_nan=False, default=_json_default) + "\n")
-    os.replace(tmp, path)
+    """`obj` as indented strict JSON at `path`, atomically (`conveyor.fileio.atomic_write`)."""
+    atomic_write(path, (json.dumps(obj, indent=2, allow_nan=False, default=_json_default) + "\n").encode())
 
 
 def _json_default(x: Any) -> Any:
