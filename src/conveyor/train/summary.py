@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from conveyor.fileio import atomic_write
-from conveyor.train.profiler import StepProfiler, plot_step_breakdown, plot_timeline
+from conveyor.train.plots import plot_step_breakdown, plot_timeline
+from conveyor.train.profiler import StepProfiler
 
 __all__ = ["summarize", "write_json_atomic"]
 
@@ -65,7 +66,7 @@ def _write_trace_and_plots(job: Any, prof: StepProfiler, out: Path) -> dict[str,
     plots = [out / "plots" / "timeline.png", out / "plots" / "step_breakdown.png"]
     if job.is_chief and prof.steps:  # a run that had nothing left to do keeps the plots of the run before
         plot_timeline(prof.trace(), plots[0])
-        plot_step_breakdown(prof.steps, plots[1])
+        plot_step_breakdown(prof.steps, plots[1], rank=job.rank, total_steps=prof.step_count)
     return {
         "metrics": str(out / "metrics.jsonl"),
         "tensorboard": str(out / "tensorboard"),
