@@ -89,29 +89,22 @@ def from_json(obj: Any) -> Element:
 
 def flatten(x: Element) -> tuple[Any, list]:
     """Split an element into a structure description and its list of leaves."""
-    if isinstance(x, tuple):
-        specs, leaves = [], []
-        for v in x:
-            s, lv = flatten(v)
-            specs.append(s)
-            leaves.extend(lv)
-        return ("t", specs), leaves
+    if isinstance(x, (tuple, list)):
+        specs, leaves = _flatten_each(x)
+        return ("t" if isinstance(x, tuple) else "l", specs), leaves
     if isinstance(x, dict):
-        keys, specs, leaves = [], [], []
-        for k, v in x.items():
-            s, lv = flatten(v)
-            keys.append(k)
-            specs.append(s)
-            leaves.extend(lv)
-        return ("d", keys, specs), leaves
-    if isinstance(x, list):
-        specs, leaves = [], []
-        for v in x:
-            s, lv = flatten(v)
-            specs.append(s)
-            leaves.extend(lv)
-        return ("l", specs), leaves
+        specs, leaves = _flatten_each(x.values())
+        return ("d", list(x), specs), leaves
     return None, [x]
+
+
+def _flatten_each(items: Any) -> tuple[list, list]:
+    specs, leaves = [], []
+    for v in items:
+        s, lv = flatten(v)
+        specs.append(s)
+        leaves.extend(lv)
+    return specs, leaves
 
 
 def unflatten(spec: Any, leaves: list) -> Element:
