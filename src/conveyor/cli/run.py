@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from conveyor.cli import Command, CommandError
 from conveyor.cluster import JOB_SECRET_VAR
 from conveyor.launch import (
+    OMP_DEFAULT_VAR,
     PeerError,
     RunOptions,
     Supervisor,
@@ -132,8 +133,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _supervisor(plan, options: RunOptions, peers=None) -> Supervisor:
+    if any(t.env.get(OMP_DEFAULT_VAR) == "1" for t in plan.tasks):
+        # torchrun's warning, in the launcher's voice: the default changes how fast a plain script runs
+        print(f"[conveyor] OMP_NUM_THREADS is not set: each of the {len(plan.tasks)} tasks on this machine gets "
+              f"OMP_NUM_THREADS=1, as under torchrun, so that they do not overload the cores "
+              f"(conveyor.init() gives its training tasks their share of the cores instead); set "
+              f"OMP_NUM_THREADS to tune it", file=sys.stderr)
     return Supervisor(plan, max_restarts=options.max_restarts, peers=peers, restart_delay=options.restart_delay,
-                      restart_delay_cap=max(RESTART_DELAY_CAP, options.restart_delay))
+                      restart_delay_cap=max(RESTART_DELAY_CAP, options.restart_delay), linger=options.linger)
 
 
 def _run_node(args: argparse.Namespace, options: RunOptions, environ: dict[str, str], secret: bytes) -> int:

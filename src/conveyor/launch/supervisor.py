@@ -57,7 +57,14 @@ from typing import IO, Protocol
 
 import psutil
 
-from conveyor.launch.plan import RESTART_COUNT_VAR, RESUME_VAR, TTY_VAR, LaunchPlan, TaskLaunch
+from conveyor.launch.plan import (
+    RESTART_COUNT_VAR,
+    RESUME_VAR,
+    TORCHRUN_RESTART_VAR,
+    TTY_VAR,
+    LaunchPlan,
+    TaskLaunch,
+)
 
 __all__ = ["JobResult", "PeerError", "Peers", "Supervisor", "TaskExit"]
 
@@ -527,6 +534,8 @@ class Supervisor:
         log.write(f"=== restart {attempt} === {stamp}\n" if attempt else f"=== {launch.name} started === {stamp}\n")
         env = dict(launch.env)
         env[RESTART_COUNT_VAR] = str(attempt)
+        if TORCHRUN_RESTART_VAR in env:  # training tasks only, as the plan set it
+            env[TORCHRUN_RESTART_VAR] = str(attempt)
         if self._live_ok:
             env.setdefault(TTY_VAR, "1")
         if attempt:

@@ -42,6 +42,8 @@ TIMEOUT_VAR = "CONVEYOR_TIMEOUT"
 RESTART_COUNT_VAR = "CONVEYOR_RESTART_COUNT"
 RESUME_VAR = "CONVEYOR_RESUME"
 DEFAULT_TIMEOUT = 300.0
+#: Set by `conveyor run` beside the OMP_NUM_THREADS=1 it chose (launch/plan.py writes the same name).
+OMP_DEFAULT_VAR = "CONVEYOR_OMP_DEFAULT"
 
 _OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
 
@@ -276,9 +278,12 @@ def _limit_threads(local_world_size: int, env: Mapping[str, str]) -> None:
     PyTorch sizes its intra-op pool to every core of the machine in every process. With N workers on
     one machine that is N x cores threads fighting over the cores; each worker's matrix products then
     stall on the others' and steps get slower than with fewer threads (torchrun sets OMP_NUM_THREADS=1
-    for the same reason). An explicit OMP_NUM_THREADS is the user's (or launcher's) choice and is kept.
+    for the same reason). An explicit OMP_NUM_THREADS is the user's (or launcher's) choice and is kept,
+    except the ``1`` that ``conveyor run`` sets by torchrun's rule for scripts that do not call this
+    (marked by ``CONVEYOR_OMP_DEFAULT=1``): a training task here gets its share of the cores instead.
     """
-    if local_world_size <= 1 or env.get("OMP_NUM_THREADS"):
+    defaulted = env.get(OMP_DEFAULT_VAR) == "1"
+    if not defaulted and (local_world_size <= 1 or env.get("OMP_NUM_THREADS")):
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     torch.set_num_threads(threads_per_worker(local_world_size, cores))
