@@ -112,7 +112,8 @@ def test_training_tasks_get_every_variable_torchrun_sets_with_its_meaning():
     nodes = [NodeInfo("10.0.0.1", 2, 0, (7001, 7002)), NodeInfo("10.0.0.2", 3, 1, (8001, 8002, 8003, 8004))]
     plan = build_plan(options(workers=3, ps=1, strategy="ps-sync", max_restarts=5), nodes, 1,
                       master_addr="10.0.0.1", master_port=7009, secret=SECRET,
-                      environ={"TORCHELASTIC_RUN_ID": "stale", "GROUP_RANK": "9", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"})
+                      environ={"TORCHELASTIC_RUN_ID": "stale", "GROUP_RANK": "9",
+                               "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"})
     worker3 = plan.tasks[1].env
     assert set(TORCHRUN_VARS) <= set(worker3)
     assert {k: worker3[k] for k in TORCHRUN_VARS} == {
