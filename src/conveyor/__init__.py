@@ -19,10 +19,11 @@ _LAZY = {
     "init": "conveyor.train.job",
     "Job": "conveyor.train.job",
     "Trainer": "conveyor.train.trainer",
+    "TrainConfig": "conveyor.train.trainer",
     "ClusterSpec": "conveyor.cluster",
 }
 
-__all__ = ["ClusterSpec", "Job", "Trainer", "__version__", "init"]
+__all__ = ["ClusterSpec", "Job", "TrainConfig", "Trainer", "__version__", "init"]
 
 
 def __getattr__(name: str):

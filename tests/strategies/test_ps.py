@@ -6,6 +6,11 @@ same code entry for every role, as ``conveyor run`` does. On a ps task ``conveyo
 exits the process when the workers are done; the workers train and write what they saw to JSON.
 
     pytest tests/strategies/test_ps.py -m multiprocess --durations=5
+
+Budgets: a launch takes 15-25 s on the shared 2-core development machine and 45-70 s with two more
+busy processes on it (most of it four interpreters importing torch). Waits are on events (process exit,
+the servers' drop counters); the limits (``LAUNCH_DEADLINE`` per launch, the job's ``TIMEOUT`` for its
+rendezvous and requests) only catch hangs, and leave room for a machine at a fifth of its speed.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ NUM_PS = 2
 BATCH = 8  # per worker; the single-process reference uses WORLD * BATCH
 STEPS = 10
 SECRET = b"ps-test-secret"
+LAUNCH_DEADLINE = 240.0  # seconds for one launch's four processes to finish
+TIMEOUT = 120  # the job's CONVEYOR_TIMEOUT: rendezvous, requests, and the ps tasks' idle limit
 _FOREIGN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG",
             "OMP_NUM_THREADS")
 
@@ -92,13 +99,15 @@ def make_scheduler(kind: str, optimizer: torch.optim.Optimizer):
 
 
 def attack(ports: list[int]) -> None:
-    """Random bytes, a wrong-secret connection, and forged (badly signed) messages at every ps port."""
+    """Random bytes, a wrong-secret connection, and forged (badly signed) messages at every ps port; returns
+    once every server has counted the forgeries (so the test sees them in the stats at the end)."""
     import zmq
 
     from conveyor.comm.framing import encode, next_seq, sender_id
     from conveyor.comm.transport import _password
 
     for port in ports:
+        before = _signature_drops(port, ports.index(port))
         with socket.create_connection(("127.0.0.1", port)) as raw:
             raw.sendall(os.urandom(4096))
         sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -113,8 +122,16 @@ def attack(ports: list[int]) -> None:
                             seq=next_seq(), recipient=ps)
             sock.send_multipart([bytes(f) for f in forged])
             sock.send_multipart([os.urandom(64), os.urandom(32)])
-        time.sleep(0.2)
+        deadline = time.monotonic() + TIMEOUT
+        while _signature_drops(port, ports.index(port)) < before + 10:  # 5 forged + 5 random, all unsigned
+            assert time.monotonic() < deadline, f"ps at port {port} did not count the forged messages"
+            time.sleep(0.05)
         sock.close(linger=0)
+
+
+def _signature_drops(port: int, index: int) -> int:
+    with Client(f"127.0.0.1:{port}", SECRET, name=f"ps:{index}", timeout=TIMEOUT, sender="worker:0") as client:
+        return client.request("stats").header["dropped_by_reason"].get("signature", 0)
 
 
 def apart_main(job, out: Path) -> None:
@@ -125,7 +142,7 @@ def apart_main(job, out: Path) -> None:
     model, optimizer = job.prepare(model, make_optimizer("plain", model))
     x, y = make_data(20)  # 20 steps per worker per epoch
     data = Dataset.from_tensor_slices((x.numpy(), y.numpy())).shard(WORLD, job.rank).batch(BATCH, drop_remainder=True)
-    slow = (lambda event: time.sleep(0.05)) if job.rank == 1 else (lambda event: None)
+    slow = _Slow() if job.rank == 1 else (lambda event: None)
     held_out = Dataset.from_tensor_slices((x[:64].numpy(), y[:64].numpy())).shard(WORLD, job.rank).batch(BATCH)
     trainer = conveyor.Trainer(job, model, optimizer, nn.functional.mse_loss, data, epochs=2,
                                eval_data=held_out, metric_fn=lambda out, target: 0.0, eval_every_steps=7,
@@ -133,6 +150,19 @@ def apart_main(job, out: Path) -> None:
     summary = trainer.fit()
     (out / f"rank{job.rank}.json").write_text(json.dumps({"steps": trainer.step, "summary": summary}))
     job.shutdown()
+
+
+class _Slow:
+    """Makes worker 1's steps take three times what they compute: however loaded the machine, it runs at
+    about a third of worker 0's pace (a fixed sleep would drown in the load, or on an idle machine leave
+    worker 1 so far behind that it reaches no checkpoint interval before the job's last checkpoints)."""
+
+    def __init__(self) -> None:
+        self.last = time.perf_counter()
+
+    def __call__(self, event) -> None:
+        time.sleep(2 * (time.perf_counter() - self.last))
+        self.last = time.perf_counter()
 
 
 def task_main(scenario: str, out: Path) -> None:
@@ -178,7 +208,7 @@ def task_main(scenario: str, out: Path) -> None:
 # -- launching ------------------------------------------------------------------------------------------------------
 
 
-def launch(scenario: str, strategy: str, out: Path, deadline: float = 50.0) -> tuple[list[dict], list[int]]:
+def launch(scenario: str, strategy: str, out: Path, deadline: float = LAUNCH_DEADLINE) -> tuple[list[dict], list[int]]:
     """Run SCENARIO on 2 ps + 2 workers; each worker's JSON and every process's exit code (ps last)."""
     out.mkdir(parents=True, exist_ok=True)
     ports = free_ports(WORLD + NUM_PS + 1)
@@ -190,7 +220,7 @@ def launch(scenario: str, strategy: str, out: Path, deadline: float = 50.0) -> t
         env = base | task_environment(spec, task, secret=SECRET, data_dir=out / "data", output_dir=out / "output",
                                       master_addr="127.0.0.1", master_port=ports[-1], strategy=strategy,
                                       local_rank=min(i, WORLD - 1), local_world_size=WORLD)
-        env["CONVEYOR_TIMEOUT"] = "30"
+        env["CONVEYOR_TIMEOUT"] = str(TIMEOUT)
         env["OMP_NUM_THREADS"] = "1"
         log = open(out / f"{task.type}{task.index}.log", "wb")
         procs.append((subprocess.Popen([sys.executable, __file__, scenario, str(out)], env=env, stdout=log,
@@ -368,7 +398,7 @@ def test_a_ps_shard_saved_into_a_checkpoint_restores_a_fresh_server(served, tmp_
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(LAUNCH_DEADLINE + 60)
 @pytest.mark.parametrize("kind", ["sgd", "adam"])
 def test_ps_sync_matches_one_process_on_the_combined_batch(tmp_path: Path, kind: str) -> None:
     results, codes = launch(kind, "ps-sync", tmp_path)
@@ -385,7 +415,7 @@ def test_ps_sync_matches_one_process_on_the_combined_batch(tmp_path: Path, kind:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(LAUNCH_DEADLINE + 60)
 def test_ps_async_trains(tmp_path: Path) -> None:
     results, codes = launch("async", "ps-async", tmp_path)
     assert codes == [0] * (WORLD + NUM_PS), logs(tmp_path)
@@ -395,7 +425,7 @@ def test_ps_async_trains(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(LAUNCH_DEADLINE + 60)
 def test_ps_ssp_bounds_staleness(tmp_path: Path) -> None:
     results, codes = launch("ssp", "ps-ssp:2", tmp_path)
     assert codes == [0] * (WORLD + NUM_PS), logs(tmp_path)
@@ -407,7 +437,7 @@ def test_ps_ssp_bounds_staleness(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(LAUNCH_DEADLINE + 60)
 def test_trainer_lets_async_workers_run_apart_and_stops_on_the_shared_step_count(tmp_path: Path) -> None:
     results, codes = launch("apart", "ps-async", tmp_path)
     assert codes == [0] * (WORLD + NUM_PS), logs(tmp_path)
@@ -435,7 +465,7 @@ def test_trainer_lets_async_workers_run_apart_and_stops_on_the_shared_step_count
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(2 * LAUNCH_DEADLINE + 60)  # two launches
 def test_garbage_and_forged_messages_change_nothing(tmp_path: Path) -> None:
     results, codes = launch("garbage", "ps-sync", tmp_path)
     assert codes == [0] * (WORLD + NUM_PS), logs(tmp_path)
@@ -449,7 +479,7 @@ def test_garbage_and_forged_messages_change_nothing(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(LAUNCH_DEADLINE + 60)
 def test_conveyor_run_starts_ps_tasks_that_exit_cleanly(tmp_path: Path) -> None:
     """`conveyor run -n 2 --ps 2 --strategy ps-sync` on this same script: the launcher's path end to end."""
     env = {k: v for k, v in os.environ.items()
@@ -459,7 +489,7 @@ def test_conveyor_run_starts_ps_tasks_that_exit_cleanly(tmp_path: Path) -> None:
     out.mkdir()
     proc = subprocess.run([sys.executable, "-m", "conveyor.cli.main", "run", "-n", "2", "--ps", "2", "--strategy",
                            "ps-sync", "--output-dir", str(tmp_path / "output"), __file__, "sgd", str(out)],
-                          env=env, capture_output=True, text=True, timeout=55)
+                          env=env, capture_output=True, text=True, timeout=LAUNCH_DEADLINE)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text
     assert "still running" not in text, text  # the ps tasks exited by themselves, not stopped by the launcher

@@ -239,9 +239,14 @@ def test_resume_keeps_an_unseeded_pipelines_order(tmp_path, monkeypatch):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
-def test_resume_of_a_finished_run_does_nothing_more(tmp_path, monkeypatch):
+def test_resume_of_a_finished_run_does_nothing_more(tmp_path, monkeypatch, capsys):
     run(tmp_path, monkeypatch)
+    capsys.readouterr()
     summary, seen, _ = run(tmp_path, monkeypatch)
+    err = capsys.readouterr().err
+    assert f"resumed from step 10 ({tmp_path / 'checkpoints' / 'step-00000010'}), written " in err
+    assert "by a job of 1 worker(s), strategy local, in epoch 2" in err
+    assert "this job already finished: it trained 10 steps over 2 epoch(s)" in err and "--no-resume" in err
     assert summary["steps"] == 10 and summary["steps_this_run"] == 0 and seen == {}
     summary, seen, _ = run(tmp_path, monkeypatch, epochs=3)  # asked for more: the next epoch follows
     assert summary["steps"] == 15 and sorted(seen) == list(range(11, 16))
@@ -294,6 +299,29 @@ def test_a_checkpoint_from_another_world_size_is_refused(tmp_path, monkeypatch):
         run(tmp_path, monkeypatch)
     summary, _, _ = run(tmp_path, monkeypatch, resume=False)  # the named fix works
     assert summary["steps"] == 10
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_what_differs(tmp_path, monkeypatch):
+    run(tmp_path, monkeypatch)
+    job = make_job(tmp_path, monkeypatch)
+    torch.manual_seed(0)
+    other = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, CLASSES), nn.Softmax(-1))
+    other.register_buffer("scale", torch.ones(1))
+    model, opt = job.prepare(other, torch.optim.Adam(other.parameters(), lr=0.05))
+    trainer = Trainer(job, model, opt, nn.functional.cross_entropy, data(), epochs=3, progress=False)
+    differs = r"\(not in the checkpoint: scale; other shapes: 0.bias \(16,\) in the checkpoint, \(32,\) here"
+    with pytest.raises(ResumeError, match=r"another model than this job's " + differs + ".*--no-resume.*--output-dir"):
+        trainer.fit()
+
+
+def test_an_optimizer_state_that_does_not_fit_is_refused_naming_both_strategies(tmp_path, monkeypatch):
+    run(tmp_path, monkeypatch)
+    job = make_job(tmp_path, monkeypatch)
+    model, _ = make_model()
+    model, opt = job.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))  # Adam wrote the state
+    trainer = Trainer(job, model, opt, nn.functional.cross_entropy, data(), epochs=3, progress=False)
+    with pytest.raises(ResumeError, match=r"state of optimizer Adam; this job trains with SGD.*--no-resume"):
+        trainer.fit()
 
 
 def test_a_checkpoint_without_this_workers_data_state_is_refused(tmp_path, monkeypatch):
@@ -507,3 +535,10 @@ def test_two_workers_killed_one_resumes_to_the_uninterrupted_result(tmp_path):
     assert summary["strategy"] == "allreduce" and summary["samples"] == 4 * 2 * (12 - summary["resumed_from_step"])
     steps = CheckpointManager(out / "checkpoints").list_steps()
     assert len(steps) > 12 // 3 and steps[-1] == 12  # time-based saves on top of every 3rd step, all ranks agreeing
+
+
+def test_the_trainer_options_are_public():
+    import conveyor
+
+    assert conveyor.TrainConfig is TrainConfig and "TrainConfig" in conveyor.__all__
+    assert "max_steps" in TrainConfig.__doc__ and "steps_per_epoch" in TrainConfig.__doc__

@@ -21,7 +21,6 @@ not fail here but minutes later as a hang in the first collective, far from its 
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import re
 from collections.abc import Mapping
@@ -35,7 +34,20 @@ from conveyor.cluster.env import (
     TASK_INDEX_VAR,
     TASK_TYPE_VAR,
 )
-from conveyor.cluster.spec import ClusterConfigError, ClusterSpec, TaskId, parse_tf_config, split_address
+from conveyor.cluster.spec import (
+    JOBS,
+    MAX_HOST_CHARS,
+    MAX_INDEX,
+    ClusterConfigError,
+    ClusterSpec,
+    TaskId,
+    host_problem,
+    parse_decimal,
+    parse_host,
+    parse_tf_config,
+    show,
+    split_address,
+)
 
 __all__ = ["SOURCES", "Discovered", "discover", "expand_hostlist", "expand_tasks_per_node", "slurm_port"]
 
@@ -47,6 +59,8 @@ SOURCES: tuple[str, ...] = ("conveyor", "tf_config", "torchrun", "slurm", "singl
 SLURM_PORT_BASE, SLURM_PORT_SPAN = 20000, 10000
 
 _MAX_HOSTS = 100_000  # a host list that expands beyond this is a typo ("node[0-9999999]"), not a cluster
+_MAX_JOB_ID = 2**32 - 1  # Slurm's job ids are uint32_t
+_HOST_FIX = "set it to rank 0's host name or IP address alone (its port goes in MASTER_PORT)"
 
 
 @dataclass(frozen=True)
@@ -107,6 +121,9 @@ def _from_conveyor(env: Mapping[str, str], extras: dict) -> Discovered:
         raise ClusterConfigError(f"{TASK_TYPE_VAR} is set but TF_CONFIG is not: conveyor's launcher sets both. "
                                  f"Start the script with `conveyor run`, or unset {TASK_TYPE_VAR}")
     spec, task = parse_tf_config(env["TF_CONFIG"])
+    if env[TASK_TYPE_VAR] not in JOBS:
+        raise ClusterConfigError(f"{TASK_TYPE_VAR}={show(env[TASK_TYPE_VAR])} is not a job; conveyor's launcher "
+                                 f"sets one of {', '.join(JOBS)}: unset the CONVEYOR_* variables or fix it")
     index = _int_var(env, TASK_INDEX_VAR, f"conveyor's launcher sets it with {TASK_TYPE_VAR}")
     if (env[TASK_TYPE_VAR], index) != (task.type, task.index):
         raise ClusterConfigError(f"{TASK_TYPE_VAR}={env[TASK_TYPE_VAR]}, {TASK_INDEX_VAR}={index} disagree with "
@@ -118,7 +135,7 @@ def _from_conveyor(env: Mapping[str, str], extras: dict) -> Discovered:
     rank, world_size = _int_var(env, "RANK", fix), _int_var(env, "WORLD_SIZE", fix)
     _check_agrees(spec, task, rank, world_size, "TF_CONFIG")
     local_rank, local_world_size = _local(env, world_size)
-    addr = _require(env, "MASTER_ADDR", fix)
+    addr = parse_host(_require(env, "MASTER_ADDR", fix), "MASTER_ADDR", _HOST_FIX)
     port = _port_var(env, "MASTER_PORT", _require(env, "MASTER_PORT", fix))
     return Discovered(spec, task, rank, world_size, local_rank, local_world_size, addr, port, "conveyor", **extras)
 
@@ -137,7 +154,7 @@ def _from_tf_config(env: Mapping[str, str], tf_config: str, extras: dict) -> Dis
     # one port the orchestrator reserved for that task and exposed to every peer (Kubeflow gives it a
     # Service), and no TensorFlow server is started on it here.
     host, port = split_address(spec.task_address(*_rank0(spec)))
-    addr = env.get("MASTER_ADDR") or host
+    addr = _optional_host(env, "MASTER_ADDR") or host
     if env.get("MASTER_PORT"):
         port = _port_var(env, "MASTER_PORT", env["MASTER_PORT"])
     return Discovered(spec, task, rank, world_size, local_rank, local_world_size, addr, port, "tf_config", **extras)
@@ -168,7 +185,7 @@ def _from_slurm(env: Mapping[str, str], extras: dict) -> Discovered:
         if name in env:
             counts = expand_tasks_per_node(env[name], name=name)
             if node_id >= len(counts):
-                raise ClusterConfigError(f"SLURM_NODEID={node_id} but {name}={env[name]!r} lists {len(counts)} "
+                raise ClusterConfigError(f"SLURM_NODEID={node_id} but {name}={show(env[name])} lists {len(counts)} "
                                          f"nodes; the two come from different job steps")
             local_world_size = counts[node_id]
             break
@@ -182,7 +199,7 @@ def _from_slurm(env: Mapping[str, str], extras: dict) -> Discovered:
         if env.get(name):
             nodes = expand_hostlist(env[name], name=name)
             break
-    addr = env.get("MASTER_ADDR") or (nodes[0] if nodes else None)
+    addr = _optional_host(env, "MASTER_ADDR") or (nodes[0] if nodes else None)
     if env.get("MASTER_PORT"):
         port: int | None = _port_var(env, "MASTER_PORT", env["MASTER_PORT"])
     else:
@@ -216,17 +233,17 @@ def expand_hostlist(hostlist: str, *, name: str = "hostlist") -> list[str]:
     ``scontrol show hostnames`` subprocess, so it works in a container without Slurm's tools.
     """
     if not isinstance(hostlist, str):
-        raise ClusterConfigError(f"{name} = {hostlist!r}; expected a Slurm host list such as 'node[01-03,07],gpu5'")
+        raise ClusterConfigError(f"{name} = {show(hostlist)}; expected a Slurm host list such as 'node[01-03,07],gpu5'")
     hosts: list[str] = []
     for item in _split_hostlist(hostlist, name):
         hosts.extend(_expand_host(item, hostlist, name))
         if len(hosts) > _MAX_HOSTS:
-            raise ClusterConfigError(f"{name} = {hostlist!r} expands to more than {_MAX_HOSTS} hosts; check the ranges")
+            raise _hostlist_error(name, hostlist, f"it expands to more than {_MAX_HOSTS} hosts; check the ranges")
     return hosts
 
 
 def _hostlist_error(name: str, hostlist: str, problem: str) -> ClusterConfigError:
-    return ClusterConfigError(f"{name} = {hostlist!r}: {problem}; expected a Slurm host list such as "
+    return ClusterConfigError(f"{name} = {show(hostlist)}: {problem}; expected a Slurm host list such as "
                               f"'node[01-03,07],gpu5'")
 
 
@@ -270,8 +287,15 @@ def _expand_host(item: str, hostlist: str, name: str) -> list[str]:
     for options in parts:
         count *= len(options)
     if count > _MAX_HOSTS:
-        raise ClusterConfigError(f"{name} = {hostlist!r} expands to more than {_MAX_HOSTS} hosts; check the ranges")
-    return ["".join(combo) for combo in itertools.product(*parts)]
+        raise _hostlist_error(name, hostlist, f"it expands to more than {_MAX_HOSTS} hosts; check the ranges")
+    if sum(max(map(len, options)) for options in parts) > MAX_HOST_CHARS:
+        raise _hostlist_error(name, hostlist, f"a host name would be longer than {MAX_HOST_CHARS} characters")
+    hosts = ["".join(combo) for combo in itertools.product(*parts)]
+    # the brackets put only digits in, so the first name shows any character a resolver would refuse
+    problem = host_problem(hosts[0], allow_ipv6=False) if hosts else None
+    if problem:
+        raise _hostlist_error(name, hostlist, problem)
+    return hosts
 
 
 def _expand_ids(ids: str, hostlist: str, name: str) -> list[str]:
@@ -280,13 +304,18 @@ def _expand_ids(ids: str, hostlist: str, name: str) -> list[str]:
         piece = piece.strip()
         m = re.fullmatch(r"([0-9]+)(?:-([0-9]+))?", piece)
         if m is None:
-            raise _hostlist_error(name, hostlist, f"[{ids}] has {piece!r}, which is not a number or a range lo-hi")
+            raise _hostlist_error(name, hostlist, f"[{show(ids)[1:-1]}] has {show(piece)}, which is not a number "
+                                                  f"or a range lo-hi")
         lo_text, hi_text = m.group(1), m.group(2) or m.group(1)
+        if max(len(lo_text), len(hi_text)) > MAX_HOST_CHARS:  # also keeps int() under its 4300-digit limit
+            raise _hostlist_error(name, hostlist, f"a host name would be longer than {MAX_HOST_CHARS} characters")
         lo, hi = int(lo_text), int(hi_text)
         if hi < lo:
-            raise _hostlist_error(name, hostlist, f"the range {piece!r} runs backwards")
+            raise _hostlist_error(name, hostlist, f"the range {show(piece)} runs backwards")
         if hi - lo >= _MAX_HOSTS:
-            raise ClusterConfigError(f"{name} = {hostlist!r}: the range {piece!r} has more than {_MAX_HOSTS} hosts")
+            raise _hostlist_error(name, hostlist, f"the range {show(piece)} has more than {_MAX_HOSTS} hosts")
+        if len(out) + hi - lo >= _MAX_HOSTS:  # checked before expanding: many ranges in one bracket add up
+            raise _hostlist_error(name, hostlist, f"it expands to more than {_MAX_HOSTS} hosts; check the ranges")
         out.extend(str(n).zfill(len(lo_text)) for n in range(lo, hi + 1))
     return out
 
@@ -296,12 +325,14 @@ def expand_tasks_per_node(value: str, *, name: str = "SLURM_TASKS_PER_NODE") -> 
     counts: list[int] = []
     for piece in value.split(","):
         m = re.fullmatch(r"\s*([0-9]+)(?:\(x([0-9]+)\))?\s*", piece)
-        if m is None or int(m.group(1)) < 1 or (m.group(2) is not None and int(m.group(2)) < 1):
-            raise ClusterConfigError(f"{name} = {value!r}: {piece!r} is not a count such as '2' or '2(x3)'; "
+        count = parse_decimal(m.group(1), MAX_INDEX) if m else None
+        if not count or (m.group(2) is not None and not m.group(2).strip("0")):
+            raise ClusterConfigError(f"{name} = {show(value)}: {show(piece)} is not a count such as '2' or '2(x3)'; "
                                      f"expected e.g. '2(x3),1'")
-        counts.extend([int(m.group(1))] * int(m.group(2) or 1))
-        if len(counts) > _MAX_HOSTS:
-            raise ClusterConfigError(f"{name} = {value!r} lists more than {_MAX_HOSTS} nodes")
+        repeat = parse_decimal(m.group(2) or "1", _MAX_HOSTS)  # None: more nodes than any allocation
+        if repeat is None or len(counts) + repeat > _MAX_HOSTS:
+            raise ClusterConfigError(f"{name} = {show(value)} lists more than {_MAX_HOSTS} nodes")
+        counts.extend([count] * repeat)
     return counts
 
 
@@ -313,24 +344,27 @@ def slurm_port(job_id: str) -> int:
     """
     text = job_id.strip()
     if not (text.isascii() and text.isdigit()):
-        raise ClusterConfigError(f"SLURM_JOB_ID = {job_id!r} is not a number; set MASTER_PORT to a free port instead")
-    return SLURM_PORT_BASE + int(text) % SLURM_PORT_SPAN
+        raise ClusterConfigError(f"SLURM_JOB_ID = {show(job_id)} is not a number; set MASTER_PORT to a free port "
+                                 f"instead")
+    job = parse_decimal(text, _MAX_JOB_ID)
+    if job is None:
+        raise ClusterConfigError(f"SLURM_JOB_ID = {show(job_id)} is larger than any Slurm job id ({_MAX_JOB_ID}); "
+                                 f"set MASTER_PORT to a free port instead")
+    return SLURM_PORT_BASE + job % SLURM_PORT_SPAN
 
 
 # -- reading variables ----------------------------------------------------------------------------
 
 
+_EMPTY_JSON_OBJECT_RE = re.compile(r"[ \t\n\r]*\{[ \t\n\r]*\}[ \t\n\r]*")  # "{}" with JSON's whitespace
+
+
 def _tf_config_of(env: Mapping[str, str]) -> str | None:
     """TF_CONFIG's text, or None when it is absent, blank or ``{}`` (TensorFlow reads those as "no cluster")."""
     text = env.get("TF_CONFIG")
-    if text is None or not text.strip():
+    if text is None or not text.strip() or _EMPTY_JSON_OBJECT_RE.fullmatch(text):
         return None
-    try:
-        if json.loads(text) == {}:
-            return None
-    except json.JSONDecodeError:
-        pass  # parse_tf_config reports it with the position
-    return text
+    return text  # parse_tf_config reports whatever is wrong with it
 
 
 def _conveyor_extras(env: Mapping[str, str]) -> dict:
@@ -357,19 +391,25 @@ def _require(env: Mapping[str, str], name: str, fix: str) -> str:
     return value
 
 
+def _optional_host(env: Mapping[str, str], name: str) -> str | None:
+    """The host in ``name``, or None when it is unset or empty (the source's own default applies)."""
+    return parse_host(env[name], name, _HOST_FIX) if env.get(name) else None
+
+
 def _int_var(env: Mapping[str, str], name: str, fix: str) -> int:
     text = _require(env, name, fix)
-    if not (text.isascii() and text.isdigit()):
-        raise ClusterConfigError(f"{name}={text!r} is not a whole number >= 0; {fix}")
-    return int(text)
+    value = parse_decimal(text, MAX_INDEX)
+    if value is None:
+        raise ClusterConfigError(f"{name}={show(text)} is not a whole number >= 0 (at most {MAX_INDEX}); {fix}")
+    return value
 
 
 def _port_var(env: Mapping[str, str], name: str, text: str) -> int:
-    text = text.strip()
-    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= 65535:
-        raise ClusterConfigError(f"{name}={text!r} is not a port number 1-65535; set it to a free port on rank 0's "
-                                 f"host, e.g. {name}=29500")
-    return int(text)
+    port = parse_decimal(text.strip(), 65535)
+    if not port:
+        raise ClusterConfigError(f"{name}={show(text.strip())} is not a port number 1-65535; set it to a free port "
+                                 f"on rank 0's host, e.g. {name}=29500")
+    return port
 
 
 def _local(env: Mapping[str, str], world_size: int) -> tuple[int, int]:
@@ -409,8 +449,9 @@ def _check_agrees(spec: ClusterSpec, task: TaskId, rank: int, world_size: int, w
 def _master(env: Mapping[str, str], world_size: int, fix: str) -> tuple[str | None, int | None]:
     """MASTER_ADDR/MASTER_PORT: required when there are peers to meet, optional for a group of one."""
     if world_size > 1:
-        return _require(env, "MASTER_ADDR", fix), _port_var(env, "MASTER_PORT", _require(env, "MASTER_PORT", fix))
-    addr = env.get("MASTER_ADDR") or None
+        addr = parse_host(_require(env, "MASTER_ADDR", fix), "MASTER_ADDR", _HOST_FIX)
+        return addr, _port_var(env, "MASTER_PORT", _require(env, "MASTER_PORT", fix))
+    addr = _optional_host(env, "MASTER_ADDR")
     port = _port_var(env, "MASTER_PORT", env["MASTER_PORT"]) if env.get("MASTER_PORT") else None
     return addr, port
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from conveyor.cluster.spec import JOBS, ClusterConfigError, ClusterSpec, TaskId
+from conveyor.cluster.spec import JOBS, MAX_INDEX, ClusterConfigError, ClusterSpec, TaskId, parse_decimal, show
 
 __all__ = ["CLUSTER_FLAGS", "parse_cluster_flags"]
 
@@ -50,7 +50,8 @@ def parse_cluster_flags(argv: Sequence[str]) -> tuple[ClusterSpec, TaskId, list[
             value = args[i + 1]
             i += 1
         if name in values:
-            raise ClusterConfigError(f"--{name} is given twice ({values[name]!r} and {value!r}); give it once")
+            raise ClusterConfigError(f"--{name} is given twice ({show(values[name])} and {show(value)}); "
+                                     f"give it once")
         values[name] = value
         i += 1
     if not values:
@@ -61,12 +62,14 @@ def parse_cluster_flags(argv: Sequence[str]) -> tuple[ClusterSpec, TaskId, list[
             raise ClusterConfigError(f"--{required} is missing (the cluster flags go together); expected {_EXAMPLE}")
     job_name = values["job_name"].strip()
     if job_name not in JOBS:
-        raise ClusterConfigError(f"--job_name={job_name!r} is not a job; expected one of "
+        raise ClusterConfigError(f"--job_name={show(job_name)} is not a job; expected one of "
                                  f"{', '.join(JOBS)}, e.g. {_EXAMPLE}")
     index_text = values.get("task_index", "0").strip()
-    if not (index_text.isascii() and index_text.isdigit()):
-        raise ClusterConfigError(f"--task_index={index_text!r} is not a whole number >= 0; e.g. --task_index=0")
+    index = parse_decimal(index_text, MAX_INDEX)
+    if index is None:
+        raise ClusterConfigError(f"--task_index={show(index_text)} is not a whole number >= 0 (at most {MAX_INDEX}); "
+                                 f"e.g. --task_index=0")
     spec = ClusterSpec.from_hosts(values.get("ps_hosts"), values["worker_hosts"], origin="--")
-    task = TaskId(job_name, int(index_text))
+    task = TaskId(job_name, index)
     spec.check_task(task, type_field="--job_name", index_field="--task_index")
     return spec, task, rest

@@ -18,8 +18,12 @@ field that is wrong (``TF_CONFIG.cluster.worker[2]``) and shows what it should l
 
 from __future__ import annotations
 
+import ipaddress
+import itertools
 import json
 import re
+import reprlib
+import socket
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,11 +51,29 @@ TF_CONFIG_EXAMPLE = (
 )
 ADDRESS_EXAMPLE = '"host:port", e.g. "10.0.0.5:2222", "node01:2222" or "[::1]:2222"'
 
+#: Bounds on outside input, each far above any real cluster and far below what would hurt to process.
+#: An environment variable holds at most 128 KiB on Linux (MAX_ARG_STRLEN), so a longer TF_CONFIG is not
+#: a real one; TensorFlow's nests 3 levels deep, and json.loads recurses once per level (a deep enough
+#: document exhausts the stack), so depth is measured before decoding.
+MAX_TF_CONFIG_CHARS = 1 << 20
+MAX_TF_CONFIG_DEPTH = 32
+#: Task indices, ranks and world sizes are C ints in torch.distributed.
+MAX_INDEX = 2**31 - 1
+#: The longest DNS name (RFC 1035); also keeps a host list from expanding into gigabytes of names.
+MAX_HOST_CHARS = 253
+
 # A host is a name or IPv4 address without ':' (or a bracketed IPv6 literal); the port is ASCII digits.
-# Slashes are refused so that "grpc://h:2222" is reported instead of read as host "grpc://h".
+# Slashes are refused so that "grpc://h:2222" is reported instead of read as host "grpc://h". The host
+# found here is then checked by host_problem, which says precisely what is wrong with it.
 _ADDRESS_RE = re.compile(
-    r"^(?:\[(?P<v6>[0-9A-Fa-f.]*:[0-9A-Fa-f:.]*(?:%[\w.-]+)?)\]|(?P<host>[^\s:/\[\],]+)):(?P<port>[0-9]+)$"
+    r"^(?:\[(?P<v6>[0-9A-Fa-f.]*:[0-9A-Fa-f:.]*(?:%[\w.-]+)?)\]|(?P<host>[^\s:/\[\],]+)):(?P<port>[0-9]+)$",
+    re.ASCII,
 )
+# Host names as resolvers take them (RFC 1123 letters, digits, '-' and '.', plus the '_' that container
+# names use), or "*", the wildcard a server may bind.
+_HOST_NAME_RE = re.compile(r"\*|[A-Za-z0-9_.-]+")
+# What the C resolver may read as an IPv4 address: it takes "127.1", "127.0.0.01" and "0x7f.1" too.
+_IPV4_LIKE_RE = re.compile(r"[0-9][0-9a-fA-FxX.]*")
 
 
 class ClusterConfigError(ValueError):
@@ -62,6 +84,71 @@ class ClusterConfigError(ValueError):
     """
 
 
+class _ShortRepr(reprlib.Repr):
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxstring, self.maxother, self.maxlist, self.maxdict = 4, 80, 80, 8, 8
+
+    def repr_int(self, x: int, level: int) -> str:
+        # repr() of an int over 4300 digits raises ValueError (Python's int-string limit)
+        return super().repr_int(x, level) if x.bit_length() <= 64 else f"<a {x.bit_length()}-bit integer>"
+
+
+def show(value: object) -> str:
+    """``repr(value)`` cut to a readable length, for error messages that echo outside input.
+
+    The input may be a megabyte long or full of control characters; the message must stay one short,
+    printable line (repr escapes what is not printable).
+    """
+    return _ShortRepr().repr(value)
+
+
+def parse_decimal(text: str, maximum: int) -> int | None:
+    """ASCII digits → their value; ``None`` if ``text`` is not all digits or the value is above ``maximum``.
+
+    The length is checked before ``int()``, which refuses over 4300 digits with a plain ValueError.
+    """
+    if not (isinstance(text, str) and text.isascii() and text.isdigit()):
+        return None
+    digits = text.lstrip("0") or "0"
+    if len(digits) > len(str(maximum)):
+        return None
+    value = int(digits)
+    return value if value <= maximum else None
+
+
+def host_problem(host: str, *, allow_ipv6: bool = True) -> str | None:
+    """What is wrong with ``host`` as a host name, IPv4 or (unbracketed) IPv6 address; ``None`` if nothing."""
+    if not host:
+        return "it is empty"
+    if len(host) > MAX_HOST_CHARS:
+        return f"the host is longer than {MAX_HOST_CHARS} characters"
+    if allow_ipv6 and ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            return f"the host {show(host)} is not an IPv6 address"
+        return None
+    if not _HOST_NAME_RE.fullmatch(host):
+        return (f"the host {show(host)} has a character that is not allowed (a host name is ASCII letters, digits, "
+                f"'-', '.' and '_')")
+    return None
+
+
+def parse_host(text: str, field: str, fix: str) -> str:
+    """A host given alone, as ``MASTER_ADDR`` gives it: a name, an IPv4 address or an IPv6 literal.
+
+    The IPv6 literal may be bracketed or not (torch takes it bare); it comes back bare, stripped of spaces.
+    """
+    host = text.strip() if isinstance(text, str) else ""
+    if host.startswith("[") and host.endswith("]") and ":" in host:
+        host = host[1:-1]
+    problem = host_problem(host)
+    if problem:
+        raise ClusterConfigError(f"{field} = {show(text)} is not a host: {problem}; {fix}")
+    return host
+
+
 def split_address(address: str, field: str = "address") -> tuple[str, int]:
     """``"host:port"`` → ``(host, port)``; IPv6 literals come back without brackets (``"[::1]:22"`` → ``("::1", 22)``).
 
@@ -69,17 +156,21 @@ def split_address(address: str, field: str = "address") -> tuple[str, int]:
     :func:`join_address` puts the brackets back. ``field`` names the value in the error message.
     """
     if not isinstance(address, str):
-        raise ClusterConfigError(f"{field} must be a string {ADDRESS_EXAMPLE}; got {address!r}")
+        raise ClusterConfigError(f"{field} must be a string {ADDRESS_EXAMPLE}; got {show(address)}")
     text = address.strip()
     m = _ADDRESS_RE.match(text)
-    if m is None:
-        raise ClusterConfigError(f"{field} = {address!r} is not an address: {_why_not_address(text)}; "
+    host = None if m is None else m.group("v6") if m.group("v6") is not None else m.group("host")
+    problem = _why_not_address(text) if m is None else host_problem(host)
+    if problem:
+        raise ClusterConfigError(f"{field} = {show(address)} is not an address: {problem}; "
                                  f"expected {ADDRESS_EXAMPLE}")
-    port = int(m.group("port"))
-    if not 1 <= port <= 65535:
-        raise ClusterConfigError(f"{field} = {address!r}: port {port} is out of range 1-65535; "
+    port = parse_decimal(m.group("port"), 65535)
+    if not port:
+        digits = m.group("port").lstrip("0") or "0"
+        which = f"port {digits}" if len(digits) <= 10 else "the port"
+        raise ClusterConfigError(f"{field} = {show(address)}: {which} is out of range 1-65535; "
                                  f"expected {ADDRESS_EXAMPLE}")
-    return (m.group("v6") if m.group("v6") is not None else m.group("host")), port
+    return host, port
 
 
 def _why_not_address(text: str) -> str:
@@ -98,8 +189,8 @@ def _why_not_address(text: str) -> str:
     if not port:
         return "the port is empty"
     if not port.isascii() or not port.isdigit():
-        return f"the port {port!r} is not a number"
-    return f"the host {host!r} has a character that is not allowed (whitespace, '/', ',', brackets)"
+        return f"the port {show(port)} is not a number"
+    return f"the host {show(host)} has a character that is not allowed (whitespace, '/', ',', brackets)"
 
 
 def join_address(host: str, port: int) -> str:
@@ -107,9 +198,28 @@ def join_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _address_key(address: str) -> tuple[str, int]:
+def _socket_key(address: str) -> tuple[str, int]:
+    """The socket an address names, so that two spellings of one socket compare equal. Offline: no DNS.
+
+    Host names are case-insensitive (RFC 4343) and a trailing dot only anchors them at the root; IP
+    literals compare as addresses (``[::1]`` is ``[0:0:0:0:0:0:0:1]``, ``::ffff:127.0.0.1`` is IPv4's
+    127.0.0.1, and ``127.0.0.01`` and ``127.1`` are 127.0.0.1 to the C resolver); ``localhost`` and the names
+    under ``.localhost`` (RFC 6761) are 127.0.0.1, the address conveyor binds for them (IPv4 first), so
+    ``[::1]:P`` and ``127.0.0.1:P`` stay two sockets.
+    """
     host, port = split_address(address)
-    return host.lower(), port  # host names are case-insensitive (RFC 4343); "Node1:1" is "node1:1"
+    if ":" in host:
+        ip = ipaddress.IPv6Address(host)  # split_address has checked it parses
+        return str(ip.ipv4_mapped or ip), port
+    if _IPV4_LIKE_RE.fullmatch(host):
+        try:
+            return socket.inet_ntoa(socket.inet_aton(host)), port  # parses only, never looks anything up
+        except OSError:
+            pass  # not an address after all ("1e100"): a name
+    name = host.lower().removesuffix(".") or host
+    if name == "localhost" or name.endswith(".localhost"):
+        return "127.0.0.1", port
+    return name, port
 
 
 @dataclass(frozen=True)
@@ -124,9 +234,9 @@ class TaskId:
 
     def __post_init__(self) -> None:
         if self.type not in JOBS:
-            raise ClusterConfigError(f"TaskId.type = {self.type!r} is not a job; expected one of {_names(JOBS)}")
-        if isinstance(self.index, bool) or not isinstance(self.index, int) or self.index < 0:
-            raise ClusterConfigError(f"TaskId.index = {self.index!r}; expected an integer >= 0")
+            raise ClusterConfigError(f"TaskId.type = {show(self.type)} is not a job; expected one of {_names(JOBS)}")
+        if isinstance(self.index, bool) or not isinstance(self.index, int) or not 0 <= self.index <= MAX_INDEX:
+            raise ClusterConfigError(f"TaskId.index = {show(self.index)}; expected an integer 0..{MAX_INDEX}")
 
     @property
     def is_training(self) -> bool:
@@ -151,26 +261,19 @@ def _validated_jobs(jobs: Mapping[str, Any], name_of: Callable[[str], str]) -> d
     for job, addresses in jobs.items():
         if job not in JOBS:
             hint = " ('master' is TensorFlow 1's old name for 'chief')" if job == "master" else ""
-            raise ClusterConfigError(f"{name_of(job)}: unknown job {job!r}{hint}; the jobs are {_names(JOBS)}, "
-                                     f"each a list of addresses, e.g. {TF_CONFIG_EXAMPLE}")
+            plain = isinstance(job, str) and job.isprintable() and len(job) <= 40  # else not pasted into a name
+            raise ClusterConfigError(f"{name_of(job if plain else '<key>')}: unknown job {show(job)}{hint}; the "
+                                     f"jobs are {_names(JOBS)}, each a list of addresses, e.g. {TF_CONFIG_EXAMPLE}")
         if isinstance(addresses, Mapping):
             raise ClusterConfigError(f"{name_of(job)} is a mapping of index to address; conveyor needs the dense "
                                      f'form, a list of addresses, e.g. "{job}": ["host1:2222", "host2:2222"]')
         if isinstance(addresses, (str, bytes)) or not isinstance(addresses, Sequence):
-            raise ClusterConfigError(f"{name_of(job)} = {addresses!r} is not a list of addresses; "
+            raise ClusterConfigError(f"{name_of(job)} = {show(addresses)} is not a list of addresses; "
                                      f'expected e.g. "{job}": ["host1:2222", "host2:2222"]')
         for i, address in enumerate(addresses):
             split_address(address, f"{name_of(job)}[{i}]")
         out[job] = tuple(a.strip() for a in addresses)
-
-    seen: dict[tuple[str, int], str] = {}
-    for job in JOBS:
-        for i, address in enumerate(out.get(job, ())):
-            key, field = _address_key(address), f"{name_of(job)}[{i}]"
-            if key in seen:
-                raise ClusterConfigError(f"{field} = {address!r} is also {seen[key]}: every task needs its own "
-                                         f"host:port; give one of them another port")
-            seen[key] = field
+    _check_no_duplicates(out, name_of)
     for job in ("chief", "evaluator"):
         if len(out.get(job, ())) > 1:
             role = "it is rank 0" if job == "chief" else "it evaluates checkpoints outside the training group"
@@ -178,6 +281,20 @@ def _validated_jobs(jobs: Mapping[str, Any], name_of: Callable[[str], str]) -> d
                                      f'({role}). Keep one, e.g. "{job}": ["{out[job][0]}"], and move the others '
                                      f'to "worker"')
     return out
+
+
+def _check_no_duplicates(jobs: Mapping[str, Sequence[str]], name_of: Callable[[str], str]) -> None:
+    """Raise naming both entries when two addresses are one socket, however they are spelled."""
+    seen: dict[tuple[str, int], tuple[str, str]] = {}
+    for job in JOBS:
+        for i, address in enumerate(jobs.get(job, ())):
+            key, field = _socket_key(address), f"{name_of(job)}[{i}]"
+            if key in seen:
+                other_field, other = seen[key]
+                same = "" if other == address else f" (both are {join_address(*key)})"
+                raise ClusterConfigError(f"{field} = {show(address)} is also {other_field} = {show(other)}{same}: "
+                                         f"every task needs its own host:port; give one of them another port")
+            seen[key] = field, address
 
 
 @dataclass(frozen=True)
@@ -192,7 +309,8 @@ class ClusterSpec:
 
     Built directly (``ClusterSpec(worker=("h1:2222", "h2:2222"))``), from TF_CONFIG, from classic
     ``--ps_hosts/--worker_hosts`` strings, or by the helpers in :mod:`conveyor.cluster.env`; each way is
-    validated: addresses are ``host:port`` with a port in 1-65535, no address appears twice, at most one
+    validated: addresses are ``host:port`` with a port in 1-65535, no socket appears twice however it is
+    spelled (``localhost:P`` is ``127.0.0.1:P``; see :func:`_socket_key`), at most one
     chief and one evaluator, at least one task.
     """
 
@@ -245,11 +363,11 @@ class ClusterSpec:
             elif isinstance(hosts, Sequence) and not isinstance(hosts, bytes):
                 items = list(hosts)
             else:
-                raise ClusterConfigError(f'{field} = {hosts!r}; expected a comma-separated string such as '
+                raise ClusterConfigError(f'{field} = {show(hosts)}; expected a comma-separated string such as '
                                          f'"host1:2222,host2:2222" or a list of such addresses')
             for i, item in enumerate(items):
                 if isinstance(item, str) and not item.strip():
-                    raise ClusterConfigError(f"{field}[{i}] is empty ({hosts!r} has a stray comma); expected "
+                    raise ClusterConfigError(f"{field}[{i}] is empty ({show(hosts)} has a stray comma); expected "
                                              f'"host1:2222,host2:2222"')
             jobs[job] = items
         checked = _validated_jobs(jobs, lambda job: f"{origin}{job}_hosts")
@@ -330,7 +448,7 @@ class ClusterSpec:
 
     def _addresses(self, job: str) -> tuple[str, ...]:
         if job not in JOBS:
-            raise ClusterConfigError(f"unknown job {job!r}; the jobs are {_names(JOBS)}")
+            raise ClusterConfigError(f"unknown job {show(job)}; the jobs are {_names(JOBS)}")
         return getattr(self, job)
 
 
@@ -342,7 +460,9 @@ def parse_tf_config(tf_config: str | Mapping[str, Any]) -> tuple[ClusterSpec, Ta
 
     Accepts what TensorFlow's ``TFConfigClusterResolver`` accepts: ``task.index`` may be a number or a
     string of digits (TF calls ``int()`` on it) and defaults to 0 when absent. The task must be in the
-    cluster (an evaluator may be absent from it, as in TF).
+    cluster (an evaluator may be absent from it, as in TF). Text over :data:`MAX_TF_CONFIG_CHARS` or nested
+    deeper than :data:`MAX_TF_CONFIG_DEPTH` is refused before it is decoded. Whatever is wrong raises
+    :class:`ClusterConfigError` naming the field; nothing else escapes for any text.
     """
     doc = _load_tf_config(tf_config)
     spec = _cluster_of(doc)
@@ -351,19 +471,19 @@ def parse_tf_config(tf_config: str | Mapping[str, Any]) -> tuple[ClusterSpec, Ta
                                  f'"task": {{"type": "worker", "index": 0}} in {TF_CONFIG_EXAMPLE}')
     task_doc = doc["task"]
     if not isinstance(task_doc, Mapping):
-        raise ClusterConfigError(f'TF_CONFIG.task = {task_doc!r}; expected an object such as '
+        raise ClusterConfigError(f'TF_CONFIG.task = {show(task_doc)}; expected an object such as '
                                  f'{{"type": "worker", "index": 0}}')
     task_type = task_doc.get("type")
     if task_type not in JOBS:
-        what = "is missing" if task_type is None else f"= {task_type!r} is not a job"
+        what = "is missing" if task_type is None else f"= {show(task_type)} is not a job"
         raise ClusterConfigError(f'TF_CONFIG.task.type {what}; expected one of {_names(JOBS)}, e.g. '
                                  f'{{"type": "worker", "index": 0}}')
     index = task_doc.get("index", 0)
-    if isinstance(index, str) and index.isascii() and index.isdigit():
-        index = int(index)
-    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-        raise ClusterConfigError(f'TF_CONFIG.task.index = {index!r}; expected an integer >= 0, e.g. '
-                                 f'{{"type": "{task_type}", "index": 0}}')
+    if isinstance(index, str) and (number := parse_decimal(index, MAX_INDEX)) is not None:
+        index = number
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index <= MAX_INDEX:
+        raise ClusterConfigError(f'TF_CONFIG.task.index = {show(index)}; expected an integer >= 0 (at most '
+                                 f'{MAX_INDEX}), e.g. {{"type": "{task_type}", "index": 0}}')
     task = TaskId(task_type, index)
     spec.check_task(task, type_field="TF_CONFIG.task.type", index_field="TF_CONFIG.task.index")
     return spec, task
@@ -371,13 +491,7 @@ def parse_tf_config(tf_config: str | Mapping[str, Any]) -> tuple[ClusterSpec, Ta
 
 def _load_tf_config(tf_config: str | Mapping[str, Any]) -> Mapping[str, Any]:
     if isinstance(tf_config, str):
-        try:
-            doc = json.loads(tf_config)
-        except json.JSONDecodeError as e:
-            raise ClusterConfigError(
-                f"TF_CONFIG is not valid JSON: {e.msg} at line {e.lineno} column {e.colno} (char {e.pos}):\n"
-                f"{_pointer(tf_config, e.pos)}\nExpected a JSON object such as {TF_CONFIG_EXAMPLE}"
-            ) from None
+        doc = _decode_json(tf_config)
     elif isinstance(tf_config, Mapping):
         doc = tf_config
     else:
@@ -388,10 +502,59 @@ def _load_tf_config(tf_config: str | Mapping[str, Any]) -> Mapping[str, Any]:
     return doc
 
 
+class _LongNumber:
+    """A JSON integer too long to be any count: kept as its length, since int() may refuse it (4300 digits)."""
+
+    def __init__(self, digits: int) -> None:
+        self.digits = digits
+
+    def __repr__(self) -> str:
+        return f"<a {self.digits}-digit number>"
+
+
+def _json_int(text: str) -> int | _LongNumber:
+    digits = len(text.lstrip("-"))
+    return int(text) if digits <= 20 else _LongNumber(digits)
+
+
+def _decode_json(text: str) -> Any:
+    """``json.loads`` for TF_CONFIG, total: every failure is a ClusterConfigError that says where and why."""
+    if len(text) > MAX_TF_CONFIG_CHARS:
+        raise ClusterConfigError(f"TF_CONFIG is {len(text)} characters long; at most {MAX_TF_CONFIG_CHARS} are "
+                                 f"read (a real one is a few hundred); expected e.g. {TF_CONFIG_EXAMPLE}")
+    depth = _json_depth(text)
+    if depth > MAX_TF_CONFIG_DEPTH:
+        raise ClusterConfigError(f"TF_CONFIG nests {depth} levels deep; at most {MAX_TF_CONFIG_DEPTH} are read "
+                                 f"(TensorFlow's needs 3); expected e.g. {TF_CONFIG_EXAMPLE}")
+    try:
+        return json.loads(text, parse_int=_json_int)
+    except json.JSONDecodeError as e:
+        raise ClusterConfigError(
+            f"TF_CONFIG is not valid JSON: {e.msg} at line {e.lineno} column {e.colno} (char {e.pos}):\n"
+            f"{_pointer(text, e.pos)}\nExpected a JSON object such as {TF_CONFIG_EXAMPLE}"
+        ) from None
+
+
+_JSON_ESCAPE_RE = re.compile(r"\\.", re.DOTALL)
+_JSON_STRING_RE = re.compile(r'"[^"]*"')
+_NOT_BRACKET_RE = re.compile(r"[^\[\]{}]+")
+
+
+def _json_depth(text: str) -> int:
+    """How deep ``[``/``{`` nest in ``text``, outside strings: an upper bound on json.loads' recursion.
+
+    Linear and without recursion: escapes go first (so ``\\"`` does not end a string), then strings, then
+    everything but brackets; the deepest running count of the rest is the depth. Up to where a document
+    stops being valid JSON (where json.loads stops reading) this is exactly its nesting.
+    """
+    brackets = _NOT_BRACKET_RE.sub("", _JSON_STRING_RE.sub("", _JSON_ESCAPE_RE.sub("", text)))
+    return max(itertools.accumulate(1 if c in "[{" else -1 for c in brackets), default=0)
+
+
 def _pointer(text: str, pos: int, width: int = 30) -> str:
-    """Two lines: the text around ``pos`` (newlines shown as spaces) and a caret under ``pos``."""
+    """Two lines: the text around ``pos`` (what is not printable shown as spaces) and a caret under ``pos``."""
     start = max(0, pos - width)
-    window = text[start:pos + width].replace("\n", " ").replace("\r", " ").replace("\t", " ")
+    window = "".join(c if c.isprintable() else " " for c in text[start:pos + width])
     return f"  {window}\n  {' ' * (pos - start)}^"
 
 
@@ -400,7 +563,7 @@ def _cluster_of(doc: Mapping[str, Any]) -> ClusterSpec:
         raise ClusterConfigError(f"TF_CONFIG.cluster is missing; expected e.g. {TF_CONFIG_EXAMPLE}")
     cluster = doc["cluster"]
     if not isinstance(cluster, Mapping):
-        raise ClusterConfigError(f"TF_CONFIG.cluster = {cluster!r} is not an object of job → addresses; "
+        raise ClusterConfigError(f"TF_CONFIG.cluster = {show(cluster)} is not an object of job → addresses; "
                                  f"expected e.g. {TF_CONFIG_EXAMPLE}")
     jobs = _validated_jobs(cluster, lambda job: f"TF_CONFIG.cluster.{job}")
     if not any(jobs.values()):

@@ -73,6 +73,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 __all__ = [
     "ALLOWED_DTYPES",
     "MAX_HEADER_BYTES",
+    "MAX_TRAILER_BYTES",
     "REASONS",
     "RESERVED_KEYS",
     "VERSION",
@@ -111,6 +112,9 @@ ALLOWED_DTYPES: dict[str, np.dtype] = {
 }
 RESERVED_KEYS = frozenset({"v", "kind", "sender", "seq", "ts", "tensors", "to", "re", "part"})
 MAX_PARTS = 1 << 20
+#: The largest trailer a message can have: a tensor's entry in the header takes at least 8 bytes of msgpack
+#: (``[b"bool", [], 1]``), so at most ``MAX_HEADER_BYTES // 8`` tensors fit in one message.
+MAX_TRAILER_BYTES = TAG_BYTES + FRAME_TAG_BYTES * (MAX_HEADER_BYTES // 8)
 REASONS = ("frame_count", "header_size", "signature", "header", "version", "dtype", "shape", "recipient",
            "stale", "replay")
 

@@ -311,6 +311,26 @@ class _Assembly:
                        dtypes=[d for p in parts for d in p.dtypes], part=None)
 
 
+class _Inbox:
+    """What a server does to each incoming message (the frames after the routing id) before its handler
+    sees it: authenticate and check it (:func:`decode`), then put split requests back together."""
+
+    def __init__(self, secret: bytes, recipient: str, guard: ReplayGuard) -> None:
+        self._secret = secret
+        self._recipient = recipient
+        self._guard = guard
+        self._assembly = _Assembly()
+        #: ``(time.time(), sender role)`` of the last authenticated message, ``None`` before the first
+        self.heard: tuple[float, str] | None = None
+
+    def accept(self, body: Sequence[Any]) -> Message | None:
+        """The whole request once its last part is in, ``None`` while parts are missing; raises
+        :class:`BadMessage` for anything to drop (its ``reason`` is what the server counts)."""
+        message = decode(body, secret=self._secret, replay_guard=self._guard, recipient=self._recipient)
+        self.heard = (time.time(), sender_role(message.sender))
+        return self._assembly.add(message) if message.part is not None else message
+
+
 def _reply_parts(result: Any) -> tuple[str, dict, Sequence[Any]]:
     """A handler's return value → ``(kind, header, tensors)``; ``None`` means ``("ok", {}, ())``."""
     if result is None:
@@ -334,13 +354,22 @@ class Server:
     ``max_skew`` is the clock difference tolerated (seconds); ``max_frame_bytes`` makes ZeroMQ disconnect
     a peer that sends a larger frame (``None``: no limit; set it to bound the memory a peer can make the
     server allocate).
+
+    Memory before authentication: ZeroMQ reads a frame's size from its header and allocates that much
+    before the frame (even the PLAIN handshake's HELLO) is complete, so without ``max_frame_bytes`` one
+    unauthenticated connection can make the server hold as many bytes as it cares to send. With it, a
+    connection holds at most ``max_frame_bytes`` plus ZeroMQ's 8 KiB read buffer, and only for
+    ``handshake_timeout`` seconds (ZMQ_HANDSHAKE_IVL): a connection that has not passed the gate by then
+    is closed.
     """
 
     def __init__(self, bind_address: str, secret: bytes, handler: Handler, *, name: str, max_skew: float = 300.0,
-                 max_frame_bytes: int | None = None, wait_for_reply_buffers: bool = True,
-                 part_bytes: int = PART_BYTES) -> None:
+                 max_frame_bytes: int | None = None, handshake_timeout: float = 10.0,
+                 wait_for_reply_buffers: bool = True, part_bytes: int = PART_BYTES) -> None:
         host, port = split_address(bind_address, field=f"{name} address")
         check_secret(secret)
+        if not handshake_timeout > 0:
+            raise ValueError(f"handshake_timeout must be a positive number of seconds; got {handshake_timeout!r}")
         self.name = name
         self.address = bind_address
         self.sender = sender_id(name)
@@ -348,8 +377,7 @@ class Server:
         self.wait_for_reply_buffers = wait_for_reply_buffers
         self.part_bytes = part_bytes
         self._secret = bytes(secret)
-        self._guard = ReplayGuard(max_skew=max_skew)
-        self._assembly = _Assembly()
+        self._inbox = _Inbox(self._secret, name, ReplayGuard(max_skew=max_skew))
         self._stats: Counter[str] = Counter(dict.fromkeys(
             ("received", "replied", "handler_errors", "reply_failed", "internal_errors"), 0))  # fixed keys
         self._dropped: Counter[str] = Counter()  # grows a key per reason: changed under self._lock only
@@ -362,6 +390,7 @@ class Server:
         self._close_on_exit = False
         self._closed = False
         self._handshaking: OrderedDict[int, None] = OrderedDict()  # fds accepted, handshake not settled
+        self._active = time.monotonic()  # when serving began or an authenticated message was last handled
         ip, ipv6 = _resolve_bind(host, port, name, bind_address)
         ctx = zmq.Context.instance()
         self._domain = f"conveyor/{name}/{secrets.token_hex(8)}".encode()
@@ -375,6 +404,7 @@ class Server:
         sock.sndtimeo = 10_000  # a client that stops reading cannot stall the server for longer
         if max_frame_bytes is not None:
             sock.maxmsgsize = int(max_frame_bytes)
+        sock.handshake_ivl = max(1, int(handshake_timeout * 1000))
         self._monitor = sock.get_monitor_socket(_SERVER_EVENTS)
         try:
             sock.bind(_tcp(ip, port))
@@ -405,7 +435,8 @@ class Server:
 
     def start(self) -> Server:
         """Serve in a background (daemon) thread; returns ``self``."""
-        thread = threading.Thread(target=self._serve, args=(None,), name=f"conveyor-{self.name}-server", daemon=True)
+        thread = threading.Thread(target=self._serve, args=(None, (None, None)), name=f"conveyor-{self.name}-server",
+                                  daemon=True)
         self._claim(thread)
         thread.start()
         return self
@@ -414,10 +445,16 @@ class Server:
         """Ask the serving loop to return (safe from any thread, including the handler)."""
         self._stop.set()
 
-    def serve_forever(self, stop_event: threading.Event | None = None) -> None:
-        """Receive, check, handle and answer messages in this thread until :meth:`stop` (or ``stop_event``)."""
+    def serve_forever(self, stop_event: threading.Event | None = None, *, idle_timeout: float | None = None,
+                      first_contact_timeout: float | None = None) -> bool:
+        """Receive, check, handle and answer messages in this thread until :meth:`stop` (or ``stop_event``).
+
+        With ``idle_timeout``, also return once that many seconds passed without an authenticated message
+        (``first_contact_timeout``, default the same, until the first one): then the result is False.
+        Time spent in the handler never counts as idle, and neither does a queue of unread messages.
+        """
         self._claim(threading.current_thread())
-        self._serve(stop_event)
+        return self._serve(stop_event, (idle_timeout, first_contact_timeout or idle_timeout))
 
     def _claim(self, thread: threading.Thread) -> None:
         with self._lock:
@@ -426,9 +463,9 @@ class Server:
             self._serving = thread
             self._done.clear()
 
-    def _serve(self, stop_event: threading.Event | None) -> None:
+    def _serve(self, stop_event: threading.Event | None, idle: tuple[float | None, float | None]) -> bool:
         try:
-            self._loop(stop_event)
+            return self._loop(stop_event, idle)
         finally:
             with self._lock:
                 self._serving = None
@@ -437,32 +474,39 @@ class Server:
                 self._release()
             self._done.set()  # after the release: close() returns with the port free
 
-    def _loop(self, stop_event: threading.Event | None) -> None:
+    def _loop(self, stop_event: threading.Event | None, idle: tuple[float | None, float | None]) -> bool:
+        """True when stopped, False when ``idle`` = ``(timeout, first-contact timeout)`` ran out."""
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
+        self._active = time.monotonic()
         while not (self._stop.is_set() or (stop_event is not None and stop_event.is_set())):
             try:
                 ready = dict(poller.poll(_POLL_MS))
             except zmq.ContextTerminated:
-                return
+                return True
             if self._monitor in ready:
                 self._watch_connections()
-            if self._sock in ready:
-                for _ in range(_BATCH):
-                    if self._stop.is_set():
-                        break
-                    try:
-                        frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    except zmq.ContextTerminated:
-                        return
-                    try:
-                        self._serve_one(frames)
-                    except Exception:  # a bug here must not take the parameter server down
-                        self._stats["internal_errors"] += 1
-                        log.exception("%s: failed to serve a message; continuing", self.name)
+            if self._sock not in ready:
+                limit = idle[0] if self.last_heard is not None else idle[1]
+                if limit is not None and time.monotonic() - self._active > limit:
+                    return False
+                continue
+            for _ in range(_BATCH):
+                if self._stop.is_set():
+                    break
+                try:
+                    frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                except zmq.ContextTerminated:
+                    return True
+                try:
+                    self._serve_one(frames)
+                except Exception:  # a bug here must not take the parameter server down
+                    self._stats["internal_errors"] += 1
+                    log.exception("%s: failed to serve a message; continuing", self.name)
+        return True
 
     def _watch_connections(self) -> None:
         """Count connections that fail the gate, from the socket's monitor events.
@@ -492,14 +536,24 @@ class Server:
         self._stats["received"] += 1
         identity, body = frames[0], frames[1:]
         try:
-            message = decode(body, secret=self._secret, replay_guard=self._guard, recipient=self.name)
-            if message.part is not None:
-                message = self._assembly.add(message)
+            message = self._inbox.accept(body)
         except BadMessage as bad:
             self._drop(bad.reason, bad.detail, identity)
             return
+        self._active = time.monotonic()
         if message is None:  # more parts to come
             return
+        try:
+            self._answer(identity, message)
+        finally:
+            self._active = time.monotonic()  # the handler's time is not idle time
+
+    @property
+    def last_heard(self) -> tuple[float, str] | None:
+        """``(time.time(), sender role)`` of the last authenticated message; ``None`` before the first."""
+        return self._inbox.heard
+
+    def _answer(self, identity: Any, message: Message) -> None:
         if self.wait_for_reply_buffers:
             self._wait_released()
         try:

@@ -33,7 +33,7 @@ from torch import nn
 from conveyor.cluster import Discovered, discover
 from conveyor.comm.process_group import collective_guard, init_process_group
 from conveyor.strategies import Strategy, get_strategy
-from conveyor.strategies.ps.server import serve_task
+from conveyor.strategies.ps.server import IdleTimeout, serve_task
 from conveyor.train.checkpoint import CheckpointManager
 
 __all__ = ["DEFAULT_TIMEOUT", "RESTART_COUNT_VAR", "RESUME_VAR", "TIMEOUT_VAR", "Job", "init", "threads_per_worker"]
@@ -66,7 +66,7 @@ def init(strategy: str | None = None, *, timeout: float | None = None,
     env: Mapping[str, str] = os.environ if environ is None else environ
     found = discover(env)
     if found.task.type == "ps":
-        _serve_ps(found, strategy)  # does not return: the process exits when the job ends
+        _serve_ps(found, strategy, _timeout(timeout, env))  # does not return: the process exits when the job ends
     if found.rank is None:
         raise NotImplementedError(f"this process is the {found.task} task, which has no training rank; only "
                                   f"chief and worker tasks can call conveyor.init() for now")
@@ -315,7 +315,7 @@ def shard_stores(output_dir: Path):
     return open_root
 
 
-def _serve_ps(found: Discovered, strategy: str | None) -> None:
+def _serve_ps(found: Discovered, strategy: str | None, timeout: float) -> None:
     """Run this ps task's parameter server until every worker is done, then exit the process (``server.join()``)."""
     name = strategy or found.strategy or "ps-sync"  # the launcher's default when there are ps tasks
     if not name.strip().lower().startswith("ps-"):
@@ -328,8 +328,11 @@ def _serve_ps(found: Discovered, strategy: str | None) -> None:
     address = found.spec.task_address("ps", found.task.index)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {found.task} %(levelname)s %(message)s")
     print(f"{found.task}: serving {name} for {found.world_size} worker(s) on {address}", flush=True)
-    serve_task(address, found.secret, index=found.task.index, num_workers=found.world_size, strategy=name,
-               shards=shard_stores(Path(found.output_dir or "output")))
+    try:
+        serve_task(address, found.secret, index=found.task.index, num_workers=found.world_size, strategy=name,
+                   shards=shard_stores(Path(found.output_dir or "output")), idle_timeout=timeout)
+    except IdleTimeout as exc:
+        sys.exit(f"{found.task}: {exc}")  # status 1; no traceback: the message says it all
     print(f"{found.task}: every worker is done; exiting", flush=True)
     sys.exit(0)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +21,8 @@ from typing import Any
 from conveyor.train.checkpoint import Checkpoint, CheckpointError, CheckpointManager
 from conveyor.train.state_io import rng_from_json, rng_state, rng_to_json, set_rng_state
 
-__all__ = ["DATA_STATE_FORMAT", "DATA_STATE_VERSION", "ResumeError", "Resumed", "data_state", "resume"]
+__all__ = ["DATA_STATE_FORMAT", "DATA_STATE_VERSION", "ResumeError", "Resumed", "data_state", "describe",
+           "optimizer_name", "resume"]
 
 DATA_STATE_FORMAT = "conveyor.trainer.data"
 DATA_STATE_VERSION = 1
@@ -54,19 +56,72 @@ def resume(job: Any, checkpoints: CheckpointManager, coordinator: Any, module: A
         return None
     ckpt = checkpoints.load(step)
     if job.is_chief:
-        print(f"resumed from step {ckpt.step} ({ckpt.path})", file=sys.stderr, flush=True)
+        print(f"resumed from {describe(ckpt)}", file=sys.stderr, flush=True)
     world, rank = int(job.world_size), int(job.rank)
     _check_world_size(ckpt, world, checkpoints)
     state = _worker_state(ckpt, rank, world, coordinator, checkpoints)
+    _check_model(module, ckpt, checkpoints)
     module.load_state_dict(ckpt.model_state)
     if ckpt.optimizer_state is not None:
-        job.strategy.restore_optimizer(optimizer, ckpt.optimizer_state, checkpoints, ckpt.step)
+        _restore_optimizer(job, optimizer, ckpt, checkpoints)
     coordinator.resumed(ckpt.extra)
     rng = rng_from_json(state["rng"]) if state is not None and state.get("rng") else ckpt.rng
     if rng is not None:
         set_rng_state(rng)
     spe = ckpt.extra.get("steps_per_epoch")
     return Resumed(ckpt.step, state, int(spe) if spe else None)
+
+
+def describe(ckpt: Checkpoint) -> str:
+    """"step N (<folder>), written <when> by a job of W worker(s), strategy S, in epoch E"."""
+    extra = ckpt.extra
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ckpt.time)) if ckpt.time else "at an unknown time"
+    return (f"step {ckpt.step} ({ckpt.path}), written {when} by a job of {extra.get('world_size', '?')} "
+            f"worker(s), strategy {extra.get('strategy', '?')}, in epoch {extra.get('epoch', '?')}")
+
+
+def optimizer_name(optimizer: Any) -> str:
+    """The class of the user's optimizer (wrappers such as the parameter servers' proxy hold it as `.optimizer`)."""
+    return type(getattr(optimizer, "optimizer", optimizer)).__name__
+
+
+def _start_over(checkpoints: CheckpointManager) -> str:
+    return (f"start over with --no-resume (CONVEYOR_RESUME=0), or give this job another output folder than "
+            f"{checkpoints.root.parent} (--output-dir)")
+
+
+def _check_model(module: Any, ckpt: Checkpoint, checkpoints: CheckpointManager) -> None:
+    """Refuse a checkpoint of another model, naming what differs, before torch's own error would."""
+    mine = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    saved = {k: tuple(getattr(v, "shape", ())) for k, v in (ckpt.model_state or {}).items()}
+    missing, unexpected = sorted(mine.keys() - saved.keys()), sorted(saved.keys() - mine.keys())
+    reshaped = [f"{k} {saved[k]} in the checkpoint, {mine[k]} here" for k in sorted(mine.keys() & saved.keys())
+                if mine[k] != saved[k]]
+    if not (missing or unexpected or reshaped):
+        return
+    what = [f"{label}: {_some(names)}" for label, names in (
+        ("not in the checkpoint", missing), ("not in this model", unexpected), ("other shapes", reshaped)) if names]
+    raise ResumeError(f"checkpoint {ckpt.path} holds another model than this job's ({'; '.join(what)}). To keep "
+                      f"training it, run the model that wrote it; to train this one, " + _start_over(checkpoints))
+
+
+def _some(names: list[str], limit: int = 5) -> str:
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def _restore_optimizer(job: Any, optimizer: Any, ckpt: Checkpoint, checkpoints: CheckpointManager) -> None:
+    saved, mine = ckpt.extra.get("optimizer"), optimizer_name(optimizer)
+    if saved is not None and saved != mine:  # torch would load it and fail on the first step, or worse, not at all
+        raise ResumeError(f"checkpoint {ckpt.path} holds the state of optimizer {saved}; this job trains with "
+                          f"{mine}. Resume with {saved}, or " + _start_over(checkpoints))
+    try:
+        job.strategy.restore_optimizer(optimizer, ckpt.optimizer_state, checkpoints, ckpt.step)
+    except (KeyError, TypeError, ValueError) as e:  # torch's own complaints about a state of another shape
+        raise ResumeError(f"the optimizer state in {ckpt.path} (written by strategy "
+                          f"{ckpt.extra.get('strategy', '?')}) does not fit this job's optimizer (strategy "
+                          f"{job.strategy.name}): {e}. Resume with the optimizer and strategy that wrote it, or "
+                          + _start_over(checkpoints)) from e
 
 
 def _chiefs_latest_step(job: Any, checkpoints: CheckpointManager) -> int | None:

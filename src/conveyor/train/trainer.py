@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -48,7 +49,7 @@ from conveyor.train.checkpoint import CheckpointManager, CheckpointPolicy
 from conveyor.train.evaluation import Evaluator, accuracy, batch_size, evaluate, split_batch
 from conveyor.train.profiler import StepProfiler, StepTimes
 from conveyor.train.reporting import Reporter
-from conveyor.train.resume import ResumeError, data_state, resume
+from conveyor.train.resume import ResumeError, data_state, optimizer_name, resume
 from conveyor.train.state_io import rng_state
 from conveyor.train.summary import summarize
 
@@ -153,6 +154,7 @@ class Trainer:
         self.checkpoints = CheckpointManager(Path(job.output_dir) / "checkpoints", keep=self.config.keep_checkpoints)
         self.step = 0
         self.epoch = 0
+        self._warned_eval_shard = False
 
     def fit(self) -> dict[str, Any]:
         """Train (resuming from the latest checkpoint if there is one) and return the summary.
@@ -186,7 +188,7 @@ class Trainer:
     def _shard_eval_data(self, world: int):
         """`eval_data` split by batch over the workers, so that every sample is counted once (as tf.distribute's
         auto-sharding does); said once, since the user's own `shard` would also split the reading."""
-        if not getattr(self, "_warned_eval_shard", False):
+        if not self._warned_eval_shard:
             self._warned_eval_shard = True
             warnings.warn(f"eval_data is not sharded per worker (no .shard({world}, rank)), so each of the {world} "
                           f"workers would evaluate all of it and every sample would count {world} times; conveyor "
@@ -227,6 +229,10 @@ class _Run:
         t.step = resumed.step if resumed else 0
         self.resumed_from = self.checkpointer.last_saved = resumed.step if resumed else None
         self.batches.start(resumed)
+        if resumed is not None and self.job.is_chief and self._already_done():
+            print(f"this job already finished: it trained {t.step} steps over {t.epoch} epoch(s), so there is "
+                  f"nothing left to do. To train again from scratch, run it with --no-resume (CONVEYOR_RESUME=0) or "
+                  f"another --output-dir; to train longer, raise epochs / max_steps.", file=sys.stderr, flush=True)
         self.reporter = Reporter.open(self.job, self.out, progress=self.cfg.progress, total=self._known_total(),
                                       initial=t.step, resumed_from=self.resumed_from)
         self.prof.start()
@@ -267,6 +273,11 @@ class _Run:
         self.summary = summarize(self.job, self.prof, wall=time.perf_counter() - self.started, steps=self.t.step,
                                  epochs=self.t.epoch, eval_result=self.evaluator.result,
                                  resumed_from=self.resumed_from, checkpoints=self.t.checkpoints.root)
+
+    def _already_done(self) -> bool:
+        """Whether the run resumed from holds every step this one asks for (lockstep bounds; workers running
+        apart find out from their shared count on the first step)."""
+        return not self.batches.active or (self.cfg.max_steps is not None and self.t.step >= self.cfg.max_steps)
 
     def _known_total(self) -> int | None:
         """This worker's total steps, where it is known before the first epoch ends."""
@@ -417,6 +428,7 @@ class _Checkpointer:
             if self.job.is_chief and self.last_saved != step:  # (meeting at the end, it may be written already)
                 extra = {"epoch": t.epoch, "world_size": int(self.job.world_size), "strategy": self.job.strategy.name,
                          "restarts": int(self.job.restart_count), "steps_per_epoch": self.run.batches.steps_per_epoch,
+                         "optimizer": optimizer_name(t.optimizer),
                          **self.coord.checkpoint_extra()}
                 optimizer_state, parts = self.job.strategy.save_optimizer(t.optimizer, t.checkpoints, step)
                 t.checkpoints.save(step, t.module.state_dict(), optimizer_state, extra=extra,

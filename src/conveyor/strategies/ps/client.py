@@ -12,6 +12,11 @@ still computes the earlier layers; the replies are collected in :meth:`finish_st
 joined (:meth:`Placement.join`) and copied into the model's parameters in place, so the user's model
 object, and anything holding its parameters, stays valid.
 
+A daemon thread pings every server every quarter of ``timeout`` (at most 5 s) on connections of its own, from
+construction to :meth:`close`: a ps task stops after a timeout without hearing from any worker (so
+that it cannot outlive its job), and the pings keep it up while this worker is alive but busy elsewhere
+(evaluation, checkpoints, a slow data pipeline).
+
 A server that answers ``wait`` (the update rule does not allow the pull yet) is asked again after a
 short sleep (0.2 ms, doubling up to 5 ms): that time is the *wait-for-servers* time.
 
@@ -23,6 +28,8 @@ backward per step there.
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -32,11 +39,13 @@ import torch
 from torch import nn
 
 from conveyor.comm.framing import Message
-from conveyor.comm.transport import Client, ServerUnavailable
+from conveyor.comm.transport import Client, ServerUnavailable, TransportError
 from conveyor.strategies.ps.optim import OptimizerSpec, group_hyperparameters
 from conveyor.strategies.ps.sharding import DEFAULT_CHUNK_BYTES, Placement, place
 
 __all__ = ["PSClient"]
+
+log = logging.getLogger(__name__)
 
 _SLEEP_MIN, _SLEEP_MAX = 0.0002, 0.005
 
@@ -49,12 +58,17 @@ class PSClient:
         if not addresses:
             raise ValueError("parameter-server strategies need ps tasks: start the job with --ps M (M >= 1), or "
                              "list a 'ps' job in TF_CONFIG")
+        if chunk_bytes > DEFAULT_CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes = {chunk_bytes} is over {DEFAULT_CHUNK_BYTES}: ps tasks started by "
+                             f"conveyor.init() refuse frames much larger than their default pieces")
         self.rank = rank
         self.num_workers = num_workers
         self.timeout = timeout
         self.chunk_bytes = chunk_bytes
         self.clients = [Client(a, secret, name=f"ps:{i}", timeout=timeout, sender=sender)
                         for i, a in enumerate(addresses)]
+        # a ping per server every quarter of the timeout, at least every 5 s: a dead server delays nothing long
+        self._heartbeat = _Heartbeat(addresses, secret, sender, interval=min(timeout / 4, 5.0))
         self.placement: Placement | None = None
         self.step = 0
         self.read = [0] * len(self.clients)  # the version each server reported at the last pull
@@ -272,6 +286,7 @@ class PSClient:
         if self._closed:
             return
         self._closed = True
+        self._heartbeat.stop()  # while the servers still answer (the last "done" stops them)
         try:
             self.finish_pull()
         except Exception:  # noqa: BLE001 - closing anyway
@@ -287,3 +302,39 @@ class PSClient:
                 pass
         for client in self.clients:
             client.close()
+
+
+class _Heartbeat:
+    """Pings every server every ``interval`` seconds from a daemon thread, on its own connections."""
+
+    def __init__(self, addresses: Sequence[str], secret: bytes, sender: str, *, interval: float) -> None:
+        self._addresses = list(addresses)
+        self._secret = secret
+        self._sender = sender
+        self.interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="conveyor-ps-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        # The sockets are made and closed here: a ZeroMQ socket belongs to one thread.
+        clients = [Client(a, self._secret, name=f"ps:{i}", timeout=self.interval, sender=self._sender)
+                   for i, a in enumerate(self._addresses)]
+        try:
+            while not self._stop.is_set():
+                started = time.monotonic()
+                try:
+                    ids = [(c, c.send("ping")) for c in clients]
+                    for c, rid in ids:
+                        c.receive(rid, timeout=max(0.001, started + self.interval - time.monotonic()))
+                except TransportError as exc:  # the server's own log tells more; tried again next round
+                    log.debug("heartbeat: %s", exc)
+                self._stop.wait(max(0.0, started + self.interval - time.monotonic()))
+        finally:
+            for c in clients:
+                c.close()
+
+    def stop(self) -> None:
+        """Stop pinging; the thread ends by itself within ``interval`` (a ping to a dead server times out)."""
+        self._stop.set()
+        self._thread.join(min(self.interval, 1.0))

@@ -38,6 +38,19 @@ port cannot change the parameters. Requests (all from workers, all signed):
 ``positions`` ``{"rank"}``: every worker's newest position (reply ``ranks``: which workers left one,
            one uint8 tensor each), for the chief's checkpoint.
 ``done``   ``{"rank"}``: that worker has finished; when all have, :meth:`serve` returns.
+``ping``   ``{}``: a worker's heartbeat (:class:`~conveyor.strategies.ps.client.PSClient` sends one every
+           quarter of the job's timeout from a thread of its own), so a worker busy elsewhere — a long
+           evaluation, a checkpoint, a slow first batch — still counts as alive.
+
+**Lifetime.** Besides "every worker is done", a ps task stops when it has heard nothing authenticated
+for the job's timeout (twice that before the first worker shows up: the workers may spend up to one
+timeout rendezvousing among themselves): :meth:`serve` raises :class:`IdleTimeout`, and the task exits
+non-zero. A ps started by hand or by a scheduler whose workers died therefore cannot be orphaned.
+
+**Untrusted bytes.** Before a connection authenticates, ZeroMQ buffers whatever frame size the peer
+claims; the server caps frames at :func:`max_frame_bytes` (8 MiB for the default 4 MiB pieces) and
+drops connections that have not authenticated within ``handshake_timeout`` (10 s), so an unauthenticated
+peer holds at most 8 MiB per connection, for at most 10 s.
 
 **Staleness.** Every push and commit says which version ``read`` (the server's ``min(clock)`` when the
 worker pulled the parameters it computed on) and ``step`` it is; the server records ``step - read``:
@@ -67,11 +80,12 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from conveyor.comm.framing import Message
+from conveyor.comm.framing import MAX_HEADER_BYTES, MAX_TRAILER_BYTES, Message
 from conveyor.comm.transport import Server
 from conveyor.strategies.ps.optim import OptimizerSpec, ServerOptimizer, mean_of_gradients
+from conveyor.strategies.ps.sharding import DEFAULT_CHUNK_BYTES
 
-__all__ = ["MODES", "ParameterServer", "ShardStore", "parse_mode"]
+__all__ = ["MODES", "IdleTimeout", "ParameterServer", "ShardStore", "max_frame_bytes", "parse_mode"]
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +105,22 @@ def parse_mode(strategy: str) -> tuple[str, int]:
             return "ssp", int(k)
     raise ValueError(f"{strategy!r} is not a parameter-server strategy; expected ps-sync, ps-async or ps-ssp:K "
                      f"(K a whole number, e.g. ps-ssp:2)")
+
+
+def max_frame_bytes(chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """The frame size a ps task refuses beyond: twice the largest frame its job's messages can carry.
+
+    A ps message's frames are its header (at most ``MAX_HEADER_BYTES``), one frame per tensor, and the
+    trailer (at most ``MAX_TRAILER_BYTES``). Every tensor is one placement piece (a gradient, a value,
+    or an optimizer state of the same size), and pieces are at most ``chunk_bytes`` (or one element).
+    The factor 2 is headroom for what this bound does not foresee: a frame over the limit costs its
+    connection (the request times out), so erring high is the safe side.
+    """
+    return 2 * max(chunk_bytes, MAX_HEADER_BYTES, MAX_TRAILER_BYTES, 64)
+
+
+class IdleTimeout(RuntimeError):
+    """A ps task heard from no worker for longer than the job's timeout: its job is gone."""
 
 
 class ShardStore(Protocol):
@@ -114,7 +144,8 @@ class ParameterServer:
 
     def __init__(self, address: str, secret: bytes, *, index: int, num_workers: int, mode: str,
                  staleness: int = 0, max_skew: float = 300.0,
-                 shards: Callable[[str], ShardStore] | None = None) -> None:
+                 shards: Callable[[str], ShardStore] | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 handshake_timeout: float = 10.0) -> None:
         if mode not in MODES:
             raise ValueError(f"mode = {mode!r}; expected one of {MODES}")
         self.index = index
@@ -136,22 +167,43 @@ class ParameterServer:
         self._grads: dict[int, dict[str, dict[int, torch.Tensor]]] = {}  # sync: step -> key -> rank -> grad
         self._commits: dict[int, set[int]] = {}
         self._finished = threading.Event()
-        self.server = Server(address, secret, self.handle, name=self.name, max_skew=max_skew)
+        self.server = Server(address, secret, self.handle, name=self.name, max_skew=max_skew,
+                             max_frame_bytes=max_frame_bytes(chunk_bytes), handshake_timeout=handshake_timeout)
 
     # -- lifetime ---------------------------------------------------------------------------------
 
-    def serve(self, timeout: float | None = None) -> bool:
-        """Serve in this thread until every worker sent ``done`` (True) or ``timeout`` seconds pass (False)."""
+    def serve(self, timeout: float | None = None, *, idle_timeout: float | None = None) -> bool:
+        """Serve in this thread until every worker sent ``done`` (True) or ``timeout`` seconds pass (False).
+
+        ``idle_timeout`` (the job's timeout): raise :class:`IdleTimeout` after that many seconds without an
+        authenticated message (twice that before the first one).
+        """
         stop = threading.Event()
         if timeout is not None:
             timer = threading.Timer(timeout, stop.set)
             timer.daemon = True
             timer.start()
         try:
-            self.server.serve_forever(stop)
+            stopped = self.server.serve_forever(stop, idle_timeout=idle_timeout,
+                                                first_contact_timeout=idle_timeout and 2 * idle_timeout)
         finally:
             self.server.close()
+        if not stopped:
+            raise IdleTimeout(self._idle_message(idle_timeout))
         return self._finished.is_set()
+
+    def _idle_message(self, idle_timeout: float | None) -> str:
+        heard = self.server.last_heard
+        if heard is None:
+            what = f"no worker contacted it within {2 * idle_timeout:g} s (twice the job's timeout) of starting"
+        else:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(heard[0]))
+            what = (f"it last heard from a worker ({heard[1]}) at {when}, over the job's timeout of "
+                    f"{idle_timeout:g} s ago")
+        return (f"{self.name} is stopping: {what}, so its job is gone (the launcher or the workers died). "
+                f"Live workers ping their ps tasks at least every quarter of the timeout; if this job's workers "
+                f"really are alive but unreachable for that long, raise the timeout (`conveyor run --timeout S` "
+                f"or CONVEYOR_TIMEOUT=S)")
 
     def start(self) -> ParameterServer:
         """Serve in a background thread (tests)."""
@@ -169,7 +221,7 @@ class ParameterServer:
         handler = getattr(self, f"_on_{message.kind}", None)
         if handler is None:
             raise ValueError(f"unknown request kind {message.kind!r}")
-        if message.kind not in ("init", "stats", "done") and self.opt is None:
+        if message.kind not in ("init", "stats", "done", "ping") and self.opt is None:
             return "wait", {}, []
         kind, header, tensors = handler(message.header, message.tensors)
         self.counters["bytes_out"] += sum(int(t.numel() * t.element_size()) for t in tensors
@@ -325,6 +377,9 @@ class ParameterServer:
         log.info("%s: restored its shard from checkpoint step %d", self.name, step)
         return "ok", {}, []
 
+    def _on_ping(self, header: dict[str, Any], arrays: list[np.ndarray]):
+        return "ok", {}, []
+
     def _on_position(self, header: dict[str, Any], arrays: list[np.ndarray]):
         rank = self._rank(header)
         if len(arrays) != 1 or arrays[0].dtype != np.uint8 or arrays[0].ndim != 1:
@@ -348,12 +403,14 @@ class ParameterServer:
 
 
 def serve_task(address: str, secret: bytes, *, index: int, num_workers: int, strategy: str,
-               shards: Callable[[str], ShardStore] | None = None) -> bool:
-    """Run ps task ``index`` for ``strategy`` until the workers are done (what ``conveyor.init()`` does on a ps)."""
+               shards: Callable[[str], ShardStore] | None = None, idle_timeout: float | None = None) -> bool:
+    """Run ps task ``index`` for ``strategy`` until the workers are done (what ``conveyor.init()`` does on a ps);
+    :class:`IdleTimeout` when no worker was heard from for ``idle_timeout`` seconds (the job's timeout)."""
     mode, staleness = parse_mode(strategy)
     server = ParameterServer(address, secret, index=index, num_workers=num_workers, mode=mode, staleness=staleness,
                              shards=shards)
     started = time.monotonic()
-    finished = server.serve()
-    log.info("%s: served for %.1f s", server.name, time.monotonic() - started)
-    return finished
+    try:
+        return server.serve(idle_timeout=idle_timeout)
+    finally:
+        log.info("%s: served for %.1f s", server.name, time.monotonic() - started)
