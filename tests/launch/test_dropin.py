@@ -287,3 +287,34 @@ def test_the_job_succeeds_when_the_chief_does_even_if_a_serving_task_fails_at_th
     result = Supervisor(plan, out=io.StringIO(), err=err, poll=2.0, linger=10).run()
     assert result.ok and result.exit_code == 0 and result.restarts == 0, err.getvalue()
     assert "worker:0 exited with status 1 after the chief finished; the job succeeded all the same" in err.getvalue()
+
+
+def test_tf1_tasks_started_by_hand_with_their_flags_form_one_job_in_conveyor_init(tmp_path):
+    script = tmp_path / "trainer.py"
+    script.write_text(textwrap.dedent("""
+        import json, sys
+        import conveyor
+        with conveyor.init() as job:
+            got = job.all_gather_bytes(f"{job.task_type}:{job.task_index}".encode())
+            with open(sys.argv[-1] + f"-{job.rank}.json", "w") as f:
+                json.dump({"source": job.source, "world_size": job.world_size, "got": [g.decode() for g in got]}, f)
+    """))
+    hosts = ",".join(f"127.0.0.1:{port}" for port in free_ports(2))
+    env = {**clean_env(), "CONVEYOR_TIMEOUT": "60"}
+    procs = []
+    try:
+        for index in (0, 1):
+            argv = [sys.executable, str(script), f"--worker_hosts={hosts}", "--ps_hosts=", "--job_name", "worker",
+                    f"--task_index={index}", str(tmp_path / "seen")]
+            procs.append(subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT))
+        logs = [p.communicate(timeout=120)[0].decode() for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], logs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"seen-{rank}.json").read_text())
+        assert seen == {"source": "tf_flags", "world_size": 2, "got": ["worker:0", "worker:1"]}

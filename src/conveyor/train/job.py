@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conveyor.cluster import Discovered, discover
+from conveyor.cluster import Discovered
+from conveyor.cluster.argv import discover_with_flags
 from conveyor.comm.process_group import collective_guard, init_process_group
 from conveyor.strategies import Strategy, get_strategy
 from conveyor.strategies.ps.server import IdleTimeout, serve_task
@@ -49,13 +50,15 @@ _OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
 
 
 def init(strategy: str | None = None, *, timeout: float | None = None,
-         environ: Mapping[str, str] | None = None) -> Job:
+         environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None) -> Job:
     """This process's :class:`Job`, its process group joined and its strategy set up.
 
     ``strategy``: the argument, else ``CONVEYOR_STRATEGY``, else ``"ps-sync"`` when the cluster has ps
     tasks, ``"allreduce"`` with several training processes and ``"local"`` with one. ``timeout``
     (seconds): the argument, else ``CONVEYOR_TIMEOUT``, else 300. ``environ`` replaces ``os.environ``
-    (tests, tools); nothing is written to it.
+    (tests, tools); nothing is written to it. ``argv`` (default ``sys.argv[1:]``) may hold TensorFlow 1's
+    ``--ps_hosts/--worker_hosts/--job_name/--task_index``: where no launcher's variables describe this
+    process, they do (``conveyor.cluster.argv``); they are read, not removed.
 
     On a parameter-server task (``ps`` in TF_CONFIG) this does not return: the task serves its share of
     the parameters (:mod:`conveyor.strategies.ps.server`) until every worker has said it is done, then
@@ -64,7 +67,7 @@ def init(strategy: str | None = None, *, timeout: float | None = None,
     tasks are not in it) for ``barrier``/``all_gather_bytes``/``all_reduce``.
     """
     env: Mapping[str, str] = os.environ if environ is None else environ
-    found = discover(env)
+    found = discover_with_flags(sys.argv[1:] if argv is None else argv, env)
     if found.task.type == "ps":
         _serve_ps(found, strategy, _timeout(timeout, env))  # does not return: the process exits when the job ends
     if found.rank is None:
@@ -323,7 +326,8 @@ def _serve_ps(found: Discovered, strategy: str | None, timeout: float) -> None:
                          f"start the job with --strategy ps-sync, ps-async or ps-ssp:K (CONVEYOR_STRATEGY)")
     if not found.secret:
         raise ValueError(f"parameter server {found.task} needs the job secret (CONVEYOR_JOB_SECRET) that signs "
-                         f"its messages; `conveyor run` sets it")
+                         f"its messages; `conveyor run` sets it, and tasks started by hand each need the same "
+                         f"one, e.g. CONVEYOR_JOB_SECRET=$(openssl rand -hex 32) exported once for all of them")
     assert found.spec is not None  # a ps task always comes from a cluster spec
     address = found.spec.task_address("ps", found.task.index)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {found.task} %(levelname)s %(message)s")
