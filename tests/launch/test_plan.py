@@ -141,6 +141,17 @@ def test_omp_num_threads_default_only_when_tasks_share_the_machine_and_the_calle
         assert launch.env["OMP_NUM_THREADS"] == "4" and "CONVEYOR_OMP_DEFAULT" not in launch.env
 
 
+def test_tf_flags_follow_the_script_for_every_task():
+    plan = local_plan(options(ps=1, strategy="ps-sync", tf_flags=True), [23001, 23002, 23003], master_port=23009,
+                      secret=SECRET, environ={})
+    hosts = ("--ps_hosts=127.0.0.1:23003", "--worker_hosts=127.0.0.1:23001,127.0.0.1:23002")
+    assert [t.argv for t in plan.tasks] == [
+        ("/usr/bin/python3", "train.py", *hosts, f"--job_name={job}", f"--task_index={i}", "--epochs", "1")
+        for job, i in (("worker", 0), ("worker", 1), ("ps", 0))]
+    alone = local_plan(options(tf_flags=True), [23001, 23002], master_port=23009, secret=SECRET, environ={})
+    assert alone.tasks[0].argv[2] == "--ps_hosts="  # TF1 scripts split it; an empty value is no ps
+
+
 def test_chief_option_names_rank_0_chief():
     plan = local_plan(options(workers=3, chief=True), [23001, 23002, 23003], master_port=23009, secret=SECRET,
                       environ={})
@@ -227,6 +238,7 @@ def test_resolve_strategy_errors_name_the_fix(strategy, world, ps, needle):
     (dict(workers=0), "--workers 0"), (dict(ps=-1), "--ps -1"), (dict(max_restarts=-1), "--max-restarts"),
     (dict(timeout=0), "--timeout 0"), (dict(output_dir="out"), "--output-dir 'out'"),
     (dict(strategy="ring"), "--strategy 'ring'"), (dict(script=""), "SCRIPT"),
+    (dict(linger=-1), "--linger -1"), (dict(tf_flags=True, chief=True), "drop --chief"),
 ])
 def test_run_options_validate_once_naming_the_flag(overrides, needle):
     with pytest.raises(ValueError) as info:
