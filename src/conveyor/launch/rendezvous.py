@@ -202,21 +202,15 @@ def _connect(host: str, port: int, endpoint: str, node_rank: int, timeout: float
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     from torch.distributed import TCPStore  # lazily: the only torch in launch/
 
+    from conveyor.comm.process_group import serve_store  # imports torch too
+
     unreachable = (f"node {node_rank} could not reach the rendezvous at {endpoint} within {timeout:g} s: {{}}; start "
                    f"node 0's launcher there (conveyor run --node-rank 0 --rdzv {endpoint} ...) and check that the "
                    f"port is open")
     wait = timedelta(seconds=timeout)
     try:
         if node_rank == 0:
-            listener = _listen(host, port, endpoint)
-            try:
-                store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=wait,
-                                 master_listen_fd=listener.fileno(), use_libuv=True)
-            except BaseException:
-                listener.close()
-                raise
-            listener.detach()  # the store's server owns the descriptor now, and closes it
-            return store
+            return serve_store(_listen(host, port, endpoint), wait_for_workers=False, timeout=wait)
         error = _wait_until_listening(host, port, timeout)
         if error is not None:
             raise RendezvousError(unreachable.format(error))
@@ -236,20 +230,15 @@ def _listen(host: str, port: int, endpoint: str) -> socket.socket:
     Left to itself, ``TCPStore`` binds the wildcard address (``::``: every interface) whatever host it is
     given; a socket handed over as ``master_listen_fd`` is served as it is.
     """
+    from conveyor.comm.process_group import listen_only_on
+
     try:
-        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        return listen_only_on(host, port)
     except socket.gaierror as e:
         raise RendezvousError(f"--rdzv host {host!r} does not resolve ({e.strerror})") from None
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore does: a quick restart may reuse it
-        sock.bind(sockaddr)
-        sock.listen(128)
     except OSError as e:
-        sock.close()
         raise RendezvousError(f"node 0 cannot host the rendezvous at {endpoint}: {e.strerror}; --rdzv must be an "
                               f"address of node 0 with a free port (is another job using it?)") from None
-    return sock
 
 
 def _wait_until_listening(host: str, port: int, timeout: float) -> str | None:
