@@ -35,7 +35,7 @@ from conveyor.strategies import PSStrategy, get_strategy
 from conveyor.strategies.ps import OptimizerSpec, ServerOptimizer, mean_of_gradients, place
 from conveyor.strategies.ps.server import ParameterServer, parse_mode
 from conveyor.train.checkpoint import CheckpointManager
-from conveyor.train.job import shard_stores
+from conveyor.strategies.ps.task import shard_stores
 
 WORLD = 2
 NUM_PS = 2
@@ -360,7 +360,7 @@ def test_ssp_pull_waits_beyond_the_bound_and_staleness_is_recorded(served) -> No
 
 @pytest.mark.timeout(30)
 def test_a_ps_shard_saved_into_a_checkpoint_restores_a_fresh_server(served, tmp_path: Path) -> None:
-    stores = shard_stores(tmp_path)
+    stores = shard_stores(tmp_path, CheckpointManager)
     server, (w0, w1) = served("async", shards=stores)
     model = nn.Linear(3, 2)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
