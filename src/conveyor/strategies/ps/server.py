@@ -52,11 +52,12 @@ how many steps the slowest worker's updates lagged behind the gradient's own ste
 only zeros, ``ssp:K`` never more than K (the pull rule guarantees it), ``async`` whatever happens.
 
 **Checkpoints.** A ps task writes its own shard into the checkpoint folder it shares with the
-workers. ``save``/``restore`` name the checkpoint root; ``shards``, which ``conveyor.init()`` hands
-the server, opens it as the job's checkpoint manager after checking it lies in the task's output
-folder. So the shard lands in the step folder in the same atomic rename as the chief's files, and
-is checked against the step's manifest when read back. A ps task that dies loses nothing written:
-the launcher restarts the job, and the restarted ps tasks are restored from the last step.
+workers. ``save``/``restore`` name the checkpoint root; ``shards``, which the ps task's entry
+(:func:`~conveyor.strategies.ps.task.serve_ps_task`) hands the server, opens it as the job's
+checkpoint manager after checking it lies in the task's output folder. So the shard lands in the
+step folder in the same atomic rename as the chief's files, and is checked against the step's
+manifest when read back. A ps task that dies loses nothing written: the launcher restarts the job,
+and the restarted ps tasks are restored from the last step.
 """
 
 from __future__ import annotations
