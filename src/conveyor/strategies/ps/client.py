@@ -42,32 +42,8 @@ import torch
 from torch import nn
 
 from conveyor.comm.transport import Client, ServerUnavailable, TransportError
+from conveyor.strategies.ps import protocol as wire
 from conveyor.strategies.ps.optim import OptimizerSpec, group_hyperparameters
-from conveyor.strategies.ps.protocol import (
-    Commit,
-    CommitReply,
-    Done,
-    Init,
-    InitReply,
-    LoadState,
-    OkReply,
-    ParamsReply,
-    Ping,
-    Position,
-    Positions,
-    PositionsReply,
-    Pull,
-    Push,
-    Restore,
-    Save,
-    SaveReply,
-    State,
-    StateReply,
-    Stats,
-    StatsReply,
-    WaitReply,
-    read_reply,
-)
 from conveyor.strategies.ps.sharding import DEFAULT_CHUNK_BYTES, Placement, place
 
 __all__ = ["PSClient", "PSConnections"]
@@ -106,7 +82,7 @@ class PSConnections:
         return self._links[server].send(*request.encode())
 
     def _receive(self, server: int, request_id: int, *expected: type, what: str, timeout: float | None = None) -> Any:
-        return read_reply(self._links[server].receive(request_id, timeout), *expected, what=what,
+        return wire.read_reply(self._links[server].receive(request_id, timeout), *expected, what=what,
                           num_workers=self.num_workers)
 
     def _settle(self) -> None:
@@ -127,39 +103,39 @@ class PSConnections:
 
     def save_shards(self, step: int, root: str | Path) -> list[str]:
         """Every ps task writes its shard into checkpoint step ``step`` under ``root``; the file names written."""
-        request = Save(self.rank, step, str(root))
-        return [p for reply in self._ask_all([request] * self.num_servers, SaveReply, what="save") for p in reply.parts]
+        replies = self._ask_all([wire.Save(self.rank, step, str(root))] * self.num_servers, wire.SaveReply, what="save")
+        return [part for reply in replies for part in reply.parts]
 
     def restore_shards(self, step: int, root: str | Path) -> None:
         """Every ps task loads its shard back from checkpoint step ``step`` under ``root``."""
-        self._ask_all([Restore(self.rank, step, str(root))] * self.num_servers, OkReply, what="restore")
+        self._ask_all([wire.Restore(self.rank, step, str(root))] * self.num_servers, wire.OkReply, what="restore")
 
-    def state(self) -> list[StateReply]:
+    def state(self) -> list[wire.StateReply]:
         """Every server's pieces and optimizer state (``meta`` JSON, ``named`` tensors; copies), in server order."""
-        replies = self._ask_all([State(self.rank)] * self.num_servers, StateReply, what="state")
-        return [StateReply(r.meta, {n: t.clone() for n, t in r.named.items()}) for r in replies]
+        replies = self._ask_all([wire.State(self.rank)] * self.num_servers, wire.StateReply, what="state")
+        return [wire.StateReply(r.meta, {n: t.clone() for n, t in r.named.items()}) for r in replies]
 
     def load_state(self, states: Sequence[tuple[dict[str, Any], dict[str, torch.Tensor]]]) -> None:
         """Send each server its ``(meta, tensors)`` back (what :meth:`state` returned, in server order)."""
         if len(states) != self.num_servers:
             raise ValueError(f"{len(states)} server states for {self.num_servers} ps tasks")
-        requests = [LoadState(self.rank, meta, {n: t.contiguous() for n, t in tensors.items()})
+        requests = [wire.LoadState(self.rank, meta, {n: t.contiguous() for n, t in tensors.items()})
                     for meta, tensors in states]
-        self._ask_all(requests, OkReply, what="load_state")
+        self._ask_all(requests, wire.OkReply, what="load_state")
 
-    def stats(self) -> list[StatsReply]:
+    def stats(self) -> list[wire.StatsReply]:
         """Every server's counters (staleness histogram, drops, ...), in server order."""
-        return self._ask_all([Stats(self.rank)] * self.num_servers, StatsReply, what="stats")
+        return self._ask_all([wire.Stats(self.rank)] * self.num_servers, wire.StatsReply, what="stats")
 
     # -- the board of workers running apart (ps:0) ------------------------------------------------
 
     def publish_position(self, data: bytes) -> None:
         """Leave this worker's newest data position with ps:0 (workers running apart; see the server)."""
-        self._ask_first(Position(self.rank, bytes(data)), OkReply, what="position")
+        self._ask_first(wire.Position(self.rank, bytes(data)), wire.OkReply, what="position")
 
     def positions(self) -> list[bytes | None]:
         """Every worker's newest position left with ps:0 (index = rank; None: nothing left yet)."""
-        reply = self._ask_first(Positions(self.rank), PositionsReply, what="positions")
+        reply = self._ask_first(wire.Positions(self.rank), wire.PositionsReply, what="positions")
         return [reply.found.get(rank) for rank in range(self.num_workers)]
 
     # -- lifetime ---------------------------------------------------------------------------------
@@ -177,9 +153,9 @@ class PSConnections:
         self._release()
         if done:
             try:
-                ids = [self._send(s, Done(self.rank)) for s in range(self.num_servers)]
+                ids = [self._send(s, wire.Done(self.rank)) for s in range(self.num_servers)]
                 for s, rid in enumerate(ids):
-                    self._receive(s, rid, OkReply, what="done", timeout=min(self.timeout, 10.0))
+                    self._receive(s, rid, wire.OkReply, what="done", timeout=min(self.timeout, 10.0))
             except Exception:  # noqa: BLE001 - a server already gone is not an error at shutdown
                 pass
         for link in self._links:
@@ -237,8 +213,8 @@ class PSClient(PSConnections):
         pending = list(range(self.num_servers))
         while pending:
             ids = [(s, self._send(s, inits[s])) for s in pending]
-            pending = [s for s, rid in ids
-                       if isinstance(self._receive(s, rid, InitReply, WaitReply, what="init"), WaitReply)]
+            replies = [(s, self._receive(s, rid, wire.InitReply, wire.WaitReply, what="init")) for s, rid in ids]
+            pending = [s for s, reply in replies if isinstance(reply, wire.WaitReply)]
             if pending:
                 if time.monotonic() > deadline:
                     raise ServerUnavailable(f"ps tasks {pending} were not initialised by worker 0 within "
@@ -250,14 +226,14 @@ class PSClient(PSConnections):
                 self._handles.append(param.register_post_accumulate_grad_hook(self._hook(name)))
         return placement
 
-    def _init_request(self, server: int, spec: OptimizerSpec, named: list[tuple[str, nn.Parameter]]) -> Init:
+    def _init_request(self, server: int, spec: OptimizerSpec, named: list[tuple[str, nn.Parameter]]) -> wire.Init:
         """Worker 0's init carries the optimizer and the initial values; the others only the placement."""
         assert self.placement is not None
         if self.rank != 0:
-            return Init(self.placement.fingerprint, self.rank)
+            return wire.Init(self.placement.fingerprint, self.rank)
         pieces = self.placement.pieces_for(server)
         flat = {n: p.detach().reshape(-1) for n, p in named}
-        return Init(self.placement.fingerprint, self.rank, spec.to_json(), [p.key for p in pieces],
+        return wire.Init(self.placement.fingerprint, self.rank, spec.to_json(), [p.key for p in pieces],
                     [flat[p.param][p.start:p.stop].clone() for p in pieces])
 
     # -- pushing ----------------------------------------------------------------------------------
@@ -279,7 +255,7 @@ class PSClient(PSConnections):
             keys.append(piece.key)
             tensors.append(copy)
         for server, (keys, tensors) in by_server.items():
-            request = Push(self.rank, self.step, self.read[server], keys, tensors)
+            request = wire.Push(self.rank, self.step, self.read[server], keys, tensors)
             self._pending.append((server, self._send(server, request)))
             self._keep.extend(tensors)
             self.bytes_out[server] += sum(t.numel() * t.element_size() for t in tensors)
@@ -287,7 +263,7 @@ class PSClient(PSConnections):
         self.seconds["push"] += time.perf_counter() - start
 
     def finish_step(self, prefetch: bool = False) -> None:
-        """Push what the hooks did not, commit the step on every server, then pull for the next step.
+        """wire.Push what the hooks did not, commit the step on every server, then pull for the next step.
 
         ``prefetch``: only send the pull; :meth:`finish_pull` (called by the model's forward pre-hook and
         state_dict pre-hook, see the strategy) receives it, so the round trip overlaps what the worker
@@ -302,13 +278,13 @@ class PSClient(PSConnections):
         hyper = group_hyperparameters(self._optimizer) if self._optimizer is not None else None
         changed = hyper if hyper != self._hyper else None
         self._hyper = hyper
-        commits = [self._send(s, Commit(self.rank, self.step, self.read[s], changed, self.announce))
+        commits = [self._send(s, wire.Commit(self.rank, self.step, self.read[s], changed, self.announce))
                    for s in range(self.num_servers)]
         for server, rid in self._pending:
-            self._receive(server, rid, OkReply, what="push")
+            self._receive(server, rid, wire.OkReply, what="push")
         self._pending.clear()
         for server, rid in enumerate(commits):
-            reply = self._receive(server, rid, CommitReply, what="commit")
+            reply = self._receive(server, rid, wire.CommitReply, what="commit")
             if server == 0:
                 self.global_steps, self.plan = reply.total, reply.plan
         self._keep.clear()
@@ -329,7 +305,7 @@ class PSClient(PSConnections):
     def start_pull(self) -> None:
         """Send the pull for step ``self.step`` to every server; :meth:`finish_pull` collects it."""
         if self._pulls is None:
-            self._pulls = [(s, self._send(s, Pull(self.rank, self.step))) for s in range(self.num_servers)]
+            self._pulls = [(s, self._send(s, wire.Pull(self.rank, self.step))) for s in range(self.num_servers)]
 
     @torch.no_grad()
     def finish_pull(self) -> None:
@@ -350,17 +326,17 @@ class PSClient(PSConnections):
             param.copy_(self.placement.join(name, parts[name]).view_as(param))
         self.seconds["pull"] += time.perf_counter() - start
 
-    def _collect_pull(self, ids: list[tuple[int, int]]) -> dict[int, ParamsReply]:
+    def _collect_pull(self, ids: list[tuple[int, int]]) -> dict[int, wire.ParamsReply]:
         """The pull's replies by server, asking again (0.2 ms, doubling up to 5 ms) while a server says wait."""
-        replies: dict[int, ParamsReply] = {}
+        replies: dict[int, wire.ParamsReply] = {}
         sleep = _SLEEP_MIN
         deadline = time.monotonic() + self.timeout
         while ids:
             start = time.perf_counter()
             again = []
             for s, rid in ids:
-                reply = self._receive(s, rid, ParamsReply, WaitReply, what="pull")
-                if isinstance(reply, WaitReply):
+                reply = self._receive(s, rid, wire.ParamsReply, wire.WaitReply, what="pull")
+                if isinstance(reply, wire.WaitReply):
                     again.append(s)
                 else:
                     replies[s] = reply
@@ -373,7 +349,7 @@ class PSClient(PSConnections):
                                         name=f"ps:{again[0]}", address=self._links[again[0]].address)
             time.sleep(sleep)
             sleep = min(sleep * 2, _SLEEP_MAX)
-            ids = [(s, self._send(s, Pull(self.rank, self.step))) for s in again]
+            ids = [(s, self._send(s, wire.Pull(self.rank, self.step))) for s in again]
             self.seconds["wait"] += time.perf_counter() - start
         return replies
 
@@ -407,7 +383,7 @@ class _Heartbeat:
             while not self._stop.is_set():
                 started = time.monotonic()
                 try:
-                    ids = [(c, c.send(*Ping().encode())) for c in clients]
+                    ids = [(c, c.send(*wire.Ping().encode())) for c in clients]
                     for c, rid in ids:
                         c.receive(rid, timeout=max(0.001, started + self.interval - time.monotonic()))
                 except TransportError as exc:  # the server's own log tells more; tried again next round

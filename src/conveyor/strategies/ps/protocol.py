@@ -181,7 +181,7 @@ class _Message:
 
     @classmethod
     def _read(cls, f: _Fields, tensors: list[Any]) -> Any:
-        raise NotImplementedError
+        return cls()  # a message without fields; the others read theirs
 
 
 # -- requests ----------------------------------------------------------------------------------------------------
@@ -261,7 +261,10 @@ class Pull(_Message):
 
 @dataclass(frozen=True)
 class _FromRank(_Message):
-    """A request with nothing but the asking worker's rank (optional where ``RANK_OPTIONAL``)."""
+    """A request with nothing but the asking worker's rank (optional where ``RANK_OPTIONAL``).
+
+    Its subclasses (and :class:`_ShardRequest`'s) add only class constants, so they need no
+    ``@dataclass`` of their own: the fields, ``__init__`` and ``__repr__`` are inherited."""
 
     RANK_OPTIONAL: ClassVar[bool] = False
     rank: int | None = None
@@ -274,24 +277,20 @@ class _FromRank(_Message):
         return cls(f.rank(optional=cls.RANK_OPTIONAL))
 
 
-@dataclass(frozen=True)
 class Stats(_FromRank):
     KIND = "stats"
     RANK_OPTIONAL = True
 
 
-@dataclass(frozen=True)
 class State(_FromRank):
     KIND = "state"
     RANK_OPTIONAL = True
 
 
-@dataclass(frozen=True)
 class Positions(_FromRank):
     KIND = "positions"
 
 
-@dataclass(frozen=True)
 class Done(_FromRank):
     KIND = "done"
 
@@ -299,10 +298,6 @@ class Done(_FromRank):
 @dataclass(frozen=True)
 class Ping(_Message):
     KIND = "ping"
-
-    @classmethod
-    def _read(cls, f: _Fields, tensors: list[Any]) -> Ping:
-        return cls()
 
 
 @dataclass(frozen=True, eq=False)
@@ -332,12 +327,10 @@ class _ShardRequest(_Message):
         return cls(f.rank(), f.whole("step"), f.text("root"))
 
 
-@dataclass(frozen=True)
 class Save(_ShardRequest):
     KIND = "save"
 
 
-@dataclass(frozen=True)
 class Restore(_ShardRequest):
     KIND = "restore"
 
@@ -391,10 +384,6 @@ def read_request(kind: str, header: Any, tensors: Sequence[Any], *, num_workers:
 class OkReply(_Message):
     KIND = "ok"
     LABEL = "'ok' reply"
-
-    @classmethod
-    def _read(cls, f: _Fields, tensors: list[Any]) -> OkReply:
-        return cls()
 
 
 @dataclass(frozen=True)

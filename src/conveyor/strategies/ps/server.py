@@ -76,32 +76,8 @@ from safetensors.torch import save as save_safetensors
 
 from conveyor.comm.framing import MAX_HEADER_BYTES, MAX_TRAILER_BYTES, Message
 from conveyor.comm.transport import Server
+from conveyor.strategies.ps import protocol as wire
 from conveyor.strategies.ps.optim import OptimizerSpec, ServerOptimizer, mean_of_gradients
-from conveyor.strategies.ps.protocol import (
-    Commit,
-    CommitReply,
-    Done,
-    Init,
-    InitReply,
-    LoadState,
-    OkReply,
-    ParamsReply,
-    Ping,
-    Position,
-    Positions,
-    PositionsReply,
-    Pull,
-    Push,
-    Restore,
-    Save,
-    SaveReply,
-    State,
-    StateReply,
-    Stats,
-    StatsReply,
-    WaitReply,
-    read_request,
-)
 from conveyor.strategies.ps.sharding import DEFAULT_CHUNK_BYTES
 
 __all__ = ["MODES", "IdleTimeout", "ParameterServer", "ShardStore", "max_frame_bytes", "parse_mode"]
@@ -237,31 +213,31 @@ class ParameterServer:
     def handle(self, message: Message) -> tuple[str, dict[str, Any], list[Any]]:
         self.counters["requests"] += 1
         self.counters["bytes_in"] += sum(a.nbytes for a in message.tensors)
-        request = read_request(message.kind, message.header, message.torch_tensors(), num_workers=self.num_workers)
-        if self.opt is None and not isinstance(request, (Init, Stats, Done, Ping)):
-            return WaitReply().encode()
+        request = wire.read_request(message.kind, message.header, message.torch_tensors(), num_workers=self.num_workers)
+        if self.opt is None and not isinstance(request, (wire.Init, wire.Stats, wire.Done, wire.Ping)):
+            return wire.WaitReply().encode()
         kind, header, tensors = getattr(self, f"_on_{request.KIND}")(request).encode()
         self.counters["bytes_out"] += sum(int(t.numel() * t.element_size()) for t in tensors
                                           if isinstance(t, torch.Tensor))
         return kind, header, tensors
 
-    def _on_init(self, init: Init) -> InitReply | WaitReply:
+    def _on_init(self, init: wire.Init) -> wire.InitReply | wire.WaitReply:
         if self.opt is not None:
             if init.fingerprint != self.fingerprint:
                 raise ValueError(f"{self.name} serves parameter placement {self.fingerprint}, the worker sent "
                                  f"{init.fingerprint}: every worker must build the same model with the same number "
                                  f"of ps tasks")
-            return InitReply(self.version)
+            return wire.InitReply(self.version)
         if init.spec is None:
-            return WaitReply()  # worker 0's init (with the values) has not arrived yet
+            return wire.WaitReply()  # worker 0's init (with the values) has not arrived yet
         spec = OptimizerSpec.from_json(init.spec)
         self.opt = ServerOptimizer(spec, {k: _own(v) for k, v in zip(init.keys, init.values, strict=True)})
         self.keys, self.fingerprint = list(init.keys), init.fingerprint
         log.info("%s: serving %d pieces (%s, mode %s%s) for %d workers", self.name, len(self.keys), spec.name,
                  self.mode, f":{self.staleness_bound}" if self.mode == "ssp" else "", self.num_workers)
-        return InitReply(self.version)
+        return wire.InitReply(self.version)
 
-    def _on_push(self, push: Push) -> OkReply:
+    def _on_push(self, push: wire.Push) -> wire.OkReply:
         grads = {k: _own(g) for k, g in zip(push.keys, push.grads, strict=True)}
         self.counters["pushes"] += 1
         if self.mode == "sync":
@@ -274,9 +250,9 @@ class ParameterServer:
             self._record(push.step - push.read)
             self.opt.apply(grads)
             self.counters["updates"] += 1
-        return OkReply()
+        return wire.OkReply()
 
-    def _on_commit(self, commit: Commit) -> CommitReply:
+    def _on_commit(self, commit: wire.Commit) -> wire.CommitReply:
         if commit.hyper is not None:
             self.opt.update_hyperparameters(commit.hyper)
         if commit.plan is not None:
@@ -291,7 +267,7 @@ class ParameterServer:
             commits.add(rank)
             if len(commits) == self.num_workers and step == self.version:
                 self._apply_step(step)
-        return CommitReply(self.version, sum(self.clock), self.plan)
+        return wire.CommitReply(self.version, sum(self.clock), self.plan)
 
     def _apply_step(self, step: int) -> None:
         slot = self._grads.pop(step, {})
@@ -317,28 +293,28 @@ class ParameterServer:
             return step - min(self.clock) <= self.staleness_bound
         return True
 
-    def _on_pull(self, pull: Pull) -> ParamsReply | WaitReply:
+    def _on_pull(self, pull: wire.Pull) -> wire.ParamsReply | wire.WaitReply:
         if not self._ready(pull.step):
             self.counters["pull_waits"] += 1
-            return WaitReply(self.version)
+            return wire.WaitReply(self.version)
         self.counters["pulls"] += 1
         read = self.version if self.mode == "sync" else min(self.clock)
-        return ParamsReply(read, list(self.keys), [self.opt.params[k] for k in self.keys])
+        return wire.ParamsReply(read, list(self.keys), [self.opt.params[k] for k in self.keys])
 
-    def _on_stats(self, stats: Stats) -> StatsReply:
+    def _on_stats(self, stats: wire.Stats) -> wire.StatsReply:
         transport = self.server.stats
-        return StatsReply(name=self.name, mode=self.mode, version=self.version, clock=list(self.clock),
+        return wire.StatsReply(name=self.name, mode=self.mode, version=self.version, clock=list(self.clock),
                           staleness={str(k): v for k, v in sorted(self.staleness.items())},
                           counters=dict(self.counters), dropped=transport["dropped"],
                           dropped_by_reason=transport["dropped_by_reason"], pieces=len(self.keys))
 
-    def _on_state(self, state: State) -> StateReply:
+    def _on_state(self, state: wire.State) -> wire.StateReply:
         tensors, meta = self.opt.state_dict()
-        return StateReply(meta, tensors)
+        return wire.StateReply(meta, tensors)
 
-    def _on_load_state(self, load: LoadState) -> OkReply:
+    def _on_load_state(self, load: wire.LoadState) -> wire.OkReply:
         self.opt.load_state_dict({n: t.clone() for n, t in load.named.items()}, load.meta)
-        return OkReply()
+        return wire.OkReply()
 
     def _shard_store(self, root: str) -> tuple[ShardStore, str, str]:
         if self.shards is None:
@@ -346,7 +322,7 @@ class ParameterServer:
                              f"one); save the optimizer's state_dict() from a worker instead")
         return self.shards(root), f"ps-{self.index}.safetensors", f"ps-{self.index}.json"
 
-    def _on_save(self, save: Save) -> SaveReply:
+    def _on_save(self, save: wire.Save) -> wire.SaveReply:
         store, tensors_name, meta_name = self._shard_store(save.root)
         tensors, meta = self.opt.state_dict()
         shard = {"format": SHARD_FORMAT, "version": 1, "ps": self.index, "fingerprint": self.fingerprint,
@@ -354,9 +330,9 @@ class ParameterServer:
         store.save_part(save.step, tensors_name, save_safetensors({k: v.contiguous() for k, v in tensors.items()}))
         store.save_part(save.step, meta_name, json.dumps(shard, sort_keys=True).encode())
         self.counters["checkpoints"] += 1
-        return SaveReply([tensors_name, meta_name])
+        return wire.SaveReply([tensors_name, meta_name])
 
-    def _on_restore(self, restore: Restore) -> OkReply:
+    def _on_restore(self, restore: wire.Restore) -> wire.OkReply:
         step = restore.step
         store, tensors_name, meta_name = self._shard_store(restore.root)
         shard = self._read_shard(store, step, meta_name)
@@ -367,7 +343,7 @@ class ParameterServer:
         tensors = load_safetensors(store.read_part(step, tensors_name))
         self.opt.load_state_dict(tensors, shard["optimizer"])
         log.info("%s: restored its shard from checkpoint step %d", self.name, step)
-        return OkReply()
+        return wire.OkReply()
 
     def _read_shard(self, store: ShardStore, step: int, meta_name: str) -> dict[str, Any]:
         """The JSON half of this server's shard in checkpoint step ``step``, checked to be this server's."""
@@ -383,23 +359,23 @@ class ParameterServer:
                              f"earlier step or start over with --no-resume")
         return shard
 
-    def _on_ping(self, ping: Ping) -> OkReply:
-        return OkReply()
+    def _on_ping(self, ping: wire.Ping) -> wire.OkReply:
+        return wire.OkReply()
 
-    def _on_position(self, position: Position) -> OkReply:
+    def _on_position(self, position: wire.Position) -> wire.OkReply:
         self.positions[position.rank] = position.data
-        return OkReply()
+        return wire.OkReply()
 
-    def _on_positions(self, positions: Positions) -> PositionsReply:
-        return PositionsReply(dict(self.positions))
+    def _on_positions(self, positions: wire.Positions) -> wire.PositionsReply:
+        return wire.PositionsReply(dict(self.positions))
 
-    def _on_done(self, done: Done) -> OkReply:
+    def _on_done(self, done: wire.Done) -> wire.OkReply:
         self.done.add(done.rank)
         if len(self.done) == self.num_workers:
             log.info("%s: every worker is done; stopping", self.name)
             self._finished.set()
             self.server.stop()
-        return OkReply()
+        return wire.OkReply()
 
 
 def serve_task(address: str, secret: bytes, *, index: int, num_workers: int, strategy: str,
