@@ -63,7 +63,7 @@ def extract_blocks(text: str) -> list[Block]:
     while i < len(lines):
         line = lines[i]
         fence = _FENCE.match(line)
-        found = _MARKER.search(line)
+        found = _MARKER.fullmatch(line.strip())  # a whole line: one quoted in prose is not a marker
         if found:
             if marker is not None:
                 raise ValueError(f"README line {marker[0]}: readme-test marker not right before a code block")
@@ -230,6 +230,7 @@ def test_extract_blocks_reads_markers_and_indented_blocks():
     ("<!-- readme-test: skip -->\n```sh\nrm x\n```\n", "write the marker"),
     ("<!-- readme-test: skip — why -->\n\nText between.\n\n```sh\nrm x\n```\n", "not right before"),
     ("Text.\n<!-- readme-test: skip — why -->\n", "not right before"),
+    ("Quoted: `<!-- readme-test: skip — why -->`.\n```sh\nrm x\n```\n", "not a conveyor command"),
 ])
 def test_unrunnable_unmarked_or_misplaced_is_an_error(text, error):
     with pytest.raises(ValueError, match=error):
