@@ -455,23 +455,8 @@ def decode(frames: Sequence[Any], *, secret: bytes, replay_guard: ReplayGuard | 
     if len(frames) < 2:
         raise BadMessage("frame_count", f"{len(frames)} frame(s); a message has a header, tensors and a tag")
     views = [_buffer(f) for f in frames]
-    if views[0].nbytes > MAX_HEADER_BYTES:
-        raise BadMessage("header_size", f"header frame is {views[0].nbytes} bytes (limit {MAX_HEADER_BYTES})")
-    signed, trailer = views[:-1], views[-1]
-    claimed = trailer[: trailer.nbytes - TAG_BYTES]  # the tensor frames' GMAC tags
-    if (trailer.nbytes != TAG_BYTES + FRAME_TAG_BYTES * (len(signed) - 1)
-            or not hmac.compare_digest(_sign(secret, signed, claimed), trailer[-TAG_BYTES:])):
-        raise BadMessage("signature", "HMAC-SHA256 tag does not match: forged, damaged or signed with another "
-                                      "job's secret")
-    try:
-        meta = msgpack.unpackb(views[0], raw=False, strict_map_key=True, use_list=True)
-    except Exception as exc:  # any parse failure of signed-but-broken bytes is a drop, never a crash
-        raise BadMessage("header", f"header is not msgpack ({type(exc).__name__})") from None
-    if not isinstance(meta, dict):
-        raise BadMessage("header", f"header is a msgpack {type(meta).__name__}, not a map")
-    version = meta.get("v")
-    if type(version) is not int or version != VERSION:
-        raise BadMessage("version", f"header version {version!r}; this code speaks version {VERSION}")
+    signed, claimed = _check_signature(secret, views)
+    meta = _parse_header(views[0])
     kind = _require(meta, "kind", str)
     sender = _require(meta, "sender", str)
     seq = _require(meta, "seq", int)
@@ -482,16 +467,7 @@ def decode(frames: Sequence[Any], *, secret: bytes, replay_guard: ReplayGuard | 
                                       "holding another job's secret")
     ts = float(_require(meta, "ts", (int, float)))
     specs = _tensor_specs(meta, signed[1:])
-    to = meta.get("to")
-    reply_to = meta.get("re")
-    if (to is not None and not isinstance(to, str)) or (reply_to is not None and type(reply_to) is not int):
-        raise BadMessage("header", "field 'to' or 're' has the wrong type")
-    part = meta.get("part")
-    if part is not None:
-        if not (isinstance(part, list) and len(part) == 3 and all(type(x) is int for x in part)
-                and 0 <= part[0] < part[1] <= MAX_PARTS and (part[0] > 0 or part[2] == seq)):
-            raise BadMessage("header", "field 'part' is not [index, count, seq of part 0]")
-        part = tuple(part)
+    to, reply_to, part = _routing(meta, seq)
     if recipient is not None and to != recipient:
         raise BadMessage("recipient", f"message from {sender[:64]} was signed for {str(to)[:64]!r}, not {recipient!r}")
     if replay_guard is not None:
@@ -505,6 +481,49 @@ def decode(frames: Sequence[Any], *, secret: bytes, replay_guard: ReplayGuard | 
     header = {k: v for k, v in meta.items() if k not in RESERVED_KEYS}
     return Message(kind=kind, header=header, tensors=tensors, sender=sender, seq=seq, ts=ts,
                    dtypes=[name for name, _ in specs], recipient=to, reply_to=reply_to, part=part)
+
+
+def _check_signature(secret: bytes, views: list[memoryview]) -> tuple[list[memoryview], memoryview]:
+    """The signed frames and the tensor frames' claimed GMAC tags, once the HMAC over the header, the frame
+    lengths and those tags matches (the header size is checked first, before hashing anything)."""
+    if views[0].nbytes > MAX_HEADER_BYTES:
+        raise BadMessage("header_size", f"header frame is {views[0].nbytes} bytes (limit {MAX_HEADER_BYTES})")
+    signed, trailer = views[:-1], views[-1]
+    claimed = trailer[: trailer.nbytes - TAG_BYTES]  # the tensor frames' GMAC tags
+    if (trailer.nbytes != TAG_BYTES + FRAME_TAG_BYTES * (len(signed) - 1)
+            or not hmac.compare_digest(_sign(secret, signed, claimed), trailer[-TAG_BYTES:])):
+        raise BadMessage("signature", "HMAC-SHA256 tag does not match: forged, damaged or signed with another "
+                                      "job's secret")
+    return signed, claimed
+
+
+def _parse_header(view: memoryview) -> dict[str, Any]:
+    """The authenticated header frame as a map of this code's version."""
+    try:
+        meta = msgpack.unpackb(view, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # any parse failure of signed-but-broken bytes is a drop, never a crash
+        raise BadMessage("header", f"header is not msgpack ({type(exc).__name__})") from None
+    if not isinstance(meta, dict):
+        raise BadMessage("header", f"header is a msgpack {type(meta).__name__}, not a map")
+    version = meta.get("v")
+    if type(version) is not int or version != VERSION:
+        raise BadMessage("version", f"header version {version!r}; this code speaks version {VERSION}")
+    return meta
+
+
+def _routing(meta: dict[str, Any], seq: int) -> tuple[str | None, int | None, tuple[int, int, int] | None]:
+    """``(to, re, part)`` of a header, type-checked."""
+    to = meta.get("to")
+    reply_to = meta.get("re")
+    if (to is not None and not isinstance(to, str)) or (reply_to is not None and type(reply_to) is not int):
+        raise BadMessage("header", "field 'to' or 're' has the wrong type")
+    part = meta.get("part")
+    if part is not None:
+        if not (isinstance(part, list) and len(part) == 3 and all(type(x) is int for x in part)
+                and 0 <= part[0] < part[1] <= MAX_PARTS and (part[0] > 0 or part[2] == seq)):
+            raise BadMessage("header", "field 'part' is not [index, count, seq of part 0]")
+        part = tuple(part)
+    return to, reply_to, part
 
 
 # --------------------------------------------------------------------------------------------- torch
