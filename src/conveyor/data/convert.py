@@ -126,6 +126,29 @@ def convert_arrays(
     """
     arrays = {str(k): np.asarray(v) for k, v in arrays.items()}
     image_keys = tuple(image_keys)
+    n = _rows(arrays, image_keys)
+    fmt = _check_image_format(image_format, quality)
+    fmt = "png" if fmt == "keep" else fmt
+    features, encoders = _array_features(arrays, image_keys, fmt, quality)
+
+    def make_record(i: int) -> bytes:
+        feats: dict[str, Any] = {}
+        for key, arr, encode in encoders:
+            row = arr[i]
+            feats[key] = encode(row)
+            if key not in image_keys and np.ndim(row):
+                feats[f"{key}/shape"] = np.asarray(row.shape, dtype=np.int64)
+        return encode_example(feats)
+
+    return _convert(
+        n, make_record, out_dir, shards, prefix=prefix, compression_type=compression_type, splits=splits,
+        seed=seed, overwrite=overwrite, progress=progress,
+        info={"source": source, "source_kind": "arrays", "features": features},
+    )
+
+
+def _rows(arrays: Mapping[str, np.ndarray], image_keys: Sequence[str]) -> int:
+    """The number of records: every array's first dimension, which must be the same."""
     if not arrays:
         raise ConversionError("no arrays to convert")
     for key, arr in arrays.items():
@@ -141,9 +164,13 @@ def convert_arrays(
     for key in image_keys:
         if key not in arrays:
             raise ConversionError(f"image key {key!r} is not one of the arrays ({', '.join(arrays)})")
-    fmt = _check_image_format(image_format, quality)
-    fmt = "png" if fmt == "keep" else fmt
+    return next(iter(lengths.values()))
 
+
+def _array_features(
+    arrays: Mapping[str, np.ndarray], image_keys: Sequence[str], fmt: str, quality: int
+) -> tuple[dict[str, dict[str, Any]], list[tuple[str, np.ndarray, Callable[[np.ndarray], Any]]]]:
+    """The summary's description of each feature, and ``(key, array, row encoder)`` per array."""
     features: dict[str, dict[str, Any]] = {}
     encoders: list[tuple[str, np.ndarray, Callable[[np.ndarray], Any]]] = []
     for key, arr in arrays.items():
@@ -163,22 +190,7 @@ def convert_arrays(
                     f"array {shape_key!r} clashes with the shape feature of array {key!r}; rename one of them"
                 )
             features[shape_key] = {"dtype": "int64", "shape": [len(row_shape)]}
-
-    def make_record(i: int) -> bytes:
-        feats: dict[str, Any] = {}
-        for key, arr, encode in encoders:
-            row = arr[i]
-            feats[key] = encode(row)
-            if key not in image_keys and np.ndim(row):
-                feats[f"{key}/shape"] = np.asarray(row.shape, dtype=np.int64)
-        return encode_example(feats)
-
-    n = next(iter(lengths.values()))
-    return _convert(
-        n, make_record, out_dir, shards, prefix=prefix, compression_type=compression_type, splits=splits,
-        seed=seed, overwrite=overwrite, progress=progress,
-        info={"source": source, "source_kind": "arrays", "features": features},
-    )
+    return features, encoders
 
 
 def _as_is(row: Any) -> Any:
@@ -419,37 +431,14 @@ def _convert(
             f"(--overwrite) to replace them, or choose another folder or prefix"
         )
 
-    names = {split: [shard_filename(split, k, shards) for k in range(shards)] for split in plan}
-    temps: list[tuple[Path, Path]] = []
-    split_summaries: dict[str, dict[str, Any]] = {}
-    try:
-        with tqdm(total=n, disable=not progress, file=sys.stderr, unit="rec", desc="converting",
-                  dynamic_ncols=True) as bar:
-            for split, rows in plan.items():
-                counts = []
-                for k, name in enumerate(names[split]):
-                    final = out / name
-                    tmp = out / f".{name}.tmp-{os.getpid()}"
-                    temps.append((tmp, final))
-                    part = rows[k::shards]
-                    with TFRecordWriter(tmp, compression) as writer:
-                        for row in part:
-                            writer.write(make_record(int(row)))
-                            bar.update(1)
-                    counts.append(len(part))
-                split_summaries[split] = {
-                    **info, "num_records": int(len(rows)), "compression": compression, "seed": seed,
-                    "shards": [{"file": name, "records": c}
-                               for name, c in zip(names[split], counts, strict=True)],
-                }
-        for tmp, final in temps:
-            os.replace(tmp, final)
-    except BaseException:
-        for tmp, _ in temps:
-            tmp.unlink(missing_ok=True)
-        raise
-
-    written = {final.name for _, final in temps}
+    with tqdm(total=n, disable=not progress, file=sys.stderr, unit="rec", desc="converting",
+              dynamic_ncols=True) as bar:
+        written, counts = _write_shards(out, plan, shards, compression, make_record, bar.update)
+    split_summaries = {
+        split: {**info, "num_records": int(len(rows)), "compression": compression, "seed": seed,
+                "shards": [{"file": name, "records": c} for name, c in counts[split]]}
+        for split, rows in plan.items()
+    }
     for name in stale:
         if name not in written:
             (out / name).unlink(missing_ok=True)
@@ -458,6 +447,40 @@ def _convert(
         atomic_write(out / fname, text.encode("utf-8"))
     atomic_write(out / SUMMARY_FILE, (json.dumps(summary, indent=2) + "\n").encode("utf-8"))
     return summary
+
+
+def _write_shards(
+    out: Path, plan: Mapping[str, np.ndarray], shards: int, compression: str | None,
+    make_record: Callable[[int], bytes], advance: Callable[[int], Any],
+) -> tuple[set[str], dict[str, list[tuple[str, int]]]]:
+    """Write every split's rows round-robin over its ``shards`` files; return the file names written and
+    ``(file, records)`` per split.
+
+    Every shard is written under a hidden temporary name and renamed only once all are complete; on any
+    error the temporary files are removed and no shard appears under a final name.
+    """
+    temps: list[tuple[Path, Path]] = []
+    counts: dict[str, list[tuple[str, int]]] = {}
+    try:
+        for split, rows in plan.items():
+            counts[split] = []
+            for k in range(shards):
+                name = shard_filename(split, k, shards)
+                tmp = out / f".{name}.tmp-{os.getpid()}"
+                temps.append((tmp, out / name))
+                part = rows[k::shards]
+                with TFRecordWriter(tmp, compression) as writer:
+                    for row in part:
+                        writer.write(make_record(int(row)))
+                        advance(1)
+                counts[split].append((name, len(part)))
+        for tmp, final in temps:
+            os.replace(tmp, final)
+    except BaseException:
+        for tmp, _ in temps:
+            tmp.unlink(missing_ok=True)
+        raise
+    return {final.name for _, final in temps}, counts
 
 
 def _existing_shards(out: Path, plan: Mapping[str, Any]) -> list[str]:
