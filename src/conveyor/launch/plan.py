@@ -286,25 +286,7 @@ def build_plan(
     strategy = resolve_strategy(options.strategy, spec.world_size, len(spec.ps))
     base = {k: v for k, v in environ.items() if k not in OWNED_VARS}
     node = nodes[node_rank]
-    extra = {
-        RESTART_COUNT_VAR: "0",
-        RESUME_VAR: "1" if options.resume else "0",
-        TIMEOUT_VAR: f"{options.timeout:g}",
-        "PYTHONUNBUFFERED": "1",  # lines reach the launcher (and the log) as they are printed
-    }
-    if node.workers + node.ps > 1 and not environ.get("OMP_NUM_THREADS"):
-        # torchrun's default: N processes with a full-size OpenMP pool each would overload the cores.
-        extra.update({"OMP_NUM_THREADS": "1", OMP_DEFAULT_VAR: "1"})
-    torchrun = {
-        "GROUP_RANK": str(node_rank),
-        "GROUP_WORLD_SIZE": str(len(nodes)),
-        "ROLE_NAME": "default",
-        TORCHRUN_RESTART_VAR: "0",
-        "TORCHELASTIC_MAX_RESTARTS": str(options.max_restarts),
-        "TORCHELASTIC_RUN_ID": run_id(secret),
-        "TORCHELASTIC_USE_AGENT_STORE": "False",
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-    }
+    extra, torchrun = _node_env(options, node, node_rank, len(nodes), secret, environ)
     log_dir = os.path.join(options.output_dir, "logs")
     training = spec.training_tasks
     first_rank = sum(n.workers for n in nodes[:node_rank])
@@ -328,6 +310,31 @@ def build_plan(
         ))
     return LaunchPlan(spec=spec, strategy=strategy, tasks=tuple(launches), log_dir=log_dir, node_rank=node_rank,
                       nnodes=len(nodes), inherited=len(base))
+
+
+def _node_env(options: RunOptions, node: NodeInfo, node_rank: int, nnodes: int, secret: bytes,
+              environ: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """The variables every task of this node gets, and those torchrun gives its training tasks."""
+    extra = {
+        RESTART_COUNT_VAR: "0",
+        RESUME_VAR: "1" if options.resume else "0",
+        TIMEOUT_VAR: f"{options.timeout:g}",
+        "PYTHONUNBUFFERED": "1",  # lines reach the launcher (and the log) as they are printed
+    }
+    if node.workers + node.ps > 1 and not environ.get("OMP_NUM_THREADS"):
+        # torchrun's default: N processes with a full-size OpenMP pool each would overload the cores.
+        extra.update({"OMP_NUM_THREADS": "1", OMP_DEFAULT_VAR: "1"})
+    torchrun = {
+        "GROUP_RANK": str(node_rank),
+        "GROUP_WORLD_SIZE": str(nnodes),
+        "ROLE_NAME": "default",
+        TORCHRUN_RESTART_VAR: "0",
+        "TORCHELASTIC_MAX_RESTARTS": str(options.max_restarts),
+        "TORCHELASTIC_RUN_ID": run_id(secret),
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+    }
+    return extra, torchrun
 
 
 def run_id(secret: bytes) -> str:
