@@ -5,49 +5,15 @@
     message = decode(frames, secret=key, replay_guard=guard, recipient="ps:1")   # or BadMessage(reason)
     message.tensors[0]          # a numpy array on the received buffer, no copy
 
-One message is ``2 + n`` frames (ZeroMQ multipart parts):
-
-- frame 0: a msgpack map ``{"v": 1, "kind", "sender", "seq", "ts", "tensors": [[dtype, shape, nbytes], ...],
-  "to"?, "re"?, "part"?, **header}``; ``to`` binds the message to its recipient, ``re`` is the request a
-  reply answers, ``part`` = ``[index, count, first seq]`` when the transport splits one large request or
-  reply into several messages (so that hashing one part overlaps sending the previous one);
-- frames 1..n: the tensors' bytes, C order, little-endian, handed to ZeroMQ as memoryviews (no copy);
-- frame n+1, the trailer: one 16-byte GMAC tag per tensor frame, then an HMAC-SHA256 tag under the job's
-  secret over a domain tag, the number of frames, the header, every frame's length and those GMAC tags
-  (so bytes cannot move between frames). The tensors are never concatenated.
-
-Why two MACs: HMAC-SHA256 ran at 1.7 GB/s on one core of the development machine (with SHA
-extensions), and every byte is authenticated twice per hop (sign, verify), which made it the largest
-cost of a parameter server's traffic. GMAC (AES-GCM with the tensor bytes as associated data, via
-``cryptography``/OpenSSL, AES-NI and carry-less multiply) runs at 16-19 GB/s there. Each sender has its
-own GMAC key, derived from the job's secret and its sender id, and the nonce is the message's ``seq``
-and the frame's index: never reused, as GMAC requires. HMAC-SHA256 then signs the header with the
-GMAC tags, so the header is authenticated before it is parsed, and the tensor frames right after
-(their key and nonce come from the authenticated header).
-
-Why this shape: no pickle crosses the network (docs/architecture.md), the header says everything needed to rebuild
-the arrays, and the tag is checked *before* the header is parsed, so the msgpack parser only ever sees
-bytes that someone holding the secret wrote. What ``decode`` rejects, and the ``reason`` it gives (the
-transport counts drops by it):
-
-``frame_count``  fewer than two frames, or not as many tensor frames as the header lists
-``header_size``  a header frame over ``MAX_HEADER_BYTES`` (checked before hashing anything)
-``signature``    the tag does not match: a forged, damaged, truncated or extended message, or another secret
-``header``       the header is not msgpack, not a map, lacks a field or has one of the wrong type
-``version``      a header version this code does not speak
-``dtype``        a dtype outside ``ALLOWED_DTYPES``
-``shape``        shape, ``nbytes`` and frame length disagree (a huge declared shape ends here: nothing is
-                 allocated from the header; the arrays are views on the bytes that did arrive)
-``recipient``    the message was signed for another task (a captured request replayed at another server)
-``stale``        its timestamp is further than ``max_skew`` seconds from this host's clock
-``replay``       its ``(sender, seq)`` was seen before, or is older than the replay window
-
-Replay protection needs every sender to be unique across restarts: :func:`sender_id` appends a random
-per-process nonce (new after ``fork``) to the role, and :func:`next_seq` is a per-process counter.
-
-Wire dtypes are numpy's names plus ``bfloat16`` (numpy has none: the decoded array is its ``uint16`` bit
-pattern, and :meth:`Message.torch_tensors` views it as ``torch.bfloat16``). PyTorch is imported only inside
-the two torch helpers, so this module (and the transport) work without it.
+One message is ``2 + n`` frames: a msgpack header, the tensors' raw bytes (never concatenated, never
+pickled), and a trailer of one GMAC tag per tensor frame plus an HMAC-SHA256 tag over the header, the
+frame lengths and those tags. :func:`decode` authenticates before it parses anything and rejects
+everything else with a :class:`BadMessage` whose ``reason`` (``frame_count``, ``header_size``,
+``signature``, ``header``, ``version``, ``dtype``, ``shape``, ``recipient``, ``stale``, ``replay``) the
+transport counts drops by. Senders must be unique across restarts: :func:`sender_id` adds a
+per-process nonce, :func:`next_seq` counts per process. ``bfloat16`` travels as its ``uint16`` bit
+pattern; torch is imported only by the two torch helpers. The wire format, the reasons for two MACs and
+each rejection reason: ``docs/architecture.md``, "Message framing and authentication".
 """
 
 from __future__ import annotations

@@ -9,50 +9,14 @@
     ids = [c.send("push", {}, grads) for c, grads in zip(clients, shards)]   # in flight at once
     replies = [c.receive(i) for c, i in zip(clients, ids)]
 
-Messages are :mod:`conveyor.comm.framing` frames. The server binds exactly the address the cluster spec
-gives it (a host name is resolved to one of this machine's addresses; the wildcard only when the spec
-says ``*`` or ``0.0.0.0``). Whatever arrives that does not decode — a message signed with another job's
-secret, a damaged one, a captured request sent again — is dropped and counted in
-``server.stats["dropped_by_reason"]``. The handler never sees them and the server never answers them (no
-oracle for forgers). A handler that raises turns into an ``"error"`` reply, raised by the client as
-:class:`RemoteError`.
-
-Connections are gated before any message: the server speaks ZeroMQ's PLAIN mechanism, and a per-process
-ZAP handler accepts only the password derived from the job secret (an HMAC of it, so the secret itself
-never crosses the network). This is not about secrecy — every message is signed anyway — but about
-libzmq: a ROUTER lets an unauthenticated peer pick its own routing id, and one that picks the id the
-ROUTER is about to generate for the next peer aborts the whole process (``Assertion failed: ok
-(socket_base.cpp)``, libzmq 4.3.5; the generated ids are predictable). The gate also refuses ZMTP 1.0
-peers, which is what random bytes on the port look like to ZeroMQ. Connections that fail the gate (port
-scanners, random bytes, another job) are counted as ``"handshake"`` drops.
-
-Zero copies: tensor frames leave as views on the caller's arrays (``copy=False``; ZeroMQ still copies
-frames under 64 KiB, which costs nothing) and arrive as numpy arrays on ZeroMQ's receive buffers.
-The price is a lifetime rule on each side:
-
-- client: the tensors given to :meth:`Client.send` must not change until :meth:`Client.receive` returns
-  that request's reply (the server has then received every byte);
-- server: by default the server waits, before calling the handler again, until ZeroMQ has released the
-  tensors of earlier replies, so a handler may update in place the parameters it returned a moment ago
-  (``wait_for_reply_buffers=False`` skips the wait for handlers that return fresh arrays).
-
-Large payloads travel in parts: a request or reply over ``part_bytes`` (8 MiB) is sent as several
-messages, each signed on its own, and put back together before the handler (or :meth:`Client.receive`)
-sees it. ZeroMQ starts writing a multipart message only once its last frame is queued, so one big message
-runs hash → send → verify one after the other; in parts, hashing part k+1 overlaps sending part k and
-verifying it at the other end. Measured on a 2-core machine (100 MB as 25 × 4 MB, push + pull over
-loopback): 0.53 GB/s as one message, 0.8–0.95 GB/s in parts, against 1.1–1.3 GB/s for unsigned ZeroMQ.
-A part out of order (only a buggy or replaying peer can cause one: parts are signed) is a ``"part"`` drop.
-
-Timeouts: every request has one. A server that does not answer within it raises
-:class:`ServerUnavailable` naming the task, its address, what the connection looked like (never
-connected / connected but silent / handshake failed) and what to check. After a timeout the client
-drops its socket, and with it queued requests, so that a late server does not apply a request the caller
-already saw fail; the next :meth:`Client.send` reconnects.
-
-One ZeroMQ context per process (``zmq.Context.instance()``); sockets use ``LINGER=0`` and are closed by
-:meth:`Server.close` / :meth:`Client.close` (both context managers). A socket belongs to one thread: use
-a client from one thread, and let the server's socket be used only by its serving thread.
+Messages are :mod:`conveyor.comm.framing` frames. What it promises: the server binds exactly the
+cluster spec's address; connections must pass a gate keyed by the job secret, and messages that do not
+decode are dropped and counted (``server.stats["dropped_by_reason"]``), never answered; a handler that
+raises becomes a :class:`RemoteError` at the client; payloads over ``part_bytes`` travel in separately
+signed parts; every request has a timeout, after which :class:`ServerUnavailable` says what the
+connection looked like. Tensors travel without copies, so keep those given to :meth:`Client.send`
+unchanged until :meth:`Client.receive` returns. A socket belongs to one thread. The reasons and the
+measurements: ``docs/architecture.md``, "The parameter-server transport".
 """
 
 from __future__ import annotations

@@ -3,28 +3,11 @@
     summary = convert_arrays({"image": x, "label": y}, "data/", shards=8)
     summary = convert_image_folder("photos/", "data/", shards=8, splits={"train": 0.9, "test": 0.1}, seed=0)
 
-The output is what TensorFlow's converters produce: ``<prefix>-00000-of-00008.tfrecord`` files
-holding one Example per row, readable with ``TFRecordDataset`` + ``parse_single_example`` here and
-``tf.data.TFRecordDataset`` + ``tf.io.parse_single_example`` there. Next to the shards go
-``dataset.json`` (records per shard, the features and their shapes, the source) and, for image
-folders, ``classes.txt`` (one class name per line, line i = label i).
-
-How rows are laid out:
-- Rows are optionally permuted first (``seed``), then cut into consecutive splits by fraction,
-  then dealt round-robin over the split's ``shards`` files, so shard sizes differ by at most one
-  and every shard holds a mix of the whole source (an image folder is read in class order, so
-  without round-robin one shard would hold one class). Asking for splits without a seed shuffles
-  with seed 0: cutting an unshuffled class folder would put whole classes into the test split.
-- Every shard is written under a hidden temporary name and renamed only once *all* shards are
-  complete, so an interrupted or failed conversion leaves no shard under a final name (a reader's
-  ``train-*`` glob never picks up half a dataset).
-
-What a row becomes (``convert_arrays``): a numeric array row → int64_list (integers, bools) or
-float_list (floats, stored as float32 — the only float an Example holds), flattened, plus a
-``<key>/shape`` int64 feature when the row is not a scalar; a string row → bytes_list; an array
-named in ``image_keys`` (uint8, rows of H×W or H×W×C with C in 1, 3, 4) → PNG or JPEG bytes.
-
-The data layer stays free of torch: this module needs numpy, Pillow and tqdm only.
+The output is what TensorFlow's converters produce: ``<prefix>-00000-of-00008.tfrecord`` files of one
+Example per row, plus ``dataset.json`` (records per shard, features, source) and, for image folders,
+``classes.txt``. Rows are dealt round-robin over the shards (splits are shuffled, with seed 0 unless
+given), and no shard appears under its final name unless every shard was written. Needs numpy, Pillow
+and tqdm, never torch. Layout and encodings: ``docs/architecture.md``, "Converting data to TFRecord".
 """
 
 from __future__ import annotations
