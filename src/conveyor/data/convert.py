@@ -100,12 +100,14 @@ def convert_arrays(
     overwrite: bool = False,
     progress: bool = False,
     source: str | None = None,
+    extra_files: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Write one Example per row of equally long arrays; return the summary (also in dataset.json).
 
     Every array becomes a feature of the same name (see the module docstring for how). Arrays named
     in ``image_keys`` are stored as encoded images (``image_format`` "png", the default for
-    "keep", or "jpeg" at ``quality``). ``source`` is recorded in the summary.
+    "keep", or "jpeg" at ``quality``). ``source`` is recorded in the summary; ``extra_files``
+    (name → text) are written next to it, as ``classes.txt`` is for image folders.
     """
     arrays = {str(k): np.asarray(v) for k, v in arrays.items()}
     image_keys = tuple(image_keys)
@@ -126,7 +128,7 @@ def convert_arrays(
     return _convert(
         n, make_record, out_dir, shards, prefix=prefix, compression_type=compression_type, splits=splits,
         seed=seed, overwrite=overwrite, progress=progress,
-        info={"source": source, "source_kind": "arrays", "features": features},
+        info={"source": source, "source_kind": "arrays", "features": features}, extra_files=extra_files,
     )
 
 
@@ -165,7 +167,7 @@ def _array_features(
             continue
         features[key] = {"dtype": _example_dtype(key, arr), "shape": row_shape,
                          "source_dtype": str(arr.dtype)}
-        encoders.append((key, arr, _as_is))
+        encoders.append((key, arr, _raw_bytes if arr.dtype.kind == "V" else _as_is))
         if row_shape:
             shape_key = f"{key}/shape"
             if shape_key in arrays:
@@ -180,6 +182,10 @@ def _as_is(row: Any) -> Any:
     return row  # a numpy scalar or array row: encode_example takes both
 
 
+def _raw_bytes(row: np.void) -> bytes:
+    return row.tobytes()
+
+
 def _example_dtype(key: str, arr: np.ndarray) -> str:
     kind = arr.dtype.kind
     if kind in "iub":
@@ -189,6 +195,8 @@ def _example_dtype(key: str, arr: np.ndarray) -> str:
     if kind == "f":
         return "float32"
     if kind in "SU":
+        return "string"
+    if kind == "V" and arr.dtype.names is None and arr.ndim == 1:
         return "string"
     raise ConversionError(
         f"array {key!r} has dtype {arr.dtype}, which a tf.train.Example cannot hold; convert it to an "
