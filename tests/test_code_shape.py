@@ -25,14 +25,13 @@ REASON = "Long because"
 # Modules other engineers were changing while the rest of src/ was brought into shape; their functions,
 # classes and docstrings are measured once those changes land. Empty this set, file by file.
 KNOWN_EXCEPTIONS = {
-    "src/conveyor/comm/process_group.py",
-    "src/conveyor/launch/rendezvous.py",
-    "src/conveyor/train/job.py",
-    "src/conveyor/strategies/ps/client.py",
-    "src/conveyor/strategies/ps/optim.py",
-    "src/conveyor/strategies/ps/server.py",
-    "src/conveyor/strategies/ps/sharding.py",
-    "src/conveyor/strategies/ps/strategy.py",
+    "src/conveyor/comm/process_group.py",  # module docstring 33 lines
+    "src/conveyor/launch/rendezvous.py",  # module docstring 34 lines
+    "src/conveyor/strategies/ps/client.py",  # module docstring 26 lines, class PSClient 252 lines
+    "src/conveyor/strategies/ps/optim.py",  # module docstring 30 lines
+    "src/conveyor/strategies/ps/server.py",  # module docstring 65 lines, class ParameterServer 261 lines
+    "src/conveyor/strategies/ps/sharding.py",  # module docstring 34 lines
+    "src/conveyor/strategies/ps/strategy.py",  # module docstring 58 lines
 }
 
 
