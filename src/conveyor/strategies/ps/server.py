@@ -134,6 +134,59 @@ def _own(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).clone()
 
 
+class ShardFiles:
+    """A ps task's checkpoint shard: its pieces and optimizer state as ``ps-<i>.safetensors`` + ``ps-<i>.json``.
+
+    ``shards`` opens a checkpoint root as a :class:`ShardStore` (None: the task has no checkpoint folder,
+    and every save or restore is refused with what to do instead).
+    """
+
+    def __init__(self, index: int, shards: Callable[[str], ShardStore] | None) -> None:
+        self.index = index
+        self.name = f"ps:{index}"
+        self.shards = shards
+        self.tensors_name, self.meta_name = f"ps-{index}.safetensors", f"ps-{index}.json"
+
+    def _store(self, root: str) -> ShardStore:
+        if self.shards is None:
+            raise ValueError(f"{self.name} has no checkpoint folder to write its shard to (it was started without "
+                             f"one); save the optimizer's state_dict() from a worker instead")
+        return self.shards(root)
+
+    def save(self, root: str, step: int, tensors: dict[str, torch.Tensor], fields: dict[str, Any]) -> list[str]:
+        """Write the shard (``fields``: its fingerprint, keys and optimizer meta) into step ``step``; the names."""
+        store = self._store(root)
+        shard = {"format": SHARD_FORMAT, "version": 1, "ps": self.index, **fields}
+        store.save_part(step, self.tensors_name, save_safetensors({k: v.contiguous() for k, v in tensors.items()}))
+        store.save_part(step, self.meta_name, json.dumps(shard, sort_keys=True).encode())
+        return [self.tensors_name, self.meta_name]
+
+    def restore(self, root: str, step: int, fingerprint: str | None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The tensors and optimizer meta of this task's shard in step ``step``, refused if another placement's."""
+        store = self._store(root)
+        shard = self._read_meta(store, step)
+        if shard.get("fingerprint") != fingerprint:
+            raise ValueError(f"checkpoint step {step} holds a shard of another model or ps layout (placement "
+                             f"{shard.get('fingerprint')}, this job {fingerprint}): resume with the same model "
+                             f"and number of ps tasks, or start over with --no-resume")
+        return load_safetensors(store.read_part(step, self.tensors_name)), shard["optimizer"]
+
+    def _read_meta(self, store: ShardStore, step: int) -> dict[str, Any]:
+        """The JSON half of this server's shard in checkpoint step ``step``, checked to be this server's."""
+        meta_name = self.meta_name
+        try:
+            shard = json.loads(store.read_part(step, meta_name))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{meta_name} of checkpoint step {step} is not JSON ({exc}); the step is damaged: "
+                             f"resume from an earlier step or start over with --no-resume") from None
+        if not isinstance(shard, dict) or shard.get("format") != SHARD_FORMAT or shard.get("ps") != self.index \
+                or not isinstance(shard.get("optimizer"), dict):
+            raise ValueError(f"{meta_name} of checkpoint step {step} is not {self.name}'s shard (a JSON object of "
+                             f"format {SHARD_FORMAT!r} with its optimizer state); the step is damaged: resume from an "
+                             f"earlier step or start over with --no-resume")
+        return shard
+
+
 class ParameterServer:
     """One ps task's state and request handler (see the module docstring)."""
 
@@ -158,7 +211,7 @@ class ParameterServer:
         self.done: set[int] = set()
         self.plan: int | None = None  # the global step count the workers stop at, once one announced it
         self.positions: dict[int, bytes] = {}  # each worker's newest data position (workers running apart)
-        self.shards = shards
+        self.shard_files = ShardFiles(index, shards)
         self._grads: dict[int, dict[str, dict[int, torch.Tensor]]] = {}  # sync: step -> key -> rank -> grad
         self._commits: dict[int, set[int]] = {}
         self._finished = threading.Event()
@@ -316,48 +369,18 @@ class ParameterServer:
         self.opt.load_state_dict({n: t.clone() for n, t in load.named.items()}, load.meta)
         return wire.OkReply()
 
-    def _shard_store(self, root: str) -> tuple[ShardStore, str, str]:
-        if self.shards is None:
-            raise ValueError(f"{self.name} has no checkpoint folder to write its shard to (it was started without "
-                             f"one); save the optimizer's state_dict() from a worker instead")
-        return self.shards(root), f"ps-{self.index}.safetensors", f"ps-{self.index}.json"
-
     def _on_save(self, save: wire.Save) -> wire.SaveReply:
-        store, tensors_name, meta_name = self._shard_store(save.root)
         tensors, meta = self.opt.state_dict()
-        shard = {"format": SHARD_FORMAT, "version": 1, "ps": self.index, "fingerprint": self.fingerprint,
-                 "keys": self.keys, "optimizer": meta}
-        store.save_part(save.step, tensors_name, save_safetensors({k: v.contiguous() for k, v in tensors.items()}))
-        store.save_part(save.step, meta_name, json.dumps(shard, sort_keys=True).encode())
+        parts = self.shard_files.save(save.root, save.step, tensors, {"fingerprint": self.fingerprint,
+                                                                      "keys": self.keys, "optimizer": meta})
         self.counters["checkpoints"] += 1
-        return wire.SaveReply([tensors_name, meta_name])
+        return wire.SaveReply(parts)
 
     def _on_restore(self, restore: wire.Restore) -> wire.OkReply:
-        step = restore.step
-        store, tensors_name, meta_name = self._shard_store(restore.root)
-        shard = self._read_shard(store, step, meta_name)
-        if shard.get("fingerprint") != self.fingerprint:
-            raise ValueError(f"checkpoint step {step} holds a shard of another model or ps layout (placement "
-                             f"{shard.get('fingerprint')}, this job {self.fingerprint}): resume with the same model "
-                             f"and number of ps tasks, or start over with --no-resume")
-        tensors = load_safetensors(store.read_part(step, tensors_name))
-        self.opt.load_state_dict(tensors, shard["optimizer"])
-        log.info("%s: restored its shard from checkpoint step %d", self.name, step)
+        tensors, meta = self.shard_files.restore(restore.root, restore.step, self.fingerprint)
+        self.opt.load_state_dict(tensors, meta)
+        log.info("%s: restored its shard from checkpoint step %d", self.name, restore.step)
         return wire.OkReply()
-
-    def _read_shard(self, store: ShardStore, step: int, meta_name: str) -> dict[str, Any]:
-        """The JSON half of this server's shard in checkpoint step ``step``, checked to be this server's."""
-        try:
-            shard = json.loads(store.read_part(step, meta_name))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{meta_name} of checkpoint step {step} is not JSON ({exc}); the step is damaged: "
-                             f"resume from an earlier step or start over with --no-resume") from None
-        if not isinstance(shard, dict) or shard.get("format") != SHARD_FORMAT or shard.get("ps") != self.index \
-                or not isinstance(shard.get("optimizer"), dict):
-            raise ValueError(f"{meta_name} of checkpoint step {step} is not {self.name}'s shard (a JSON object of "
-                             f"format {SHARD_FORMAT!r} with its optimizer state); the step is damaged: resume from an "
-                             f"earlier step or start over with --no-resume")
-        return shard
 
     def _on_ping(self, ping: wire.Ping) -> wire.OkReply:
         return wire.OkReply()
