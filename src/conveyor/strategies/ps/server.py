@@ -4,60 +4,16 @@
     server.serve()              # returns when every worker has sent "done" (conveyor.init() then exits)
 
 One ``ParameterServer`` runs in each ps task, on a transport :class:`~conveyor.comm.transport.Server`
-bound to the task's TF_CONFIG address. The transport drops (and counts) anything unauthenticated,
-malformed, replayed or addressed to another task before the handler here sees it, so garbage on the
-port cannot change the parameters. The messages are the classes of :mod:`.protocol` (its docstring lists
-them, field by field); each handler ``_on_<kind>`` takes one typed request and returns a typed reply.
-What the server does with them:
+bound to the task's TF_CONFIG address; each handler ``_on_<kind>`` takes one typed request of
+:mod:`.protocol` and returns a typed reply. :class:`ShardFiles` writes and reads its checkpoint shard.
 
-- ``init``: the first init that carries values (worker 0's) wins; a later one with the same placement
-  fingerprint is acknowledged, one with another fingerprint is refused. A worker that asks before any
-  init arrived is told ``wait`` and asks again; so is every other request but ``stats``, ``ping`` and ``done``.
-- ``push``: ``sync``: kept until the step is complete; ``async``/``ssp``: applied at once (one
-  optimizer step over those pieces).
-- ``commit``: ``sync``: when all workers committed a step, each piece's gradients are averaged with
-  :func:`~conveyor.strategies.ps.optim.mean_of_gradients` in rank order (a worker that sent none for a
-  piece counts as zeros, like DDP's unused parameters) and applied once. The reply's ``total`` (steps
-  committed by all workers together) and ``plan`` (the largest total any worker announced it will stop
-  at) are the shared step count that workers running apart (``async``/``ssp``) stop on, as
-  TensorFlow's global step.
-- ``pull``: answered ``wait`` while the update rule does not allow it (the worker asks again; its wait
-  time is measured): ``sync`` until the version (steps applied) reaches ``step``; ``ssp:K`` while
-  ``step - min(clock) > K``, where a worker's clock is the number of steps it committed; ``async`` never.
-- ``stats``: version, clocks, staleness histogram, pushes, bytes in and out, drops.
-- ``state`` / ``load_state``: the pieces and optimizer state, so a worker's checkpoint can carry them.
-- ``save`` / ``restore``: this server's shard (pieces + optimizer state) as ``ps-<i>.safetensors`` and
-  ``ps-<i>.json`` in checkpoint step ``step`` (a part the chief collects), or back from it.
-- ``position`` / ``positions``: workers that run apart (``async``/``ssp``) leave their newest data
-  position with ps:0 every checkpoint interval; ps:0 keeps the newest of each, in memory (a restarted
-  job starts with fresh ps tasks and no positions), and hands them all to the chief's checkpoint.
-- ``done``: that worker has finished; when all have, :meth:`serve` returns.
-- ``ping``: a worker's heartbeat (:class:`~conveyor.strategies.ps.client.PSClient` sends one every
-  quarter of the job's timeout from a thread of its own), so a worker busy elsewhere — a long
-  evaluation, a checkpoint, a slow first batch — still counts as alive.
-
-**Lifetime.** Besides "every worker is done", a ps task stops when it has heard nothing authenticated
-for the job's timeout (twice that before the first worker shows up: the workers may spend up to one
-timeout rendezvousing among themselves): :meth:`serve` raises :class:`IdleTimeout`, and the task exits
-non-zero. A ps started by hand or by a scheduler whose workers died therefore cannot be orphaned.
-
-**Untrusted bytes.** Before a connection authenticates, ZeroMQ buffers whatever frame size the peer
-claims; the server caps frames at :func:`max_frame_bytes` (8 MiB for the default 4 MiB pieces) and
-drops connections that have not authenticated within ``handshake_timeout`` (10 s), so an unauthenticated
-peer holds at most 8 MiB per connection, for at most 10 s.
-
-**Staleness.** Every push and commit says which version ``read`` (the server's ``min(clock)`` when the
-worker pulled the parameters it computed on) and ``step`` it is; the server records ``step - read``:
-how many steps the slowest worker's updates lagged behind the gradient's own step. ``sync`` records
-only zeros, ``ssp:K`` never more than K (the pull rule guarantees it), ``async`` whatever happens.
-
-**Checkpoints.** A ps task writes its own shard into the checkpoint folder it shares with the
-workers. ``save``/``restore`` name the checkpoint root; ``shards``, which the ps task's entry
-(:func:`~conveyor.strategies.ps.task.serve_ps_task`) hands the server, opens it as the job's
-checkpoint manager after checking it lies in the task's output folder. So the shard lands in the
-step folder in the same atomic rename as the chief's files, and is checked against the step's
-manifest when read back. A ps task that dies loses nothing written: the launcher restarts the job,
-and the restarted ps tasks are restored from the last step.
+Promises: only authenticated, well-formed requests addressed to this task reach the handlers, so
+garbage on the port cannot change the parameters; an unauthenticated peer holds at most
+:func:`max_frame_bytes` per connection, for at most ``handshake_timeout`` seconds; the update rules
+(``sync``, ``async``, ``ssp:K``) are applied as docs/architecture.md, "The parameter-server protocol",
+describes, with staleness recorded per push and commit; and :meth:`ParameterServer.serve` raises
+:class:`IdleTimeout` after the job's timeout without hearing from a worker (twice that before the
+first), so a ps task cannot outlive its job.
 """
 
 from __future__ import annotations
@@ -188,7 +144,7 @@ class ShardFiles:
 
 
 class ParameterServer:
-    """One ps task's state and request handler (see the module docstring)."""
+    """One ps task's state and request handler (docs/architecture.md, "The parameter-server protocol")."""
 
     def __init__(self, address: str, secret: bytes, *, index: int, num_workers: int, mode: str,
                  staleness: int = 0, max_skew: float = 300.0,
