@@ -87,38 +87,6 @@ class PSConnections:
         self._settle()
         return self._receive(0, self._send(0, request), *expected, what=what)
 
-    def _ask_until_ready(self, ids: list[tuple[int, int]], pull: wire.Pull,
-                         seconds: Counter[str]) -> dict[int, wire.ParamsReply]:
-        """The replies to ``pull`` (in flight as ``ids``) by server, asking again while a server says ``wait``.
-
-        The pause between rounds starts at 0.2 ms and doubles up to 5 ms; the rounds answered ``wait`` add
-        to ``seconds["wait"]``, the round that completed it to ``seconds["pull"]``.
-        """
-        replies: dict[int, wire.ParamsReply] = {}
-        sleep = _SLEEP_MIN
-        deadline = time.monotonic() + self.timeout
-        while ids:
-            start = time.perf_counter()
-            again = []
-            for s, rid in ids:
-                reply = self._receive(s, rid, wire.ParamsReply, wire.WaitReply, what="pull")
-                if isinstance(reply, wire.WaitReply):
-                    again.append(s)
-                else:
-                    replies[s] = reply
-            if not again:
-                seconds["pull"] += time.perf_counter() - start
-                break
-            if time.monotonic() > deadline:
-                raise ServerUnavailable(f"ps task(s) {again} kept answering 'wait' to the pull for step "
-                                        f"{pull.step} for {self.timeout:g} s: another worker is stuck or gone",
-                                        name=f"ps:{again[0]}", address=self._links[again[0]].address)
-            time.sleep(sleep)
-            sleep = min(sleep * 2, _SLEEP_MAX)
-            ids = [(s, self._send(s, pull)) for s in again]
-            seconds["wait"] += time.perf_counter() - start
-        return replies
-
     # -- checkpoints and state --------------------------------------------------------------------
 
     def save_shards(self, step: int, root: str | Path) -> list[str]:
@@ -337,7 +305,7 @@ class PSClient(PSConnections):
             return
         assert self.placement is not None
         ids, self._pulls = self._pulls, None
-        replies = self._ask_until_ready(ids, wire.Pull(self.rank, self.step), self.seconds)
+        replies = self._collect_pull(ids)
         start = time.perf_counter()
         parts: dict[str, list[tuple[str, torch.Tensor]]] = {}
         for s, reply in replies.items():
@@ -348,6 +316,33 @@ class PSClient(PSConnections):
         for name, param in self._params.items():
             param.copy_(self.placement.join(name, parts[name]).view_as(param))
         self.seconds["pull"] += time.perf_counter() - start
+
+    def _collect_pull(self, ids: list[tuple[int, int]]) -> dict[int, wire.ParamsReply]:
+        """The pull's replies by server, asking again (0.2 ms, doubling up to 5 ms) while a server says wait."""
+        replies: dict[int, wire.ParamsReply] = {}
+        sleep = _SLEEP_MIN
+        deadline = time.monotonic() + self.timeout
+        while ids:
+            start = time.perf_counter()
+            again = []
+            for s, rid in ids:
+                reply = self._receive(s, rid, wire.ParamsReply, wire.WaitReply, what="pull")
+                if isinstance(reply, wire.WaitReply):
+                    again.append(s)
+                else:
+                    replies[s] = reply
+            if not again:
+                self.seconds["pull"] += time.perf_counter() - start
+                break
+            if time.monotonic() > deadline:
+                raise ServerUnavailable(f"ps task(s) {again} kept answering 'wait' to the pull for step "
+                                        f"{self.step} for {self.timeout:g} s: another worker is stuck or gone",
+                                        name=f"ps:{again[0]}", address=self._links[again[0]].address)
+            time.sleep(sleep)
+            sleep = min(sleep * 2, _SLEEP_MAX)
+            ids = [(s, self._send(s, wire.Pull(self.rank, self.step))) for s in again]
+            self.seconds["wait"] += time.perf_counter() - start
+        return replies
 
     # -- lifetime ---------------------------------------------------------------------------------
 
