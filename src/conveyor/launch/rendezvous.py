@@ -348,6 +348,12 @@ class StorePeers:
     def all_done(self, attempt: int) -> bool:
         return self._everyone(f"{_P}done/{attempt}")
 
+    def report_succeeded(self, attempt: int) -> None:
+        self._mark(f"{_P}succeeded/{attempt}")
+
+    def succeeded(self, attempt: int) -> bool:
+        return self._read(f"{_P}succeeded/{attempt}") is not None
+
     def report_stopped(self, attempt: int) -> None:
         self._mark(f"{_P}stopped/{attempt}/{self.node_rank}")
 

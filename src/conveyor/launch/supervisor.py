@@ -71,6 +71,12 @@ class Peers(Protocol):
     def all_stopped(self, attempt: int) -> bool:
         """True once every node has stopped its tasks of ``attempt`` (then a restart may start)."""
 
+    def report_succeeded(self, attempt: int) -> None:
+        """The chief of attempt ``attempt`` exited 0 on this node: the job has succeeded (TFJob's policy)."""
+
+    def succeeded(self, attempt: int) -> bool:
+        """Whether the node with the chief said the job has succeeded in attempt ``attempt``."""
+
     def abort(self, description: str) -> None:
         """Tell the other nodes to stop for good (this launcher was interrupted)."""
 
@@ -161,12 +167,17 @@ def _ended(running: list[RunningTask]) -> bool:
     TensorFlow 2's parameter-server training the workers and ps only serve (``server.join()`` never
     returns) while the chief coordinates. Without a chief, when every training task has exited 0
     (TFJob's ``AllWorkers``). Parameter servers never decide. A node without the chief (several
-    machines) ends when its own training tasks have all exited 0.
+    machines) ends when its own training tasks have all exited 0, or when the chief's node says the
+    chief has (``Peers.succeeded``).
     """
     chief = [rt for rt in running if rt.launch.task.type == "chief"]
     if chief:
         return chief[0].proc.poll() == 0
     return all(rt.proc.poll() == 0 for rt in running if rt.launch.task.is_training)
+
+
+def _has_chief(running: list[RunningTask]) -> bool:
+    return any(rt.launch.task.type == "chief" for rt in running)
 
 
 def _end_condition(plan: LaunchPlan) -> str:
@@ -301,6 +312,8 @@ class Supervisor:
                 return _Outcome("signal")
             if ended_at is None and _ended(running):
                 ended_at = time.monotonic()
+                if self.peers is not None and _has_chief(running):
+                    self._tell_peers_succeeded(attempt)
             if ended_at is None:  # once the job has succeeded, how the other tasks end no longer matters
                 for rt in running:
                     code = rt.proc.poll()
@@ -332,6 +345,8 @@ class Supervisor:
                     message = self.peers.failure(attempt)
                     if message:
                         return _Outcome("peer", message=message)
+                    if ended_at is None and self.peers.succeeded(attempt):  # the chief's node says so
+                        ended_at = time.monotonic()
                     if done_here and self.peers.all_done(attempt):
                         return _Outcome("done")
                 except PeerError as e:
@@ -379,6 +394,14 @@ class Supervisor:
         except PeerError as e:
             return _Outcome("final", outcome.failure, str(e))
         return outcome
+
+    def _tell_peers_succeeded(self, attempt: int) -> None:
+        """Nodes without the chief learn from this that their serving tasks may stop (they never exit)."""
+        try:
+            self.peers.report_succeeded(attempt)
+        except PeerError as e:
+            self._say(f"could not tell the other nodes that the chief finished ({e}); they stop when their own "
+                      f"training tasks end")
 
     def _tell_peers_abort(self, description: str) -> None:
         if self.peers is not None:
