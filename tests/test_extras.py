@@ -14,7 +14,8 @@ from torch import nn
 
 from conveyor import extras
 from conveyor.data import Dataset
-from conveyor.train.profiler import StepProfiler, plot_step_breakdown, plot_timeline
+from conveyor.train.plots import plot_step_breakdown, plot_timeline
+from conveyor.train.profiler import StepProfiler
 from conveyor.train.sinks import TensorBoardSink
 from conveyor.train.trainer import Trainer
 

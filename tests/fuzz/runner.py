@@ -35,6 +35,8 @@ def target_path(name: str) -> Path:
 
 
 def load_target(path: Path) -> ModuleType:
+    if str(path.parent) not in sys.path:  # so that a target can import the helpers beside it (_common.py)
+        sys.path.insert(0, str(path.parent))
     spec = importlib.util.spec_from_file_location(f"fuzz_target_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

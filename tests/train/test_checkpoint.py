@@ -16,7 +16,11 @@ import torch
 from safetensors.torch import save as safetensors_bytes
 from torch import nn
 
+import conveyor.fileio
 import conveyor.train.checkpoint as ckpt_mod
+import conveyor.train.checkpoint_files as ckpt_files
+import conveyor.train.checkpoint_policy
+import conveyor.train.checkpoint_write as ckpt_write
 from conveyor.train.checkpoint import CheckpointError, CheckpointManager, CheckpointPolicy
 from conveyor.train.state_io import rng_state, set_rng_state
 
@@ -195,26 +199,26 @@ def test_missing_root_has_no_checkpoint(tmp_path):
 
 
 def _fail_tensor_write(monkeypatch):
-    real = ckpt_mod.save_tensors
+    real = ckpt_write.save_tensors
 
     def save_tensors(path, *a, **k):
         if Path(path).name == "optimizer.safetensors":
             raise OSError("disk full (simulated)")
         return real(path, *a, **k)
 
-    monkeypatch.setattr(ckpt_mod, "save_tensors", save_tensors)
+    monkeypatch.setattr(ckpt_write, "save_tensors", save_tensors)
 
 
 def _fail_manifest(monkeypatch):
-    real = CheckpointManager._write_file
+    real = ckpt_write.write_file
 
-    def write_file(self, path, data):
+    def write_file(path, data, **kw):
         if path.name == "COMPLETE":
-            real(self, path, data[: len(data) // 2])  # a torn write, then the crash
+            real(path, data[: len(data) // 2], **kw)  # a torn write, then the crash
             raise OSError("crash while writing the manifest (simulated)")
-        return real(self, path, data)
+        return real(path, data, **kw)
 
-    monkeypatch.setattr(CheckpointManager, "_write_file", write_file)
+    monkeypatch.setattr(ckpt_write, "write_file", write_file)
 
 
 def _fail_rename(monkeypatch):
@@ -529,7 +533,7 @@ def test_symlinks_out_of_the_step_are_refused(tmp_path):
 def test_manifest_size_is_bounded_before_parsing(tmp_path, monkeypatch):
     mgr = CheckpointManager(tmp_path, fsync=False)
     folder = save_tiny(mgr, 1)
-    monkeypatch.setattr(ckpt_mod, "MANIFEST_MAX_BYTES", 100)
+    monkeypatch.setattr(ckpt_files, "MANIFEST_MAX_BYTES", 100)
     with pytest.raises(CheckpointError, match=r"COMPLETE: \d+ bytes, more than a manifest.*100"):
         mgr.load(1)
     monkeypatch.undo()
@@ -633,6 +637,7 @@ def test_policy_every_steps_and_seconds():
 
 
 def test_no_pickle_in_the_checkpoint_code():
-    for module in (ckpt_mod, __import__("conveyor.train.state_io", fromlist=["x"])):
+    for module in (ckpt_mod, ckpt_files, ckpt_write, conveyor.train.checkpoint_policy, conveyor.fileio,
+                   __import__("conveyor.train.state_io", fromlist=["x"])):
         source = Path(module.__file__).read_text()
         assert not re.search(r"import pickle|cloudpickle|(?<![\w.])torch\.(save|load)\(", source), module.__name__

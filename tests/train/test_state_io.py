@@ -15,7 +15,9 @@ from torch import nn
 from conveyor.train.state_io import (
     flatten_state,
     load_tensors,
+    rng_from_json,
     rng_state,
+    rng_to_json,
     save_tensors,
     set_rng_state,
     unflatten_state,
@@ -173,3 +175,17 @@ def test_partial_rng_state_leaves_other_generators_alone():
     set_rng_state({"torch": state["torch"]})
     assert torch.rand(1).item() == a[1]
     assert random.random() != a[0]
+
+
+def test_bytes_keep_their_json_form():
+    """Checkpoints and data states written before the shared codec (conveyor.fileio) still load: same base64."""
+    import base64
+
+    _, meta = flatten_state({"blob": b"\x00\xff"})
+    assert meta["tree"] == {"blob": {"__bytes__": "AP8="}}
+    assert unflatten_state({}, meta) == {"blob": b"\x00\xff"}
+
+    state = rng_state()
+    as_json = rng_to_json(state)
+    assert as_json["torch"] == base64.b64encode(state["torch"].numpy().tobytes()).decode("ascii")
+    assert torch.equal(rng_from_json(as_json)["torch"], state["torch"])

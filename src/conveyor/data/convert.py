@@ -43,6 +43,7 @@ from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
 from conveyor.data.records import TFRecordWriter, encode_example
+from conveyor.fileio import atomic_write
 
 __all__ = [
     "IMAGE_EXTENSIONS",
@@ -454,8 +455,8 @@ def _convert(
             (out / name).unlink(missing_ok=True)
     summary = _merge_summary(out, split_summaries)
     for fname, text in (extra_files or {}).items():
-        _write_text(out / fname, text)
-    _write_text(out / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
+        atomic_write(out / fname, text.encode("utf-8"))
+    atomic_write(out / SUMMARY_FILE, (json.dumps(summary, indent=2) + "\n").encode("utf-8"))
     return summary
 
 
@@ -479,13 +480,3 @@ def _merge_summary(out: Path, splits: dict[str, dict[str, Any]]) -> dict[str, An
             if files and all(isinstance(f, str) and (out / f).exists() for f in files):
                 kept[name] = split
     return {"format": SUMMARY_FORMAT, "version": SUMMARY_VERSION, "splits": {**kept, **splits}}
-
-
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

@@ -12,12 +12,13 @@ or a tuple / list / dict of elements. Two encodings exist, for two jobs:
 
 from __future__ import annotations
 
-import base64
 import json
 import struct
 from typing import Any
 
 import numpy as np
+
+from conveyor.fileio import bytes_from_json, bytes_to_json
 
 Element = Any
 
@@ -32,13 +33,13 @@ def to_json(x: Element) -> Any:
     if isinstance(x, bool) or x is None or isinstance(x, (int, float, str)):
         return x
     if isinstance(x, bytes):
-        return {"b": base64.b64encode(x).decode("ascii")}
+        return {"b": bytes_to_json(x)}
     if isinstance(x, np.ndarray) or isinstance(x, np.generic):
         arr = np.asarray(x)
         if arr.dtype == object:
             return {"ob": [to_json(v) for v in arr.ravel().tolist()], "shape": list(arr.shape)}
         arr = _contiguous(arr)
-        out = {"nd": base64.b64encode(arr.tobytes()).decode("ascii"), "dtype": arr.dtype.str,
+        out = {"nd": bytes_to_json(arr.tobytes()), "dtype": arr.dtype.str,
                "shape": list(arr.shape)}
         if isinstance(x, np.generic):
             out["scalar"] = True
@@ -65,9 +66,9 @@ def from_json(obj: Any) -> Element:
     if not isinstance(obj, dict):
         return obj
     if "b" in obj:
-        return base64.b64decode(obj["b"])
+        return bytes_from_json(obj["b"])
     if "nd" in obj:
-        arr = np.frombuffer(base64.b64decode(obj["nd"]), dtype=np.dtype(obj["dtype"]))
+        arr = np.frombuffer(bytes_from_json(obj["nd"]), dtype=np.dtype(obj["dtype"]))
         arr = arr.reshape(obj["shape"]).copy()
         return arr[()] if obj.get("scalar") else arr
     if "ob" in obj:
@@ -88,29 +89,22 @@ def from_json(obj: Any) -> Element:
 
 def flatten(x: Element) -> tuple[Any, list]:
     """Split an element into a structure description and its list of leaves."""
-    if isinstance(x, tuple):
-        specs, leaves = [], []
-        for v in x:
-            s, lv = flatten(v)
-            specs.append(s)
-            leaves.extend(lv)
-        return ("t", specs), leaves
+    if isinstance(x, (tuple, list)):
+        specs, leaves = _flatten_each(x)
+        return ("t" if isinstance(x, tuple) else "l", specs), leaves
     if isinstance(x, dict):
-        keys, specs, leaves = [], [], []
-        for k, v in x.items():
-            s, lv = flatten(v)
-            keys.append(k)
-            specs.append(s)
-            leaves.extend(lv)
-        return ("d", keys, specs), leaves
-    if isinstance(x, list):
-        specs, leaves = [], []
-        for v in x:
-            s, lv = flatten(v)
-            specs.append(s)
-            leaves.extend(lv)
-        return ("l", specs), leaves
+        specs, leaves = _flatten_each(x.values())
+        return ("d", list(x), specs), leaves
     return None, [x]
+
+
+def _flatten_each(items: Any) -> tuple[list, list]:
+    specs, leaves = [], []
+    for v in items:
+        s, lv = flatten(v)
+        specs.append(s)
+        leaves.extend(lv)
+    return specs, leaves
 
 
 def unflatten(spec: Any, leaves: list) -> Element:
@@ -284,7 +278,7 @@ def pack(x: Element) -> tuple[bytes, list[memoryview]]:
 
 def _obj_leaf(v):
     if isinstance(v, bytes):
-        return {"b": base64.b64encode(v).decode("ascii")}
+        return {"b": bytes_to_json(v)}
     if isinstance(v, _SCALARS):
         return v
     raise TypeError(f"cannot pass an object array holding {type(v).__name__} between processes")

@@ -53,378 +53,67 @@ must be strict JSON of the right types; part names must be plain names inside th
 (letters, digits, '.', '_', '-', at most one '/', PART_NAME_MAX characters), refused before any part
 is opened; a symlink that leads out of the step folder is refused. Every part that fails to parse
 raises `CheckpointError` naming the file, the step and the fix.
+
+The code, by concern: this module is the layout (step folders, `latest`, the parts staging folders,
+rotation, cleanup, which step to read) and the public names; `checkpoint_write` fills and seals one
+step folder; `checkpoint_files` reads one back and verifies it; `checkpoint_policy` decides when to
+save; `conveyor.fileio.atomic_write` writes `latest` and every contributed part.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
-import re
 import secrets
 import shutil
 import time
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from safetensors import SafetensorError, safe_open
+from conveyor.fileio import atomic_write, sync_dir
+from conveyor.train import checkpoint_write as write
+from conveyor.train.checkpoint_files import (
+    FORMAT,
+    LATEST,
+    MANIFEST,
+    MANIFEST_MAX_BYTES,
+    PART_NAME_MAX,
+    STEP_RE,
+    VERSION,
+    Checkpoint,
+    CheckpointError,
+    check_folder,
+    check_part_name,
+    check_step,
+    read_part,
+    read_step,
+    step_folder_name,
+    step_numbers,
+)
+from conveyor.train.checkpoint_policy import CheckpointPolicy
 
-from conveyor.train.state_io import flatten_state, load_tensors, save_tensors, unflatten_state
-
-FORMAT = "conveyor.checkpoint"
-VERSION = 1
-MANIFEST = "COMPLETE"
-LATEST = "latest"
-MANIFEST_MAX_BYTES = 16 << 20  # ~100 bytes a part: room for 100k parts, and a bound on what is parsed
-PART_NAME_MAX = 255
+__all__ = [
+    "FORMAT", "LATEST", "MANIFEST", "MANIFEST_MAX_BYTES", "PART_NAME_MAX", "VERSION",
+    "Checkpoint", "CheckpointError", "CheckpointManager", "CheckpointPolicy", "CheckpointReader",
+]
 
 log = logging.getLogger(__name__)
 
-_STEP_RE = re.compile(r"^step-(\d{8,})$")
-_PART_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
-_SHA256_RE = re.compile(r"[0-9a-f]{64}")
-_TREES = ("model", "optimizer", "rng")
-_RESERVED = {MANIFEST, "state.json"} | {f"{t}.{ext}" for t in _TREES for ext in ("safetensors", "json")}
 
+class CheckpointReader:
+    """Finds and reads the complete checkpoints under `root`; never writes (`CheckpointManager` adds that).
 
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, damaged or from another format; the message says what to do."""
-
-
-@dataclass
-class Checkpoint:
-    """Everything `CheckpointManager.load` read from one step folder."""
-
-    step: int
-    path: Path
-    model_state: dict[str, Any] | None = None
-    optimizer_state: dict[str, Any] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-    data_states: dict[str, Any] = field(default_factory=dict)
-    rng: dict[str, Any] | None = None
-    time: float | None = None
-    parts: dict[str, Path] = field(default_factory=dict)  # every file the manifest lists, by part name
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# when to save
-
-
-class CheckpointPolicy:
-    """Save every `every_steps` steps and/or every `every_seconds` seconds, whichever comes first.
-
-    Step-based saves land on multiples of `every_steps` (step-00001000, step-00002000, ...) so folder
-    names line up across restarts. The seconds clock starts at the first `should_save` call and
-    restarts at every save. `should_save` records a save when it returns True: call it once per
-    step, after the optimizer step, with `step` = the number of steps done.
+    Kept apart from the writing side so each stays small; every method here is also one of
+    `CheckpointManager`'s, which is what callers normally hold.
     """
 
-    def __init__(self, every_steps: int | None = None, every_seconds: float | None = None):
-        if every_steps is not None and (
-            isinstance(every_steps, bool) or every_steps != int(every_steps) or every_steps < 1
-        ):
-            raise ValueError(f"every_steps must be a positive integer or None, got {every_steps!r}")
-        if every_seconds is not None and not every_seconds > 0:
-            raise ValueError(f"every_seconds must be positive or None, got {every_seconds!r}")
-        self.every_steps = None if every_steps is None else int(every_steps)
-        self.every_seconds = None if every_seconds is None else float(every_seconds)
-        self._last_step: int | None = None
-        self._last_time: float | None = None
-
-    def should_save(self, step: int, now: float | None = None) -> bool:
-        now = time.monotonic() if now is None else now
-        if self._last_time is None:
-            self._last_time = now
-        if step == self._last_step:
-            return False
-        due = bool(self.every_steps and step > 0 and step % self.every_steps == 0)
-        due = due or (self.every_seconds is not None and now - self._last_time >= self.every_seconds)
-        if due:
-            self._last_step, self._last_time = step, now
-        return due
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# the manager
-
-
-class CheckpointManager:
-    """Writes, rotates, finds and reads checkpoints under `root` (see the module docstring).
-
-    `keep`: how many complete steps to keep (the most recently written; None keeps all). The one
-    just written and the one `latest` names are never deleted. `fsync=False` skips the fsyncs —
-    still atomic for readers, but not durable across a power loss; for tests and scratch runs.
-    """
-
-    def __init__(self, root: str | os.PathLike[str], keep: int | None = 3, fsync: bool = True):
-        if keep is not None and (isinstance(keep, bool) or int(keep) != keep or keep < 1):
-            raise ValueError(f"keep must be a positive integer or None (keep every checkpoint), got {keep!r}")
+    def __init__(self, root: str | os.PathLike[str]):
         self.root = Path(root)
-        self.keep = None if keep is None else int(keep)
-        self.fsync = bool(fsync)
-
-    # -- names -----------------------------------------------------------------------------------------------
 
     def step_dir(self, step: int) -> Path:
-        return self.root / f"step-{_check_step(step):08d}"
-
-    def _parts_dir(self, step: int) -> Path:
-        return self.root / f".parts-step-{step:08d}"
-
-    # -- writing -----------------------------------------------------------------------------------------------
-
-    def save(
-        self,
-        step: int,
-        model_state: Mapping[str, Any],
-        optimizer_state: Mapping[str, Any] | None = None,
-        extra: Mapping[str, Any] | None = None,
-        data_states: Mapping[str, Any] | None = None,
-        rng: Mapping[str, Any] | None = None,
-        *,
-        parts: Iterable[str] = (),
-        parts_timeout: float = 0.0,
-    ) -> Path:
-        """Write step `step` and return its folder; on any error nothing becomes visible.
-
-        `extra` is JSON-able run information (epoch, best loss, config) stored in state.json;
-        `data_states` maps a task name ("worker-0") to its data iterator's `state_dict()`; `rng` is
-        `state_io.rng_state()` (None: not saved). `parts` names files other tasks contribute with
-        `save_part`, awaited for `parts_timeout` seconds. Saving a step that already exists
-        replaces it.
-        """
-        step = _check_step(step)
-        tasks = {}
-        for task, st in (data_states or {}).items():
-            name = f"data/{task}.json"
-            if not _PART_RE.fullmatch(name):
-                raise ValueError(f"data state task name {task!r}: use letters, digits, '.', '_' and '-' only")
-            tasks[name] = st
-
-        def write_own(tmp: Path) -> list[str]:
-            files = self._write_tree(tmp, "model", model_state)
-            if optimizer_state is not None:
-                files += self._write_tree(tmp, "optimizer", optimizer_state)
-            if rng is not None:
-                files += self._write_tree(tmp, "rng", rng)
-            for name, st in tasks.items():
-                try:
-                    data = json.dumps(st, sort_keys=True).encode()
-                except (TypeError, ValueError) as e:
-                    raise TypeError(f"data state for {name}: a data iterator state must be JSON ({e})") from e
-                files.append(self._write_bytes(tmp, name, data))
-            return files
-
-        return self._build(step, write_own, parts, parts_timeout, extra)
-
-    def save_part(self, step: int, name: str, data: bytes) -> Path:
-        """Contribute one file to step `step` from another task (a parameter-server shard, an iterator state).
-
-        Written atomically (temp file, fsync, rename) into `.parts-step-XXXXXXXX/<name>`, where the
-        chief's `save(..., parts=[name])` or `finalize` picks it up. Names are file names, or
-        `data/<task>.json` for data-iterator states (those come back in `Checkpoint.data_states`).
-        """
-        step = _check_step(step)
-        _check_part_name(name)
-        if self._is_complete(self.step_dir(step)):
-            raise CheckpointError(
-                f"step {step} is already complete in {self.step_dir(step)}; part {name!r} arrived too late. "
-                f"Write parts before the chief saves the step (or add {name!r} to its expected parts)."
-            )
-        return self._replace_file(self._parts_dir(step) / name, data)
-
-    def finalize(
-        self,
-        step: int,
-        expected_parts: Iterable[str],
-        extra: Mapping[str, Any] | None = None,
-        timeout: float = 0.0,
-    ) -> Path:
-        """Make step `step` from contributed parts alone (waiting up to `timeout` s for them) and return it."""
-        return self._build(_check_step(step), lambda tmp: [], expected_parts, timeout, extra)
-
-    def _build(
-        self, step: int, write_own, parts: Iterable[str], timeout: float, extra: Mapping[str, Any] | None
-    ) -> Path:
-        parts = list(dict.fromkeys(parts))
-        for name in parts:
-            _check_part_name(name)
-        try:
-            extra_meta = flatten_state(dict(extra or {}))
-        except TypeError as e:
-            raise TypeError(f"extra: {e}") from e
-        if extra_meta[0]:
-            raise TypeError(
-                f"extra holds tensors {sorted(extra_meta[0])}; store numbers (.item()) or lists (.tolist())"
-            )
-
-        self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.root / f".tmp-step-{step:08d}-{secrets.token_hex(4)}"
-        tmp.mkdir()
-        collected: list[str] = []
-        try:
-            files = list(write_own(tmp))
-            clash = sorted(set(files) & set(parts))
-            if clash:
-                raise CheckpointError(f"step {step}: parts {clash} clash with files the chief writes; rename them")
-            state = {"format": FORMAT, "version": VERSION, "step": step, "time": time.time(), "extra": extra_meta[1]}
-            files.append(self._write_bytes(tmp, "state.json", _json_bytes(state)))
-            collected = self._collect_parts(step, tmp, parts, timeout)
-            final = self._commit(step, tmp, files + collected)
-        except BaseException:
-            self._return_parts(step, tmp, collected)  # other tasks' work survives for a retry
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        shutil.rmtree(self._parts_dir(step), ignore_errors=True)  # stragglers for a finished step
-        self._rotate(step)
-        return final
-
-    def _collect_parts(self, step: int, tmp: Path, names: list[str], timeout: float) -> list[str]:
-        if not names:
-            return []
-        staging = self._parts_dir(step)
-        deadline = time.monotonic() + max(0.0, float(timeout))
-        missing = [n for n in names if not (staging / n).is_file()]
-        while missing and time.monotonic() < deadline:
-            time.sleep(0.02)
-            missing = [n for n in missing if not (staging / n).is_file()]
-        if missing:
-            raise CheckpointError(
-                f"step {step}: parts {missing} did not arrive in {staging} within {timeout:g}s. The tasks that "
-                f"write them may have died or be slow: check their logs, raise the timeout, or save without them."
-            )
-        for name in names:
-            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-            os.replace(staging / name, tmp / name)
-        return names
-
-    def _return_parts(self, step: int, tmp: Path, names: list[str]) -> None:
-        for name in names:
-            try:
-                (self._parts_dir(step) / name).parent.mkdir(parents=True, exist_ok=True)
-                os.replace(tmp / name, self._parts_dir(step) / name)
-            except OSError:
-                pass  # tmp already renamed into place, or gone: nothing to give back
-
-    def _commit(self, step: int, tmp: Path, files: list[str]) -> Path:
-        parts = {}
-        for name in sorted(files):
-            size, digest = _hash_file(tmp / name, fsync=self.fsync)
-            parts[name] = {"size": size, "sha256": digest}
-        manifest = {"format": FORMAT, "version": VERSION, "step": step, "time": time.time(), "parts": parts}
-        self._write_file(tmp / MANIFEST, _json_bytes(manifest))
-        for sub in sorted({tmp} | {(tmp / n).parent for n in files}, key=lambda p: len(p.parts), reverse=True):
-            self._sync_dir(sub)  # deepest first: data/ before the step folder that holds it
-
-        final = self.step_dir(step)
-        if final.exists():  # re-saving a step: the old folder must go before the new can take its name
-            self._remove(final)
-        os.rename(tmp, final)
-        self._sync_dir(self.root)
-        self._write_latest(final.name)
-        return final
-
-    def _replace_file(self, target: Path, data: bytes) -> Path:
-        """Write `target` atomically: a temp file beside it, fsynced, renamed over it, folder synced."""
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".tmp-{target.name}-{secrets.token_hex(4)}")
-        try:
-            self._write_file(tmp, bytes(data))
-            os.replace(tmp, target)
-        except BaseException:
-            _unlink(tmp)
-            raise
-        self._sync_dir(target.parent)
-        return target
-
-    def _write_latest(self, name: str) -> None:
-        tmp = self.root / f".latest-{secrets.token_hex(4)}"
-        try:
-            self._write_file(tmp, (name + "\n").encode())
-            os.replace(tmp, self.root / LATEST)
-        except BaseException:
-            _unlink(tmp)
-            raise
-        self._sync_dir(self.root)
-
-    def _rotate(self, just_written: int) -> None:
-        if self.keep is None:
-            return
-        written = self._complete_steps()  # step -> time its manifest was written
-        # Newest by write time, not by step number: after a run is rewound (resumed from an older
-        # step), the abandoned run's higher steps are the ones that age out.
-        by_age = sorted(written, key=lambda s: (written[s], s))
-        protected = set(by_age[-self.keep :]) | {just_written}
-        pointed = self._latest_pointer()
-        if pointed is not None:
-            protected.add(pointed)
-        for s in by_age:
-            if s not in protected:
-                self._remove(self.step_dir(s))
-
-    def _remove(self, folder: Path) -> None:
-        """Rename away first (atomic), then delete: a reader never sees a step folder losing files."""
-        trash = self.root / f".trash-{folder.name}-{secrets.token_hex(4)}"
-        try:
-            os.rename(folder, trash)
-        except FileNotFoundError:
-            return
-        shutil.rmtree(trash, ignore_errors=True)
-
-    def cleanup(self, older_than: float = 30 * 60) -> list[Path]:
-        """Delete what crashed writers left behind: `.tmp-*` folders and files and `.parts-*` folders
-        untouched for `older_than` seconds, and every `.trash-*` folder. Returns what was removed.
-
-        The age limit protects a writer that is still busy (possibly on another machine): keep it
-        well above the time one checkpoint takes to write.
-        """
-        removed = []
-        if not self.root.is_dir():
-            return removed
-        now = time.time()
-        for p in self.root.iterdir():
-            stale = p.name.startswith((".tmp-", ".parts-", ".latest-")) and now - _newest_mtime(p) >= older_than
-            if stale or p.name.startswith(".trash-"):
-                if p.is_dir():
-                    shutil.rmtree(p, ignore_errors=True)
-                else:
-                    _unlink(p)
-                removed.append(p)
-        return removed
-
-    def _write_tree(self, folder: Path, name: str, tree: Mapping[str, Any]) -> list[str]:
-        try:
-            tensors, meta = flatten_state(tree)
-        except TypeError as e:
-            raise TypeError(f"{name} state: {e}") from e
-        save_tensors(folder / f"{name}.safetensors", tensors, {"format": FORMAT})
-        self._write_file(folder / f"{name}.json", _json_bytes(meta))
-        return [f"{name}.safetensors", f"{name}.json"]
-
-    def _write_bytes(self, folder: Path, name: str, data: bytes) -> str:
-        (folder / name).parent.mkdir(parents=True, exist_ok=True)
-        self._write_file(folder / name, data)
-        return name
-
-    def _write_file(self, path: Path, data: bytes) -> None:
-        with open(path, "wb") as f:
-            f.write(data)
-            f.flush()
-            if self.fsync:
-                os.fsync(f.fileno())
-
-    def _sync_dir(self, folder: Path) -> None:
-        """fsync a directory so the names created or renamed in it survive a crash (POSIX only)."""
-        if not self.fsync or os.name == "nt":
-            return
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        return self.root / step_folder_name(check_step(step))
 
     # -- finding -----------------------------------------------------------------------------------------------
 
@@ -438,7 +127,7 @@ class CheckpointManager:
         except FileNotFoundError:
             return {}
         out = {}
-        for step in _step_numbers(names):
+        for step in step_numbers(names):
             manifest = self._complete_manifest(self.step_dir(step))
             if manifest is not None:
                 out[step] = float(manifest.get("time") or 0.0)
@@ -486,7 +175,7 @@ class CheckpointManager:
     def _candidates(self) -> list[int]:
         """Every step folder's step, the one `latest` names first, then highest first."""
         try:
-            steps = sorted(_step_numbers(p.name for p in self.root.iterdir()), reverse=True)
+            steps = sorted(step_numbers(p.name for p in self.root.iterdir()), reverse=True)
         except FileNotFoundError:
             return []
         pointed = self._latest_pointer()
@@ -501,18 +190,14 @@ class CheckpointManager:
         The manifest must be valid and every part it lists present inside the step folder at its
         size and (with `verify`) its sha256.
         """
-        folder = self.step_dir(step)
-        manifest = _read_manifest(folder)
-        for name, expected in manifest["parts"].items():
-            _check_part(folder, name, expected, verify)
-        return manifest
+        return check_folder(self.step_dir(step), verify)
 
     def _latest_pointer(self) -> int | None:
         try:
             text = (self.root / LATEST).read_text().strip()
         except (OSError, UnicodeDecodeError):
             return None
-        m = _STEP_RE.fullmatch(text)
+        m = STEP_RE.fullmatch(text)
         return int(m.group(1)) if m else None
 
     def _is_complete(self, folder: Path) -> bool:
@@ -521,10 +206,7 @@ class CheckpointManager:
     def _complete_manifest(self, folder: Path) -> dict[str, Any] | None:
         """The manifest if `folder` is a complete checkpoint (manifest valid, every part present at its size)."""
         try:
-            manifest = _read_manifest(folder)
-            for name, expected in manifest["parts"].items():
-                _check_part(folder, name, expected, verify=False)
-            return manifest
+            return check_folder(folder, verify=False)
         except (OSError, CheckpointError):
             return None
 
@@ -538,7 +220,7 @@ class CheckpointManager:
         a checkpoint that rotation deletes while it is being read is retried with the new latest.
         """
         if step is not None:
-            return self._load(_check_step(step), map_location, verify)
+            return self._load(check_step(step), map_location, verify)
         for _ in range(5):
             latest = self.latest_step()
             if latest is None:
@@ -553,7 +235,7 @@ class CheckpointManager:
     def _load(self, step: int, map_location: str, verify: bool) -> Checkpoint:
         folder = self.step_dir(step)
         try:
-            return self._read(step, folder, map_location, verify)
+            return read_step(step, folder, map_location, verify)
         except Exception as e:
             if not folder.exists():
                 raise CheckpointError(f"{folder} disappeared while being read (deleted by rotation?)") from e
@@ -563,241 +245,176 @@ class CheckpointManager:
                 ) from e
             raise
 
-    def _read(self, step: int, folder: Path, map_location: str, verify: bool) -> Checkpoint:
-        manifest = _read_manifest(folder)
-        parts = {
-            name: _check_part(folder, name, expected, verify) if verify else _part_path(folder, name)
-            for name, expected in manifest["parts"].items()
-        }
-        ckpt = Checkpoint(step=step, path=folder, parts=parts)
-        if "state.json" in parts:
-            ckpt.extra, ckpt.time = _read_state(folder)
-        trees = {name: self._read_tree(folder, name, map_location) for name in _TREES if f"{name}.json" in parts}
-        ckpt.model_state, ckpt.optimizer_state, ckpt.rng = trees.get("model"), trees.get("optimizer"), trees.get("rng")
-        for name in parts:
-            if name.startswith("data/") and name.endswith(".json"):
-                ckpt.data_states[name[len("data/") : -len(".json")]] = _read_json(folder, name)
-        return ckpt
-
     def read_part(self, step: int, name: str) -> bytes:
         """The bytes of part `name` of complete step `step`, checked against its manifest (size and sha256).
 
         What a task that contributed a part (a parameter server's shard) reads back on resume.
         """
-        _check_part_name(name)
-        folder = self.step_dir(step)
-        expected = _read_manifest(folder)["parts"].get(name)
-        if expected is None:
-            raise CheckpointError(f"{folder} has no part {name!r}: it was written by a job without it (another "
-                                  f"strategy or number of tasks?); resume with the same setup or start over")
-        path = _part_path(folder, name)
-        data = _read_bytes(folder, path)
-        _check_size_and_hash(folder, path, len(data), hashlib.sha256(data).hexdigest(), expected)
-        _check_format(folder, path, data)
-        return data
+        return read_part(self.step_dir(step), name)
 
-    def _read_tree(self, folder: Path, name: str, map_location: str) -> Any:
-        path = _part_path(folder, f"{name}.safetensors")
+
+class CheckpointManager(CheckpointReader):
+    """Writes, rotates, finds and reads checkpoints under `root` (see the module docstring).
+
+    `keep`: how many complete steps to keep (the most recently written; None keeps all). The one
+    just written and the one `latest` names are never deleted. `fsync=False` skips the fsyncs —
+    still atomic for readers, but not durable across a power loss; for tests and scratch runs.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], keep: int | None = 3, fsync: bool = True):
+        if keep is not None and (isinstance(keep, bool) or int(keep) != keep or keep < 1):
+            raise ValueError(f"keep must be a positive integer or None (keep every checkpoint), got {keep!r}")
+        super().__init__(root)
+        self.keep = None if keep is None else int(keep)
+        self.fsync = bool(fsync)
+
+    # -- names -----------------------------------------------------------------------------------------------
+
+    def _parts_dir(self, step: int) -> Path:
+        return self.root / f".parts-{step_folder_name(step)}"
+
+    # -- writing -----------------------------------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        model_state: Mapping[str, Any],
+        optimizer_state: Mapping[str, Any] | None = None,
+        extra: Mapping[str, Any] | None = None,
+        data_states: Mapping[str, Any] | None = None,
+        rng: Mapping[str, Any] | None = None,
+        *,
+        parts: Iterable[str] = (),
+        parts_timeout: float = 0.0,
+    ) -> Path:
+        """Write step `step` and return its folder; on any error nothing becomes visible.
+
+        `extra` is JSON-able run information (epoch, best loss, config) stored in state.json;
+        `data_states` maps a task name ("worker-0") to its data iterator's `state_dict()`; `rng` is
+        `state_io.rng_state()` (None: not saved). `parts` names files other tasks contribute with
+        `save_part`, awaited for `parts_timeout` seconds. Saving a step that already exists
+        replaces it.
+        """
+        step = check_step(step)
+        data_files = write.data_state_files(data_states)
+        own = partial(write.write_own, model_state=model_state, optimizer_state=optimizer_state, rng=rng,
+                      data_files=data_files, fsync=self.fsync)
+        return self._build(step, own, parts, parts_timeout, extra)
+
+    def save_part(self, step: int, name: str, data: bytes) -> Path:
+        """Contribute one file to step `step` from another task (a parameter-server shard, an iterator state).
+
+        Written atomically (temp file, fsync, rename) into `.parts-step-XXXXXXXX/<name>`, where the
+        chief's `save(..., parts=[name])` or `finalize` picks it up. Names are file names, or
+        `data/<task>.json` for data-iterator states (those come back in `Checkpoint.data_states`).
+        """
+        step = check_step(step)
+        check_part_name(name)
+        if self._is_complete(self.step_dir(step)):
+            raise CheckpointError(
+                f"step {step} is already complete in {self.step_dir(step)}; part {name!r} arrived too late. "
+                f"Write parts before the chief saves the step (or add {name!r} to its expected parts)."
+            )
+        return atomic_write(self._parts_dir(step) / name, data, fsync=self.fsync)
+
+    def finalize(
+        self,
+        step: int,
+        expected_parts: Iterable[str],
+        extra: Mapping[str, Any] | None = None,
+        timeout: float = 0.0,
+    ) -> Path:
+        """Make step `step` from contributed parts alone (waiting up to `timeout` s for them) and return it."""
+        return self._build(check_step(step), lambda tmp: [], expected_parts, timeout, extra)
+
+    def _build(
+        self, step: int, write_own: Callable[[Path], list[str]], parts: Iterable[str], timeout: float,
+        extra: Mapping[str, Any] | None,
+    ) -> Path:
+        """Fill a `.tmp-*` folder (own files, state.json, the parts), seal it, rename it into place, rotate."""
+        parts = list(dict.fromkeys(parts))
+        for name in parts:
+            check_part_name(name)
+        meta = write.extra_meta(extra)
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".tmp-{step_folder_name(step)}-{secrets.token_hex(4)}"
+        tmp.mkdir()
+        staging, collected = self._parts_dir(step), []
         try:
-            tensors, _ = load_tensors(path, device=map_location)
-        except SafetensorError as e:
-            raise _damaged(folder, path, f"not a readable safetensors file ({e})") from e
+            files = list(write_own(tmp))
+            clash = sorted(set(files) & set(parts))
+            if clash:
+                raise CheckpointError(f"step {step}: parts {clash} clash with files the chief writes; rename them")
+            files.append(write.write_state(tmp, step, meta, self.fsync))
+            collected = write.collect_parts(step, staging, tmp, parts, timeout)
+            write.seal(step, tmp, files + collected, self.fsync)
+            final = self._publish(step, tmp)
+        except BaseException:
+            write.return_parts(staging, tmp, collected)  # other tasks' work survives for a retry
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        shutil.rmtree(staging, ignore_errors=True)  # stragglers for a finished step
+        self._rotate(step)
+        return final
+
+    def _publish(self, step: int, tmp: Path) -> Path:
+        """Rename the sealed `tmp` to its step folder (replacing an older save of the step), then move `latest`."""
+        final = self.step_dir(step)
+        if final.exists():  # re-saving a step: the old folder must go before the new can take its name
+            self._remove(final)
+        os.rename(tmp, final)
+        if self.fsync:
+            sync_dir(self.root)
+        atomic_write(self.root / LATEST, (final.name + "\n").encode(), fsync=self.fsync)
+        return final
+
+    # -- rotation and leftovers --------------------------------------------------------------------------------
+
+    def _rotate(self, just_written: int) -> None:
+        if self.keep is None:
+            return
+        written = self._complete_steps()  # step -> time its manifest was written
+        # Newest by write time, not by step number: after a run is rewound (resumed from an older
+        # step), the abandoned run's higher steps are the ones that age out.
+        by_age = sorted(written, key=lambda s: (written[s], s))
+        protected = set(by_age[-self.keep :]) | {just_written}
+        pointed = self._latest_pointer()
+        if pointed is not None:
+            protected.add(pointed)
+        for s in by_age:
+            if s not in protected:
+                self._remove(self.step_dir(s))
+
+    def _remove(self, folder: Path) -> None:
+        """Rename away first (atomic), then delete: a reader never sees a step folder losing files."""
+        trash = self.root / f".trash-{folder.name}-{secrets.token_hex(4)}"
         try:
-            return unflatten_state(tensors, _read_json(folder, f"{name}.json"))
-        except ValueError as e:
-            raise _damaged(folder, folder / f"{name}.json", f"does not fit {name}.safetensors ({e})") from e
+            os.rename(folder, trash)
+        except FileNotFoundError:
+            return
+        shutil.rmtree(trash, ignore_errors=True)
 
+    def cleanup(self, older_than: float = 30 * 60) -> list[Path]:
+        """Delete what crashed writers left behind: `.tmp-*` folders and files and `.parts-*` folders
+        untouched for `older_than` seconds, and every `.trash-*` folder. Returns what was removed.
 
-# ---------------------------------------------------------------------------------------------------------------------
-# helpers
-
-
-def _check_step(step: int) -> int:
-    if isinstance(step, bool) or int(step) != step or step < 0:
-        raise ValueError(f"step must be a non-negative integer, got {step!r}")
-    return int(step)
-
-
-def _is_plain_part_name(name: Any) -> bool:
-    """A name that stays inside a step folder: no absolute path, '..', NUL or empty component; bounded length."""
-    return isinstance(name, str) and len(name) <= PART_NAME_MAX and _PART_RE.fullmatch(name) is not None
-
-
-def _check_part_name(name: str) -> None:
-    if not _is_plain_part_name(name) or name in _RESERVED:
-        raise ValueError(
-            f"part name {name!r}: use a file name of letters, digits, '.', '_', '-' (or data/<task>.json), "
-            f"not one of {sorted(_RESERVED)}"
-        )
-
-
-def _json_bytes(obj: Any) -> bytes:
-    return json.dumps(obj, allow_nan=False, separators=(",", ":")).encode()
-
-
-def _step_numbers(names: Iterable[str]) -> list[int]:
-    """The steps of the names that are step folders' (as `step_dir` spells them)."""
-    out = []
-    for m in map(_STEP_RE.fullmatch, names):
-        if m and m.group(0) == f"step-{int(m.group(1)):08d}":
-            out.append(int(m.group(1)))
-    return out
-
-
-def _damaged(folder: Path, path: Path, why: str) -> CheckpointError:
-    """The error for a file of step folder `folder` that cannot be used, with the fix."""
-    m = _STEP_RE.fullmatch(folder.name)
-    which = f"step {int(m.group(1))}" if m else f"the checkpoint in {folder}"
-    error = CheckpointError(
-        f"{path}: {why}; {which} cannot be used: move {folder} away (or delete it) to resume from an earlier step"
-    )
-    error.reason = f"{path}: {why}"  # what resume_step's warning quotes: it names the fix itself
-    return error
-
-
-def _part_path(folder: Path, name: str) -> Path:
-    """`folder / name`, refused if a symlink takes it outside `folder` (the manifest checked `name` itself)."""
-    path = folder / name
-    real, inside = os.path.realpath(path), os.path.realpath(folder)
-    if os.path.commonpath([real, inside]) != inside:
-        raise _damaged(folder, path, f"a symlink to {real}, outside the step folder")
-    return path
-
-
-def _read_bytes(folder: Path, path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except FileNotFoundError as e:
-        raise CheckpointError(f"{path}: listed in the {MANIFEST} manifest but missing; delete {folder}") from e
-    except (IsADirectoryError, NotADirectoryError) as e:
-        raise _damaged(folder, path, "not a file") from e
-
-
-def _check_part(folder: Path, name: str, expected: Mapping[str, Any], verify: bool) -> Path:
-    """The path of part `name`, checked to exist at the manifest's size and (`verify`) sha256."""
-    path = _part_path(folder, name)
-    try:
-        size, digest = _hash_file(path, fsync=False) if verify else (path.stat().st_size, None)
-    except FileNotFoundError as e:
-        raise CheckpointError(f"{path}: listed in the {MANIFEST} manifest but missing; delete {folder}") from e
-    except (IsADirectoryError, NotADirectoryError) as e:
-        raise _damaged(folder, path, "not a file") from e
-    _check_size_and_hash(folder, path, size, digest, expected)
-    return path
-
-
-def _check_size_and_hash(folder: Path, path: Path, size: int, digest: str | None, expected: Mapping[str, Any]):
-    if size == expected["size"] and digest in (None, expected["sha256"]):
-        return
-    got = f"size {size}" + (f", sha256 {digest[:12]}…" if digest else "")
-    raise CheckpointError(
-        f"{path}: damaged ({got}; the manifest says size {expected['size']}, sha256 {expected['sha256'][:12]}…). "
-        f"Delete {folder} to resume from the previous checkpoint, or load(step=...) an earlier one."
-    )
-
-
-def _check_format(folder: Path, path: Path, data: bytes) -> None:
-    """Parse a part as its name says, so a bad one is named here instead of deep inside the task reading it."""
-    if path.suffix == ".json":
-        _parse_json(folder, path, data)
-    elif path.suffix == ".safetensors":
-        try:
-            with safe_open(str(path), framework="pt"):  # reads and checks the header only
-                pass
-        except SafetensorError as e:
-            raise _damaged(folder, path, f"not a readable safetensors file ({e})") from e
-
-
-def _parse_json(folder: Path, path: Path, data: bytes, strict: bool = False) -> Any:
-    try:
-        return json.loads(data, parse_constant=_refuse_constant) if strict else json.loads(data)
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError and too long ints are ValueErrors
-        raise _damaged(folder, path, f"not valid JSON ({e})") from e
-
-
-def _refuse_constant(token: str) -> Any:
-    raise ValueError(f"{token} is not a number in strict JSON")
-
-
-def _read_json(folder: Path, name: str) -> Any:
-    path = _part_path(folder, name)
-    return _parse_json(folder, path, _read_bytes(folder, path))
-
-
-def _read_state(folder: Path) -> tuple[dict[str, Any], float | None]:
-    """state.json's `extra` and `time`."""
-    path = folder / "state.json"
-    state = _read_json(folder, "state.json")
-    if not isinstance(state, dict):
-        raise _damaged(folder, path, f"a JSON {type(state).__name__}, not an object")
-    try:
-        extra = unflatten_state({}, state.get("extra")) or {}
-    except ValueError as e:
-        raise _damaged(folder, path, str(e)) from e
-    saved = state.get("time")
-    if not isinstance(extra, dict) or not (saved is None or _is_number(saved)):
-        raise _damaged(folder, path, "extra is not an object or time not a number")
-    return extra, saved
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _read_manifest(folder: Path) -> dict[str, Any]:
-    path = _part_path(folder, MANIFEST)
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            data = f.read(MANIFEST_MAX_BYTES + 1)
-    except FileNotFoundError as e:
-        raise CheckpointError(f"{folder}: no {MANIFEST} marker, so it is not a finished checkpoint") from e
-    if len(data) > MANIFEST_MAX_BYTES:
-        raise _damaged(folder, path, f"{max(size, len(data))} bytes, more than a manifest may have "
-                                     f"({MANIFEST_MAX_BYTES})")
-    return _check_manifest(folder, path, _parse_json(folder, path, data, strict=True))
-
-
-def _check_manifest(folder: Path, path: Path, manifest: Any) -> dict[str, Any]:
-    """`manifest` if it is one for `folder`: right format, version and step, part names inside the folder."""
-    parts = manifest.get("parts") if isinstance(manifest, dict) else None
-    if not isinstance(parts, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: not a {FORMAT} manifest; delete {folder}")
-    if type(manifest.get("version")) is not int or manifest["version"] != VERSION:
-        raise CheckpointError(
-            f"{path}: checkpoint format version {manifest.get('version')!r}, this conveyor reads {VERSION}; "
-            f"resume with the conveyor version that wrote it"
-        )
-    m, step = _STEP_RE.fullmatch(folder.name), manifest.get("step")
-    if type(step) is not int or (m is not None and int(m.group(1)) != step):
-        raise CheckpointError(f"{path}: the manifest is for step {step!r}, not {folder.name}; delete it")
-    if "time" in manifest and not _is_number(manifest["time"]):
-        raise _damaged(folder, path, f"time {manifest['time']!r} is not a number")
-    for name, entry in parts.items():
-        if not _is_plain_part_name(name):
-            shown = name if len(name) <= 80 else name[:80] + "…"
-            raise _damaged(folder, path, f"part {shown!r} is not a plain name inside {folder.name} (at most "
-                                         f"{PART_NAME_MAX} letters, digits, '.', '_', '-', and one '/')")
-        if not (isinstance(entry, dict) and _is_size(entry.get("size")) and isinstance(entry.get("sha256"), str)
-                and _SHA256_RE.fullmatch(entry["sha256"])):
-            raise _damaged(folder, path, f"part {name!r} is not listed as {{size: bytes, sha256: 64 hex digits}}")
-    return manifest
-
-
-def _is_size(v: Any) -> bool:
-    return type(v) is int and v >= 0
-
-
-def _hash_file(path: Path, fsync: bool) -> tuple[int, str]:
-    h = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-            size += len(chunk)
-        if fsync:
-            os.fsync(f.fileno())  # files written by safetensors' Rust writer are synced here
-    return size, h.hexdigest()
+        The age limit protects a writer that is still busy (possibly on another machine): keep it
+        well above the time one checkpoint takes to write.
+        """
+        removed = []
+        if not self.root.is_dir():
+            return removed
+        now = time.time()
+        for p in self.root.iterdir():
+            # ".latest-*": the pointer's temporary file as conveyor before fileio.atomic_write named it
+            stale = p.name.startswith((".tmp-", ".parts-", ".latest-")) and now - _newest_mtime(p) >= older_than
+            if stale or p.name.startswith(".trash-"):
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
+                removed.append(p)
+        return removed
 
 
 def _newest_mtime(path: Path) -> float:
@@ -810,10 +427,3 @@ def _newest_mtime(path: Path) -> float:
         return newest
     except FileNotFoundError:
         return time.time()
-
-
-def _unlink(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

@@ -14,8 +14,9 @@
         with prof.span("checkpoint"):        # work between steps: eval, checkpoints, logging
             ...
     prof.write_trace(out / "trace" / f"worker-{rank}.json")     # open in ui.perfetto.dev
-    plot_timeline(prof.trace(), out / "plots" / "timeline.png")
-    plot_step_breakdown(prof.steps, out / "plots" / "step_breakdown.png")
+
+The pictures drawn from the trace and the steps are `conveyor.train.plots` (matplotlib, an extra);
+this module measures and writes the trace, and never imports matplotlib.
 
 What the numbers mean:
 
@@ -54,9 +55,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from conveyor.extras import optional_import
+from conveyor.fileio import atomic_write
 
-__all__ = ["PHASES", "StepProfiler", "StepTimes", "plot_step_breakdown", "plot_timeline"]
+__all__ = ["PHASES", "StepProfiler", "StepTimes"]
 
 PHASES = ("input_wait", "forward_backward", "communication", "optimizer")
 _MARKED = ("input_wait", "forward_backward", "optimizer")  # the phases that follow one another in time
@@ -110,6 +111,15 @@ class StepProfiler:
         self._last = 0.0
         self._phase: dict[str, float] = {}
         self._pipeline_prev: dict[str, Any] = {}
+
+    @classmethod
+    def from_steps(cls, steps: Iterable[StepTimes], rank: int = 0) -> StepProfiler:
+        """A profiler holding `steps` (recorded elsewhere), whose `trace()` starts at the first step."""
+        prof = cls(rank)
+        prof.steps = list(steps)
+        if prof.steps:
+            prof._origin_perf, prof._origin_wall = prof.steps[0].start, 0.0
+        return prof
 
     # ---- recording
 
@@ -270,174 +280,9 @@ class StepProfiler:
                 "otherData": {"producer": "conveyor.train.profiler", "rank": pid}}
 
     def write_trace(self, path: str | os.PathLike[str]) -> Path:
-        """Write `trace()` to `path` atomically (temp file + rename) and return the path."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(self.trace(), separators=(",", ":")))
-        os.replace(tmp, path)
-        return path
+        """Write `trace()` to `path` atomically (`conveyor.fileio.atomic_write`) and return the path."""
+        return atomic_write(path, json.dumps(self.trace(), separators=(",", ":")).encode())
 
 
 def _median(values: Sequence[float]) -> float:
     return float(statistics.median(values)) if values else 0.0
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# plots
-
-# category -> (colour, the trace event names that belong to it)
-_CATEGORIES = {
-    "input wait (CPU input work)": ("tab:orange", ("input_wait",)),
-    "compute (forward+backward)": ("tab:blue", ("forward_backward",)),
-    "communication": ("tab:green", ("communication",)),
-    "optimizer": ("tab:purple", ("optimizer",)),
-    "eval / checkpoint / other": ("tab:gray", None),  # every other span on the trainer track
-}
-
-
-def _pyplot():
-    """pyplot drawing into files, or None (said once on stderr) when the `plots` extra is missing."""
-    matplotlib = optional_import("matplotlib", skipped="the plots (plots/*.png)", extra="plots")
-    if matplotlib is None:
-        return None
-    matplotlib.use("Agg", force=False)  # files only; never open a window from a training job
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _load_trace(trace: Mapping[str, Any] | str | os.PathLike[str] | Iterable[StepTimes]) -> dict[str, Any]:
-    if isinstance(trace, (str, os.PathLike)):
-        return json.loads(Path(trace).read_text())
-    if isinstance(trace, Mapping):
-        return dict(trace)
-    prof = StepProfiler()  # a list of StepTimes: rebuild a trace around them
-    prof.steps = list(trace)
-    if prof.steps:
-        prof._origin_perf, prof._origin_wall = prof.steps[0].start, 0.0
-    return prof.trace()
-
-
-def plot_timeline(trace: Mapping[str, Any] | str | os.PathLike[str] | Iterable[StepTimes],
-                  path: str | os.PathLike[str], *, max_seconds: float | None = None) -> Path | None:
-    """Draw the timeline of one worker: one row of bars (`broken_barh`) per category over time.
-
-    `trace`: a `StepProfiler.trace()` dict, a path to a trace JSON, or a list of `StepTimes`.
-    The rows show when the loop waited for input (the CPU input pipeline was the bottleneck), when
-    it computed, communicated and stepped the optimizer, and other work (evaluation, checkpoints).
-    When the trace holds input-pipeline counters, a second panel plots each stage's busy fraction
-    (the CPU input work running in the background) over the same time axis. `max_seconds` clips
-    the time axis (a long run's bars are thinner than a pixel otherwise). Returns None, drawing
-    nothing, without matplotlib.
-    """
-    plt = _pyplot()
-    if plt is None:
-        return None
-    data = _load_trace(trace)
-    events = [e for e in data.get("traceEvents", ()) if e.get("ph") == "X" and e.get("name") != "step"]
-    counters = [e for e in data.get("traceEvents", ()) if e.get("ph") == "C"]
-    times = [e["ts"] for e in events] + [e["ts"] for e in counters]
-    t0 = min(times) if times else 0.0
-
-    rows: dict[str, list[tuple[float, float]]] = {c: [] for c in _CATEGORIES}
-    for e in events:
-        start, dur = (e["ts"] - t0) / 1e6, e.get("dur", 0.0) / 1e6
-        if max_seconds is not None and start > max_seconds:
-            continue
-        cat = next((c for c, (_, names) in _CATEGORIES.items() if names and e["name"] in names),
-                   "eval / checkpoint / other")
-        rows[cat].append((start, max(dur, 1e-6)))
-
-    panels = 2 if counters else 1
-    fig, axes = plt.subplots(panels, 1, figsize=(12, 3.2 + 2.2 * (panels - 1)), sharex=True, squeeze=False)
-    ax = axes[0][0]
-    names = list(_CATEGORIES)
-    for i, cat in enumerate(names):
-        colour = _CATEGORIES[cat][0]
-        if rows[cat]:
-            ax.broken_barh(rows[cat], (len(names) - 1 - i - 0.4, 0.8), facecolors=colour, edgecolor="none")
-    ax.set_yticks(range(len(names)))
-    ax.set_yticklabels(list(reversed(names)))
-    ax.set_ylim(-0.6, len(names) - 0.4)
-    pid = (data.get("otherData") or {}).get("rank", "?")
-    ax.set_title(f"worker {pid}: where the training loop's time goes")
-    ax.grid(axis="x", alpha=0.3)
-    if counters:
-        cax = axes[1][0]
-        series: dict[str, list[tuple[float, float]]] = {}
-        for e in counters:
-            t = (e["ts"] - t0) / 1e6
-            if max_seconds is not None and t > max_seconds:
-                continue
-            for k, v in e.get("args", {}).items():
-                if k.startswith("busy "):
-                    series.setdefault(k[5:], []).append((t, v))
-        for name, pts in series.items():
-            cax.step([p[0] for p in pts], [p[1] for p in pts], where="pre", label=name)
-        cax.set_ylabel("input stage busy\n(cores)")
-        if series:
-            cax.legend(loc="upper right", fontsize="small")
-        cax.grid(alpha=0.3)
-    axes[-1][0].set_xlabel("seconds since the first event")
-    fig.tight_layout()
-    return _save(fig, plt, path)
-
-
-def plot_step_breakdown(steps: Sequence[StepTimes], path: str | os.PathLike[str], *,
-                        max_bars: int = 400) -> Path | None:
-    """Stacked bars of each step's phases (input wait, forward+backward, optimizer, other), with
-    the measured communication as a line: a step whose orange part is large waited for data.
-
-    More than `max_bars` steps are averaged in equal groups so the bars stay readable. Returns
-    None, drawing nothing, without matplotlib.
-    """
-    plt = _pyplot()
-    if plt is None:
-        return None
-    steps = list(steps)
-    if not steps:
-        fig, ax = plt.subplots(figsize=(12, 4))
-        ax.text(0.5, 0.5, "no steps recorded", ha="center", va="center", transform=ax.transAxes)
-        ax.set_axis_off()
-        return _save(fig, plt, path)
-    groups: list[list[StepTimes]] = [[s] for s in steps]
-    if len(steps) > max_bars:
-        size = -(-len(steps) // max_bars)
-        groups = [steps[i : i + size] for i in range(0, len(steps), size)]
-    xs = [g[0].step for g in groups]
-    mean = lambda g, attr: sum(getattr(s, attr) for s in g) / len(g) * 1e3  # ms
-    fig, ax = plt.subplots(figsize=(12, 4))
-    bottom = [0.0] * len(groups)
-    width = (xs[1] - xs[0]) * 0.9 if len(xs) > 1 else 0.8
-    for attr, label, colour in (
-        ("input_wait", "input wait", "tab:orange"),
-        ("forward_backward", "forward+backward (incl. overlapped comm.)", "tab:blue"),
-        ("optimizer", "optimizer", "tab:purple"),
-        ("other", "other", "tab:gray"),
-    ):
-        heights = [mean(g, attr) for g in groups]
-        ax.bar(xs, heights, width=width, bottom=bottom, label=label, color=colour, align="edge")
-        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
-    comm = [mean(g, "communication") for g in groups]
-    if any(comm):
-        ax.plot([x + width / 2 for x in xs], comm, color="tab:green", label="communication (measured)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("milliseconds")
-    ax.set_title("step time breakdown" + (f" (mean of {len(groups[0])} steps per bar)" if len(groups[0]) > 1 else ""))
-    ax.legend(loc="upper right", fontsize="small")
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    return _save(fig, plt, path)
-
-
-def _save(fig, plt, path: str | os.PathLike[str]) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
-    try:
-        fig.savefig(tmp, dpi=110)
-        os.replace(tmp, path)
-    finally:
-        plt.close(fig)
-    return path

@@ -21,7 +21,7 @@ into strings, `betas` is a tuple JSON would turn into a list, a learning rate ma
     {"__tuple__": [...]}          a tuple
     {"__float__": "nan"}          a non-finite float ("nan", "inf", "-inf")
     {"__npscalar__": "float32", "value": 1.5}   a numpy scalar
-    {"__bytes__": base64}         bytes
+    {"__bytes__": base64}         bytes (`conveyor.fileio.bytes_to_json`)
 
 Tensor names are the tree's key path joined with "." (`state.0.exp_avg`), so for a model's
 `state_dict()` they are exactly its keys and `model.safetensors` loads with any safetensors tool.
@@ -32,12 +32,11 @@ the same dropout masks and augmentations the uninterrupted one would have drawn.
 
 from __future__ import annotations
 
-import base64
 import math
 import os
 import random
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +44,8 @@ import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from conveyor.fileio import bytes_from_json, bytes_to_json, umask_mode
 
 STATE_FORMAT = "conveyor.state"
 STATE_VERSION = 1
@@ -133,7 +134,7 @@ def _encode(x: Any, path: tuple[str, ...], tensors: dict[str, Any]) -> Any:
             raise TypeError(f"{_where(path)}: numpy scalars of dtype {x.dtype} cannot be stored without pickle")
         return {"__npscalar__": x.dtype.name, "value": _encode(x.item(), path, tensors)}
     if isinstance(x, (bytes, bytearray)):
-        return {"__bytes__": base64.b64encode(bytes(x)).decode("ascii")}
+        return {"__bytes__": bytes_to_json(x)}
     if isinstance(x, Mapping):
         return _encode_dict(x, path, tensors)
     if isinstance(x, tuple):  # includes torch.Size and named tuples (those come back as plain tuples)
@@ -197,7 +198,7 @@ def _decode(x: Any, tensors: Mapping[str, Any]) -> Any:
         if dtype.kind not in "biuf" or isinstance(value, str) or not isinstance(value, (bool, int, float)):
             raise ValueError(f"__npscalar__ {x['__npscalar__']!r} with value {value!r}")
         return dtype.type(value)
-    return base64.b64decode(x["__bytes__"], validate=True)  # "__bytes__"
+    return bytes_from_json(x["__bytes__"])  # "__bytes__"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -232,26 +233,7 @@ def save_tensors(
                 seen.add(key)
         prepared[name] = t
     save_file(prepared, str(path), metadata=dict(metadata) if metadata else None)
-    os.chmod(path, umask_mode())  # safetensors writes a 0600 temp file and renames it
-
-
-def umask_mode(base: int = 0o666) -> int:
-    """`base` less the process umask: the mode `open()` gives a new file.
-
-    Every file conveyor writes into an output folder gets this mode, like any Unix tool's output
-    (a shared folder must be readable by other hosts and TensorBoard; `umask 077` makes it private).
-    Writers whose library picks its own mode (a temp file created 0600, then renamed) chmod to it.
-    """
-    try:  # Linux reports it; os.umask can only read it by setting it, which races with other threads
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return base & ~int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return base & ~mask
+    os.chmod(path, umask_mode())  # safetensors writes a 0600 temp file and renames it (see conveyor.fileio)
 
 
 def load_tensors(
@@ -322,25 +304,26 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 
 def rng_to_json(state: Mapping[str, Any]) -> dict[str, Any]:
     """`rng_state()` as plain JSON (a worker's data state carries it): torch's byte blobs in base64."""
-    out = {k: v for k, v in state.items() if k in ("python", "numpy")}
-    out["torch"] = _b64(state["torch"])
-    if "cuda" in state:
-        out["cuda"] = [_b64(s) for s in state["cuda"]]
-    return out
+    return _map_blobs(state, _b64)
 
 
 def rng_from_json(state: Mapping[str, Any]) -> dict[str, Any]:
     """Undo `rng_to_json`: a state for `set_rng_state`."""
+    return _map_blobs(state, _blob)
+
+
+def _map_blobs(state: Mapping[str, Any], convert: Callable[[Any], Any]) -> dict[str, Any]:
+    """`state` with torch's and CUDA's generator states passed through `convert`; Python's and numpy's as they are."""
     out = {k: v for k, v in state.items() if k in ("python", "numpy")}
-    out["torch"] = _blob(state["torch"])
+    out["torch"] = convert(state["torch"])
     if "cuda" in state:
-        out["cuda"] = [_blob(s) for s in state["cuda"]]
+        out["cuda"] = [convert(s) for s in state["cuda"]]
     return out
 
 
 def _b64(t: torch.Tensor) -> str:
-    return base64.b64encode(t.cpu().numpy().tobytes()).decode("ascii")
+    return bytes_to_json(t.cpu().numpy().tobytes())
 
 
 def _blob(s: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+    return torch.frombuffer(bytearray(bytes_from_json(s)), dtype=torch.uint8)

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from conveyor.train.profiler import StepProfiler, plot_step_breakdown, plot_timeline
+from conveyor.fileio import atomic_write
+from conveyor.train.plots import plot_step_breakdown, plot_timeline
+from conveyor.train.profiler import StepProfiler
 
 __all__ = ["summarize", "write_json_atomic"]
 
@@ -65,7 +66,7 @@ def _write_trace_and_plots(job: Any, prof: StepProfiler, out: Path) -> dict[str,
     plots = [out / "plots" / "timeline.png", out / "plots" / "step_breakdown.png"]
     if job.is_chief and prof.steps:  # a run that had nothing left to do keeps the plots of the run before
         plot_timeline(prof.trace(), plots[0])
-        plot_step_breakdown(prof.steps, plots[1])
+        plot_step_breakdown(prof.steps, plots[1], rank=job.rank, total_steps=prof.step_count)
     return {
         "metrics": str(out / "metrics.jsonl"),
         "tensorboard": str(out / "tensorboard"),
@@ -80,10 +81,8 @@ def _finite(v: Any) -> Any:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, allow_nan=False, default=_json_default) + "\n")
-    os.replace(tmp, path)
+    """`obj` as indented strict JSON at `path`, atomically (`conveyor.fileio.atomic_write`)."""
+    atomic_write(path, (json.dumps(obj, indent=2, allow_nan=False, default=_json_default) + "\n").encode())
 
 
 def _json_default(x: Any) -> Any:

@@ -9,34 +9,19 @@ the step folder) is a finding.
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
+
+import _common
 
 from conveyor.train.checkpoint import MANIFEST, CheckpointError, CheckpointManager
 
 EXPECTED = (CheckpointError,)
 
-_PREFIX = "conveyor-fuzz-checkpoint-"
 
 
-def _sweep() -> None:
-    """Remove the folders of earlier runs whose process is gone: libFuzzer ends with _exit, which skips atexit."""
-    root = tempfile.gettempdir()
-    for name in os.listdir(root):
-        pid = name[len(_PREFIX):].split("-")[0]
-        if name.startswith(_PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-            shutil.rmtree(os.path.join(root, name), True)
-
-
-if os.path.isdir("/proc"):
-    _sweep()
-_root = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-"))
-atexit.register(shutil.rmtree, _root, True)
+_root = Path(_common.private_temp_dir("conveyor-fuzz-checkpoint-"))
 _mgr = CheckpointManager(_root / "checkpoints", keep=None, fsync=False)
 # Every input skips the step: one warning each would flood the fuzzer's output.
 logging.getLogger("conveyor.train.checkpoint").setLevel(logging.ERROR)

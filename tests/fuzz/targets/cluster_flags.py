@@ -3,6 +3,8 @@ tasks-per-node lists, and ``discover()`` over an environment built from the same
 per line; the lines are also the argv). Oracle: bad input is only ever a ClusterConfigError, and what is
 discovered is a consistent identity (rank inside the world, local rank inside the node, a real port)."""
 
+import _common
+
 from conveyor.cluster import (
     ClusterConfigError,
     Discovered,
@@ -14,7 +16,6 @@ from conveyor.cluster import (
 from conveyor.cluster.spec import parse_host
 
 EXPECTED = (ClusterConfigError,)
-_MAX_EXPANDED = 1 << 18  # characters: keeps each input well under 10 ms
 
 SEEDS = [
     b"--ps_hosts=ps0:2222,ps1:2222\n--worker_hosts=w0:2222,[::1]:2222\n--job_name=worker\n--task_index=1\n--lr=0.1",
@@ -30,7 +31,8 @@ SEEDS = [
 
 def target(data: bytes) -> None:
     """Run every parser on ``data``; each may refuse it (ClusterConfigError), none may fail another way."""
-    text = _expand_runs(data.decode("utf-8", "surrogateescape"))  # as os.environ and sys.argv decode undecodable bytes
+    # decoded as os.environ and sys.argv decode undecodable bytes
+    text = _common.expand_runs(data.decode("utf-8", "surrogateescape"))
     lines = text.split("\n")
     env = dict(line.partition("=")[::2] for line in lines)
     for parse in (_flags, _hostlists, _discover):
@@ -71,19 +73,3 @@ def _discover(lines: list[str], env: dict[str, str]) -> None:
     assert 0 <= found.local_rank < found.local_world_size <= found.world_size
     if found.world_size > 1:
         assert found.master_addr is not None and found.master_port is not None
-
-
-def _expand_runs(text: str) -> str:
-    """NUL, a character c and a count character n stand for c written 32 * (ord(n) % 256) times.
-
-    No environment variable or argv string can hold NUL, so the escape hides no real input; it lets the
-    fuzzer reach what its 4 KiB inputs cannot spell out (1000-level nesting, 5000-digit numbers).
-    """
-    head, *runs = text.split("\x00")
-    out, size = [head], len(head)
-    for run in runs:
-        count = 32 * (ord(run[1]) % 256) if len(run) >= 2 else 0
-        piece = run[:1] * min(count, max(0, _MAX_EXPANDED - size)) + run[2:]
-        out.append(piece)
-        size += len(piece)
-    return "".join(out)

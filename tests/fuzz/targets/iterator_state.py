@@ -9,34 +9,19 @@ fuzzer reaches the checks deep inside the tree instead of stopping at the format
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
-import shutil
-import tempfile
 import warnings
+
+import _common
 
 from conveyor.data import Dataset, StateError, TFRecordDataset, TFRecordWriter
 
 EXPECTED = (StateError,)  # StateMismatchError (other pipeline, changed file) is one
 
-_PREFIX = "conveyor-fuzz-state-"
 
 
-def _sweep() -> None:
-    """Remove the folders of earlier runs whose process is gone: libFuzzer ends with _exit, which
-    skips atexit."""
-    root = tempfile.gettempdir()
-    for name in os.listdir(root):
-        pid = name[len(_PREFIX):].split("-")[0]
-        if name.startswith(_PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-            shutil.rmtree(os.path.join(root, name), True)
-
-
-if os.path.isdir("/proc"):
-    _sweep()
-_DIR = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-")
-atexit.register(shutil.rmtree, _DIR, True)
+_DIR = _common.private_temp_dir("conveyor-fuzz-state-")
 _FILES = []
 for _i, _n in enumerate((3, 5, 4)):
     _FILES.append(os.path.join(_DIR, f"part-{_i}.tfrecord"))

@@ -1,10 +1,11 @@
 """Fuzz target: TF_CONFIG text → ``parse_tf_config``; oracle: bad input is only ever a ClusterConfigError,
 and whatever parses is re-emitted by ``to_tf_config`` as text that parses back to the same cluster and task."""
 
+import _common
+
 from conveyor.cluster import ClusterConfigError, ClusterSpec, parse_tf_config
 
 EXPECTED = (ClusterConfigError,)
-_MAX_EXPANDED = 1 << 18  # characters: keeps each input well under 10 ms
 
 SEEDS = [
     b'{"cluster": {"chief": ["c0:2222"], "worker": ["w0:2222", "w1:2222"], "ps": ["p0:2222"]}, '
@@ -20,7 +21,7 @@ SEEDS = [
 
 def target(data: bytes) -> None:
     """Parse ``data`` as TF_CONFIG (decoded as os.environ decodes it); check the round trip when it parses."""
-    text = _expand_runs(data.decode("utf-8", "surrogateescape"))
+    text = _common.expand_runs(data.decode("utf-8", "surrogateescape"))
     spec, task = parse_tf_config(text)
     emitted = spec.to_tf_config(task.type, task.index)
     assert parse_tf_config(emitted) == (spec, task), emitted
@@ -28,19 +29,3 @@ def target(data: bytes) -> None:
     assert spec.to_tf_config(task.type, task.index) == emitted
     if task.is_training:
         assert 0 <= spec.rank_of(task) < spec.world_size
-
-
-def _expand_runs(text: str) -> str:
-    """NUL, a character c and a count character n stand for c written 32 * (ord(n) % 256) times.
-
-    No environment variable or argv string can hold NUL, so the escape hides no real input; it lets the
-    fuzzer reach what its 4 KiB inputs cannot spell out (1000-level nesting, 5000-digit numbers).
-    """
-    head, *runs = text.split("\x00")
-    out, size = [head], len(head)
-    for run in runs:
-        count = 32 * (ord(run[1]) % 256) if len(run) >= 2 else 0
-        piece = run[:1] * min(count, max(0, _MAX_EXPANDED - size)) + run[2:]
-        out.append(piece)
-        size += len(piece)
-    return "".join(out)

@@ -3,12 +3,7 @@ _tfrecord_common.py (records and the offset of the first DataLossError must matc
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-_spec = importlib.util.spec_from_file_location("_tfrecord_common", Path(__file__).with_name("_tfrecord_common.py"))
-_common = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_common)
+import _tfrecord_common as _common
 
 COMPRESSION = "ZLIB"
 EXPECTED = _common.EXPECTED

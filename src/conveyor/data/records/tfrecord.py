@@ -32,6 +32,7 @@ from typing import BinaryIO
 import numpy as np
 
 from conveyor.data.errors import DataLossError
+from conveyor.fileio import atomic_write
 
 from .crc import masked_crc32c
 
@@ -501,15 +502,7 @@ def write_index(
     target = os.fspath(index_path) if index_path is not None else default_index_path(path)
     values = [int(v) for v in np.asarray(offsets, dtype=np.int64).reshape(-1)]
     _check_offsets(values, target)
-    tmp = f"{target}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="ascii", newline="\n") as f:
-            f.write("".join(f"{v}\n" for v in values))
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    atomic_write(target, "".join(f"{v}\n" for v in values).encode("ascii"))
     return target
 
 

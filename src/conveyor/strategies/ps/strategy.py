@@ -72,6 +72,7 @@ import torch.distributed as dist
 from torch import nn
 
 from conveyor.comm.process_group import collective_guard
+from conveyor.fileio import atomic_write
 from conveyor.strategies.base import Strategy, check_optimizer
 from conveyor.strategies.coordination import Coordinator, IndependentCoordinator, LockstepCoordinator
 from conveyor.strategies.ps.client import PSClient
@@ -234,7 +235,7 @@ class PSStrategy(Strategy):
               f"{[s['dropped'] for s in stats['servers']]}", flush=True)
         out = getattr(self._job, "output_dir", None)
         if out is not None:
-            (Path(out) / "ps-stats.json").write_text(json.dumps(stats, indent=1))
+            atomic_write(Path(out) / "ps-stats.json", json.dumps(stats, indent=1).encode())
 
 
 class _ServerBoard:
