@@ -104,6 +104,20 @@ class Strategy(ABC):
         mark("optimizer")
         return loss.detach()
 
+    def data_shard(self) -> tuple[int, int]:
+        """(number of shards, this process's shard) of the training data: ``(world_size, rank)`` for data
+        parallelism; strategies whose processes share a batch (pipeline stages) say otherwise."""
+        return int(self.job.world_size), int(self.job.rank)
+
+    def counted_samples(self, samples: int) -> int:
+        """How many of a step's ``samples`` this process counts in throughput figures (summed over ranks)."""
+        return samples
+
+    def eval_forward(self, module: nn.Module, inputs: Any) -> Any:
+        """The outputs of ``module`` for ``inputs`` in evaluation (no gradients); None: this process has
+        none, and leaves the batch's loss and metric to the process that has them."""
+        return module(inputs)
+
     def __str__(self) -> str:
         return self.name
 

@@ -179,13 +179,13 @@ class Trainer:
         if self.eval_data is None:
             return {}
         data = self.eval_data
-        world = int(self.job.world_size)
-        if collective and world > 1 and not data.is_sharded(world):
-            data = self._shard_eval_data(world)
+        shards, index = self.job.data_shard
+        if collective and shards > 1 and not data.is_sharded(shards):
+            data = self._shard_eval_data(shards, index)
         return evaluate(self.module, data, self.loss_fn, self.metric_fn, device=self.job.device,
-                        job=self.job if collective else None)
+                        job=self.job if collective else None, forward=self.job.strategy.eval_forward)
 
-    def _shard_eval_data(self, world: int):
+    def _shard_eval_data(self, world: int, index: int):
         """`eval_data` split by batch over the workers, so that every sample is counted once (as tf.distribute's
         auto-sharding does); said once, since the user's own `shard` would also split the reading."""
         if not self._warned_eval_shard:
@@ -193,9 +193,9 @@ class Trainer:
             warnings.warn(f"eval_data is not sharded per worker (no .shard({world}, rank)), so each of the {world} "
                           f"workers would evaluate all of it and every sample would count {world} times; conveyor "
                           f"evaluates every {world}th batch on each worker instead. Shard it yourself "
-                          f"(eval_data.shard(job.world_size, job.rank)) to read only each worker's part.",
+                          f"(eval_data.shard(*job.data_shard)) to read only each worker's part.",
                           stacklevel=4)
-        return self.eval_data.shard(world, int(self.job.rank))
+        return self.eval_data.shard(world, index)
 
 
 class _Run:
@@ -254,7 +254,7 @@ class _Run:
             comm_before = self.strategy.comm_seconds()
             loss = self.strategy.train_step(t.model, t.optimizer, t.loss_fn, inputs, targets, self.prof.mark)
             t.step += 1
-            samples = batch_size(targets)
+            samples = self.strategy.counted_samples(batch_size(targets))
             times = self.prof.end_step(t.step, samples, self.strategy.comm_seconds() - comm_before)
             self.reporter.add(loss, samples, times.input_wait)
             if t.step % self.cfg.log_every_steps == 0:
