@@ -30,6 +30,8 @@ BATCH = 8  # per replica
 STEPS = 10
 MICROBATCHES = 4
 
+DIGITS = Path(__file__).resolve().parents[2] / "examples" / "digits" / "train.py"
+
 _FOREIGN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG",
             "OMP_NUM_THREADS")
 
@@ -81,8 +83,10 @@ def _combined(replicas: int):
 
 
 def launch(scenario: str, out: Path, *, world: int, stages: int, schedule: str, deadline: float = 90.0,
-           extra_env: dict[str, str] | None = None) -> list[dict | None]:
-    """Run SCENARIO on ``world`` processes as `conveyor run --strategy pipeline` would; each rank's JSON."""
+           extra_env: dict[str, str] | None = None, command: list[str] | None = None) -> list[dict | None]:
+    """Run SCENARIO on ``world`` processes as `conveyor run --strategy pipeline` would; each rank's JSON.
+
+    ``command``: another script to run instead (its JSON, if any, is not read)."""
     out.mkdir(parents=True, exist_ok=True)
     ports = free_ports(world + 1)
     spec = local_cluster(num_workers=world, num_ps=0, ports=ports[:world])
@@ -97,7 +101,8 @@ def launch(scenario: str, out: Path, *, world: int, stages: int, schedule: str, 
                 "CONVEYOR_PIPELINE_MICROBATCHES": str(MICROBATCHES), "CONVEYOR_PIPELINE_SCHEDULE": schedule,
                 **(extra_env or {})}
         log = open(out / f"rank{rank}.log", "wb")  # closed by wait_all
-        procs.append((subprocess.Popen([sys.executable, __file__, scenario, str(out)], env=env, stdout=log,
+        argv = command or [__file__, scenario, str(out)]
+        procs.append((subprocess.Popen([sys.executable, *argv], env=env, stdout=log,
                                        stderr=subprocess.STDOUT), log))
     from taskrun import wait_all  # here: this file also runs as the workers' script, outside pytest
 
@@ -152,6 +157,28 @@ def test_two_stages_by_two_replicas_equal_one_process_on_the_combined_batch(tmp_
     for replica in range(2):
         assert_equal_to(merged(results, replica, 2), expected)
     assert [r["data_shard"] for r in results] == [[2, 0], [2, 0], [2, 1], [2, 1]]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_three_uneven_stages_train_the_digits_example_with_the_trainer(tmp_path: Path) -> None:
+    pytest.importorskip("sklearn", reason="the digits come from scikit-learn (pip install 'conveyor[examples]')")
+    command = [str(DIGITS), "--epochs", "10", "--checkpoint-every", "1000"]
+    launch("digits", tmp_path, world=3, stages=3, schedule="1f1b", deadline=240.0, command=command,
+           extra_env={"CONVEYOR_PIPELINE_SPLIT": "features.2,head"})
+    text = logs(tmp_path, 3)
+    summary = json.loads((tmp_path / "output" / "summary.json").read_text())
+    assert summary["strategy"] == "pipeline" and summary["world_size"] == 3, text
+    assert summary["eval_accuracy"] >= 0.95, text
+    pipe = summary["pipeline"]
+    assert [s["layers"] for s in pipe["per_stage"]] == [
+        ["features.0", "features.1"], ["features.2", "features.3", "features.4"], ["head"]]
+    assert pipe["theoretical_bubble_fraction"] == pytest.approx(2 / 6)
+    for stage in pipe["per_stage"]:
+        assert stage["compute_seconds_per_step"] > 0 and 0 <= stage["bubble_fraction"] < 1
+    # 10 epochs of 1437 training digits in batches of 32, counted once (by the first stage), not per stage
+    assert summary["samples"] == 10 * (1437 // 32) * 32
+    assert "pipeline split:" in (tmp_path / "rank0.log").read_text()
 
 
 # -- the workers --------------------------------------------------------------------------------------------------

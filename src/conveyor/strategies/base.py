@@ -79,6 +79,11 @@ class Strategy(ABC):
         """Communication figures for the run's summary beyond ``comm_seconds`` (None: nothing more to say)."""
         return None
 
+    def summary_figures(self) -> dict[str, Any] | None:
+        """Entries for ``summary.json`` that need every rank's figures (collective: every rank calls it at
+        the end of a run; the chief's result is written). None: nothing to add."""
+        return None
+
     def check_prepared(self, model: nn.Module) -> None:
         """Raise when ``model`` is not what :meth:`prepare` returned and training it would go wrong silently."""
         return None

@@ -146,6 +146,7 @@ class Trainer:
                 raise TypeError(f"{name} must be a conveyor.data Dataset (got {type(ds).__name__}); build it with "
                                 f"conveyor.data.Dataset.from_tensor_slices(...) or TFRecordDataset(...)")
         _check_epochs_end(train_data, self.config)
+        _check_data_shard(train_data, job)
         self.job, self.model, self.optimizer, self.loss_fn = job, model, optimizer, loss_fn
         self.train_data, self.eval_data, self.metric_fn = train_data, eval_data, metric_fn
         self.callbacks = list(callbacks)
@@ -450,6 +451,18 @@ def _check_epochs_end(train_data: Any, cfg: TrainConfig) -> None:
         raise ValueError(f"train_data repeats forever (it ends in .repeat() without a count), so an epoch never ends "
                          f"and {asked} would train forever: pass steps_per_epoch=N (batches per epoch) or "
                          f"max_steps=N, or drop the .repeat() (the Trainer runs the epochs itself)")
+
+
+def _check_data_shard(train_data: Any, job: Any) -> None:
+    """Under a strategy whose processes share batches (pipeline stages), a shard per rank would feed each stage
+    of a replica different samples: refuse it with the fix."""
+    world = int(job.world_size)
+    shards, _ = job.data_shard
+    if shards != world and world > 1 and train_data.is_sharded(world):
+        raise ValueError(f"train_data is sharded by the {world} processes (shard(job.world_size, job.rank)), but under "
+                         f"strategy {job.strategy.name!r} the data has {shards} shard(s): every stage of a replica "
+                         f"must read the same batches. Shard with ds.shard(*job.data_shard), which is right under "
+                         f"every strategy")
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:

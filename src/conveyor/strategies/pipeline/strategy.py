@@ -36,6 +36,7 @@ optimizer steps. The numbers equal one process training the whole model on the r
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -48,6 +49,7 @@ from torch import nn
 
 from conveyor.comm.process_group import collective_guard
 from conveyor.strategies.base import Strategy, check_optimizer
+from conveyor.strategies.pipeline.figures import pipeline_figures
 from conveyor.strategies.pipeline.runner import StageRunner, all_reduce_mean, schedule_class
 from conveyor.strategies.pipeline.split import SplitError, SplitPlan, StageModule, meta_copy, plan_split
 
@@ -80,6 +82,7 @@ class PipelineStrategy(Strategy):
         self._pipe_group: Any = None
         self._stage_group: Any = None
         self._comm = 0.0
+        self._announced = False  # the split's table is printed at the first step
 
     # -- setup ------------------------------------------------------------------------------------
 
@@ -153,6 +156,10 @@ class PipelineStrategy(Strategy):
                    inputs: Any, targets: Any, mark: Callable[[str], None]) -> torch.Tensor:
         """One schedule over the microbatches, the replicas' gradient average, the optimizer step."""
         runner = self._runner()
+        if not self._announced:
+            self._announced = True
+            if self.job.is_chief:  # now that the shapes are known
+                print(runner.table(inputs), flush=True)
         optimizer.zero_grad(set_to_none=True)
         with collective_guard(self.job, "pipeline schedule (stage sends and receives)"):
             loss = runner.train(inputs, targets, loss_fn)
@@ -177,6 +184,15 @@ class PipelineStrategy(Strategy):
         last = self.replica * self.plan.num_stages + self.plan.num_stages - 1
         dist.broadcast(buffer, src=last, group=self._pipe_group)
         return buffer
+
+    def summary_figures(self) -> dict[str, Any] | None:
+        """``summary["pipeline"]``: per-stage compute, send/receive wait, measured and theoretical bubble."""
+        if self.runner is None or self.plan is None:
+            return None
+        mine = {"stage": self.stage, **self.runner.seconds}
+        reports = [json.loads(b) for b in self.job.all_gather_bytes(json.dumps(mine).encode())]
+        return {"pipeline": pipeline_figures(reports, stages=self.plan.num_stages, microbatches=int(self.microbatches),
+                                             schedule=self.schedule, split=self.plan.signature())}
 
     def counted_samples(self, samples: int) -> int:
         """Only the first stage counts a batch's samples: every stage of a replica sees the same batch."""
