@@ -75,6 +75,21 @@ class Strategy(ABC):
         """Undo :meth:`save_optimizer` on resume (every rank calls it)."""
         optimizer.load_state_dict(state)
 
+    def checkpoint_model(self, module: nn.Module) -> Any:
+        """What the chief's checkpoint holds as ``model`` (default: the whole module's ``state_dict()``)."""
+        return module.state_dict()
+
+    def checkpoint_parts(self, module: nn.Module, optimizer: Any) -> dict[str, Any]:
+        """State trees this rank adds to a checkpoint, by part name (every rank calls it at each save; the
+        trainer writes each as ``<name>.safetensors`` + ``<name>.json``). Default: none."""
+        return {}
+
+    def restore_checkpoint(self, module: nn.Module, optimizer: Any, saved_optimizer: Any,
+                           read_part: Callable[[str], Any]) -> bool:
+        """Restore ``module`` and ``optimizer`` from a checkpoint the strategy wrote in parts (``read_part(name)``
+        gives a part's state tree); False (the default): the trainer loads ``model`` and the optimizer itself."""
+        return False
+
     def stats(self) -> dict[str, Any] | None:
         """Communication figures for the run's summary beyond ``comm_seconds`` (None: nothing more to say)."""
         return None

@@ -50,7 +50,7 @@ from conveyor.train.evaluation import Evaluator, accuracy, batch_size, evaluate,
 from conveyor.train.profiler import StepProfiler, StepTimes
 from conveyor.train.reporting import Reporter
 from conveyor.train.resume import ResumeError, data_state, optimizer_name, resume
-from conveyor.train.state_io import rng_state
+from conveyor.train.state_io import rng_state, state_to_bytes
 from conveyor.train.summary import summarize
 
 __all__ = ["ResumeError", "StepEnd", "TrainConfig", "Trainer", "accuracy"]
@@ -424,6 +424,11 @@ class _Checkpointer:
             return
         t = self.t
         with self.run.prof.span("checkpoint", step=step):
+            if self.last_saved != step:  # parts of ranks that hold state of their own (pipeline stages)
+                for name, tree in self.job.strategy.checkpoint_parts(t.module, t.optimizer).items():
+                    tensors, meta = state_to_bytes(tree)
+                    t.checkpoints.save_part(step, f"{name}.safetensors", tensors)
+                    t.checkpoints.save_part(step, f"{name}.json", meta)
             mine = json.dumps(self.run.batches.state(), separators=(",", ":")).encode()
             gathered = self.coord.positions(mine, final)
             if self.job.is_chief and self.last_saved != step:  # (meeting at the end, it may be written already)
@@ -432,7 +437,7 @@ class _Checkpointer:
                          "optimizer": optimizer_name(t.optimizer),
                          **self.coord.checkpoint_extra()}
                 optimizer_state, parts = self.job.strategy.save_optimizer(t.optimizer, t.checkpoints, step)
-                t.checkpoints.save(step, t.module.state_dict(), optimizer_state, extra=extra,
+                t.checkpoints.save(step, self.job.strategy.checkpoint_model(t.module), optimizer_state, extra=extra,
                                    data_states=decode_positions(gathered), rng=rng_state(), parts=parts,
                                    parts_timeout=float(self.job.timeout))
         self.last_saved = step

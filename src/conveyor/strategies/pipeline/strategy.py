@@ -55,6 +55,8 @@ from conveyor.strategies.pipeline.split import SplitError, SplitPlan, StageModul
 
 __all__ = ["ENV", "PipelineStrategy"]
 
+_CHECKPOINT_FORMAT = "conveyor.pipeline.stages"
+
 #: the variables ``conveyor run --stages/--microbatches/--schedule/--split`` set
 ENV = {"stages": "CONVEYOR_PIPELINE_STAGES", "microbatches": "CONVEYOR_PIPELINE_MICROBATCHES",
        "schedule": "CONVEYOR_PIPELINE_SCHEDULE", "split": "CONVEYOR_PIPELINE_SPLIT"}
@@ -193,6 +195,48 @@ class PipelineStrategy(Strategy):
         reports = [json.loads(b) for b in self.job.all_gather_bytes(json.dumps(mine).encode())]
         return {"pipeline": pipeline_figures(reports, stages=self.plan.num_stages, microbatches=int(self.microbatches),
                                              schedule=self.schedule, split=self.plan.signature())}
+
+    # -- checkpoints: one part per stage (replica 0's), the chief's optimizer entry names them -------
+
+    def checkpoint_model(self, module: nn.Module) -> Any:
+        return {}  # every stage, the chief's included, is a part of its own
+
+    def checkpoint_parts(self, module: nn.Module, optimizer: Any) -> dict[str, Any]:
+        """Replica 0's stages write ``stage-<i>``: parameters (whole-model names) and optimizer state."""
+        if self.replica != 0:
+            return {}
+        plan = self._plan()
+        return {f"stage-{self.stage}": {"stage": self.stage, "split": plan.signature(),
+                                        "model": self.module.model_state_dict(), "optimizer": optimizer.state_dict()}}
+
+    def save_optimizer(self, optimizer: Any, checkpoints: Any, step: int) -> tuple[Any, list[str]]:
+        plan = self._plan()
+        names = [f"stage-{i}" for i in range(plan.num_stages)]
+        header = {"format": _CHECKPOINT_FORMAT, "split": plan.signature(), "stages": names}
+        return header, [f"{n}.{ext}" for n in names for ext in ("safetensors", "json")]
+
+    def restore_checkpoint(self, module: nn.Module, optimizer: Any, saved_optimizer: Any,
+                           read_part: Callable[[str], Any]) -> bool:
+        """Every process reads its stage's part; a checkpoint of another split is refused, naming both."""
+        plan = self._plan()
+        if not (isinstance(saved_optimizer, dict) and saved_optimizer.get("format") == _CHECKPOINT_FORMAT):
+            raise ValueError("it was not written by the pipeline strategy (it holds the whole model): resume it with "
+                             "the strategy that wrote it")
+        saved = SplitPlan(tuple(tuple(names) for names in saved_optimizer["split"]))
+        if saved != plan:
+            raise ValueError(f"it was written with the split [{saved.short()}] ({saved.num_stages} stages) and this "
+                             f"job splits [{plan.short()}] ({plan.num_stages} stages): resume with the split that "
+                             f"wrote it (--stages {saved.num_stages}, or --split naming the first layer of each "
+                             f"later stage)")
+        state = read_part(f"stage-{self.stage}")
+        self.module.load_model_state_dict(dict(state["model"]))
+        optimizer.load_state_dict(state["optimizer"])
+        return True
+
+    def _plan(self) -> SplitPlan:
+        if self.plan is None or self.module is None:
+            raise RuntimeError("strategy 'pipeline': call job.prepare(model, optimizer) first")
+        return self.plan
 
     def counted_samples(self, samples: int) -> int:
         """Only the first stage counts a batch's samples: every stage of a replica sees the same batch."""
