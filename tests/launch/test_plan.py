@@ -20,6 +20,7 @@ from conveyor.launch import (
     local_plan,
     resolve_strategy,
 )
+from conveyor.launch.plan import TORCHRUN_VARS, run_id
 
 SECRET = bytes(range(32))
 SECRET_HEX = SECRET.hex()
@@ -62,10 +63,22 @@ def test_two_workers_on_one_machine_exact_environment():
             "LOCAL_WORLD_SIZE": "2",
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": "23009",
+            "GROUP_RANK": "0",
+            "GROUP_WORLD_SIZE": "1",
+            "ROLE_NAME": "default",
+            "ROLE_RANK": str(index),
+            "ROLE_WORLD_SIZE": "2",
+            "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "3",
+            "TORCHELASTIC_RUN_ID": run_id(SECRET),
+            "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
             "CONVEYOR_RESTART_COUNT": "0",
             "CONVEYOR_RESUME": "1",
             "CONVEYOR_TIMEOUT": "300",
             "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1",
+            "CONVEYOR_OMP_DEFAULT": "1",
         }
         assert launch.set_vars == tuple(k for k in launch.env if k not in INHERITED)
 
@@ -89,8 +102,54 @@ def test_parameter_servers_get_no_torch_rank_even_when_the_caller_had_one():
         "CONVEYOR_RESUME": "0",
         "CONVEYOR_TIMEOUT": "30.5",
         "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+        "CONVEYOR_OMP_DEFAULT": "1",
     }
     assert ps1.log_path == "/out/run1/logs/ps-1.log"
+
+
+def test_training_tasks_get_every_variable_torchrun_sets_with_its_meaning():
+    nodes = [NodeInfo("10.0.0.1", 2, 0, (7001, 7002)), NodeInfo("10.0.0.2", 3, 1, (8001, 8002, 8003, 8004))]
+    plan = build_plan(options(workers=3, ps=1, strategy="ps-sync", max_restarts=5), nodes, 1,
+                      master_addr="10.0.0.1", master_port=7009, secret=SECRET,
+                      environ={"TORCHELASTIC_RUN_ID": "stale", "GROUP_RANK": "9",
+                               "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"})
+    worker3 = plan.tasks[1].env
+    assert set(TORCHRUN_VARS) <= set(worker3)
+    assert {k: worker3[k] for k in TORCHRUN_VARS} == {
+        "RANK": "3", "GROUP_RANK": "1", "ROLE_RANK": "3", "ROLE_NAME": "default", "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "3", "WORLD_SIZE": "5", "GROUP_WORLD_SIZE": "2", "ROLE_WORLD_SIZE": "5",
+        "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "7009", "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "5", "TORCHELASTIC_RUN_ID": run_id(SECRET),
+        "TORCHELASTIC_USE_AGENT_STORE": "False", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+    }
+    node0 = build_plan(options(workers=3, ps=1, strategy="ps-sync"), nodes, 0, master_addr="10.0.0.1",
+                       master_port=7009, secret=SECRET, environ={})
+    assert node0.tasks[0].env["TORCHELASTIC_RUN_ID"] == worker3["TORCHELASTIC_RUN_ID"]  # one id per job
+    assert run_id(b"another secret" * 2) != run_id(SECRET) and SECRET.hex()[:16] not in run_id(SECRET)
+    ps = plan.tasks[-1].env  # not in the torch group: no rank, no torchrun identity, not even a stale one
+    assert not {"RANK", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID"} & set(ps)
+    assert ps["OMP_NUM_THREADS"] == "1" and ps["CONVEYOR_OMP_DEFAULT"] == "1"
+
+
+def test_omp_num_threads_default_only_when_tasks_share_the_machine_and_the_caller_did_not_set_it():
+    alone = local_plan(options(workers=1), [23001], master_port=23009, secret=SECRET, environ={})
+    assert "OMP_NUM_THREADS" not in alone.tasks[0].env and "CONVEYOR_OMP_DEFAULT" not in alone.tasks[0].env
+    mine = local_plan(options(), [23001, 23002], master_port=23009, secret=SECRET,
+                      environ={"OMP_NUM_THREADS": "4", "CONVEYOR_OMP_DEFAULT": "1"})
+    for launch in mine.tasks:
+        assert launch.env["OMP_NUM_THREADS"] == "4" and "CONVEYOR_OMP_DEFAULT" not in launch.env
+
+
+def test_tf_flags_follow_the_script_for_every_task():
+    plan = local_plan(options(ps=1, strategy="ps-sync", tf_flags=True), [23001, 23002, 23003], master_port=23009,
+                      secret=SECRET, environ={})
+    hosts = ("--ps_hosts=127.0.0.1:23003", "--worker_hosts=127.0.0.1:23001,127.0.0.1:23002")
+    assert [t.argv for t in plan.tasks] == [
+        ("/usr/bin/python3", "train.py", *hosts, f"--job_name={job}", f"--task_index={i}", "--epochs", "1")
+        for job, i in (("worker", 0), ("worker", 1), ("ps", 0))]
+    alone = local_plan(options(tf_flags=True), [23001, 23002], master_port=23009, secret=SECRET, environ={})
+    assert alone.tasks[0].argv[2] == "--ps_hosts="  # TF1 scripts split it; an empty value is no ps
 
 
 def test_chief_option_names_rank_0_chief():
@@ -179,6 +238,7 @@ def test_resolve_strategy_errors_name_the_fix(strategy, world, ps, needle):
     (dict(workers=0), "--workers 0"), (dict(ps=-1), "--ps -1"), (dict(max_restarts=-1), "--max-restarts"),
     (dict(timeout=0), "--timeout 0"), (dict(output_dir="out"), "--output-dir 'out'"),
     (dict(strategy="ring"), "--strategy 'ring'"), (dict(script=""), "SCRIPT"),
+    (dict(linger=-1), "--linger -1"), (dict(tf_flags=True, chief=True), "drop --chief"),
 ])
 def test_run_options_validate_once_naming_the_flag(overrides, needle):
     with pytest.raises(ValueError) as info:

@@ -301,3 +301,130 @@ def test_a_node_without_the_secret_cannot_join():
         assert isinstance(results[1], ValueError) and "secret" in str(results[1])
     finally:
         close(results)
+
+
+# -- the coordination keys are signed too -------------------------------------------------------------------------
+
+
+def intruder_of(endpoint: str):
+    """A raw TCPStore client without the secret: what anyone who reaches the port can do."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    host, port = endpoint.rsplit(":", 1)
+    return TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
+
+
+def forge(store) -> None:
+    """Everything that used to stop, restart or finish a job: plain values and inflated counters."""
+    store.set("conveyor/abort", "forged: stop the job")
+    store.set("conveyor/failed/0", "forged: restart the job")
+    for key in ("conveyor/done/0", "conveyor/stopped/0", "conveyor/left"):
+        store.add(key, 10)
+    for r in range(2):  # and the per-node keys, with something that is not a record
+        for key in (f"conveyor/done/0/{r}", f"conveyor/stopped/0/{r}", f"conveyor/left/{r}"):
+            store.set(key, json.dumps({"node": r}) + "\n" + "0" * 64)
+
+
+def test_forged_coordination_keys_neither_stop_restart_nor_finish_the_job(capsys):
+    endpoint = f"127.0.0.1:{free_ports(1)[0]}"
+    results = join_all(endpoint, [dict(node_rank=0), dict(node_rank=1)])
+    try:
+        assert not [r for r in results if isinstance(r, Exception)], results
+        node0, node1 = (r.peers for r in results)
+        forge(intruder_of(endpoint))
+        for peers in (node0, node1):
+            assert peers.aborted() is None and peers.failure(0) is None
+            assert not peers.all_done(0) and not peers.all_stopped(0)
+        for peers in (node0, node1):
+            peers.aborted(), peers.failure(0)  # asked again: said once only
+        err = capsys.readouterr().err
+        assert err.count("conveyor/abort") == 2 and err.count("conveyor/failed/0") == 2  # once per node
+        assert "not signed with this job's secret" in err
+
+        # the nodes' own reports still count, and replace a forgery that took their place
+        node1.report_failure(0, "worker:1 exited with status 3 on node 1")
+        assert node0.failure(0) == node1.failure(0) == "worker:1 exited with status 3 on node 1"
+        node0.report_failure(0, "a later failure")  # the first failure wins
+        assert node0.failure(0) == "worker:1 exited with status 3 on node 1"
+        node0.report_done(0)
+        assert not node0.all_done(0)
+        node1.report_done(0)
+        assert node0.all_done(0) and node1.all_done(0)
+        node0.report_stopped(0), node1.report_stopped(0)
+        assert node0.all_stopped(0) and node1.all_stopped(0)
+        node0.abort("node 0's launcher was stopped by SIGINT")
+        assert node1.aborted() == "node 0's launcher was stopped by SIGINT"
+    finally:
+        close(results)
+
+
+def test_node0_keeps_the_store_until_the_others_left_whatever_the_counter_says():
+    import threading
+
+    endpoint = f"127.0.0.1:{free_ports(1)[0]}"
+    results = join_all(endpoint, [dict(node_rank=0), dict(node_rank=1)])
+    try:
+        assert not [r for r in results if isinstance(r, Exception)], results
+        forge(intruder_of(endpoint))
+        leave = threading.Timer(1.0, results[1].peers.close)
+        leave.start()
+        started = time.monotonic()
+        results[0].peers.close(wait=True, linger=10)  # a forged "left" must not make it go at once
+        assert 0.8 < time.monotonic() - started < 8
+        leave.join()
+    finally:
+        close(results)
+
+
+def test_a_signed_key_of_another_job_with_the_same_secret_is_not_accepted(capsys):
+    # The secret file is usually reused from job to job: a record copied from an earlier job replays nothing.
+    first = f"127.0.0.1:{free_ports(1)[0]}"
+    earlier = join_all(first, [dict(node_rank=0), dict(node_rank=1)])
+    try:
+        earlier[1].peers.abort("an earlier job's abort")
+        recorded = intruder_of(first).get("conveyor/abort")
+    finally:
+        close(earlier)
+    second = f"127.0.0.1:{free_ports(1)[0]}"
+    results = join_all(second, [dict(node_rank=0), dict(node_rank=1)])
+    try:
+        assert not [r for r in results if isinstance(r, Exception)], results
+        intruder_of(second).set("conveyor/abort", recorded)
+        assert results[0].peers.aborted() is None and results[1].peers.aborted() is None
+        assert "conveyor/abort" in capsys.readouterr().err
+    finally:
+        close(results)
+
+
+WAIT_FOR_GO = """
+    import os, pathlib, time
+    attempt, rank = os.environ["CONVEYOR_RESTART_COUNT"], os.environ["RANK"]
+    pathlib.Path(f"started-{attempt}-{rank}").touch()
+    deadline = time.monotonic() + 30
+    while not pathlib.Path("go").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print(f"FINISHED attempt {attempt} rank {rank}")
+"""
+
+
+def test_a_client_without_the_secret_cannot_stop_or_restart_two_launchers(tmp_path):
+    (tmp_path / "task.py").write_text(textwrap.dedent(WAIT_FOR_GO))
+    endpoint = f"127.0.0.1:{free_ports(1)[0]}"
+    procs = [start_node(tmp_path, rank, endpoint, "-n", "1") for rank in (0, 1)]
+    try:
+        deadline = time.monotonic() + 40
+        while len(list(tmp_path.glob("started-0-*"))) < 2:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the tasks did not start"
+            time.sleep(0.05)
+        forge(intruder_of(endpoint))
+        time.sleep(1.5)  # several of the supervisors' peer polls (0.2 s): a forged abort would have stopped them
+        assert all(p.poll() is None for p in procs)
+    finally:
+        (tmp_path / "go").touch()
+    results = finish(procs, tmp_path)
+    for rank, (code, out, err) in enumerate(results):
+        assert code == 0, err
+        assert f"FINISHED attempt 0 rank {rank}" in out and "attempt 1" not in out + err
+        assert err.count("conveyor/abort") == 1, err  # ignored, and said once

@@ -87,6 +87,7 @@ def test_help_shows_an_example(capsys):
     assert main(["run", "--help"]) == 0
     out = capsys.readouterr().out
     assert "conveyor run -n 2 train.py --epochs 1" in out and "--max-restarts" in out and "--rdzv" in out
+    assert "--tf-flags" in out and "--linger" in out and "when the chief exits 0" in out  # the success policy
 
 
 @pytest.mark.parametrize("argv, needle", [

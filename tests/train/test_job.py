@@ -160,6 +160,21 @@ def test_several_local_workers_limit_their_threads_unless_told_otherwise() -> No
         torch.set_num_threads(before)
 
 
+def test_the_launchers_torchrun_style_omp_default_is_replaced_by_a_share_of_the_cores() -> None:
+    from conveyor.launch.plan import OMP_DEFAULT_VAR
+    assert job_mod.OMP_DEFAULT_VAR == OMP_DEFAULT_VAR  # the launcher and init() name the marker alike
+    before = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0))
+    try:
+        torch.set_num_threads(1)
+        job_mod._limit_threads(1, {"OMP_NUM_THREADS": "1", OMP_DEFAULT_VAR: "1"})  # one worker beside a ps
+        assert torch.get_num_threads() == cores
+        job_mod._limit_threads(2, {"OMP_NUM_THREADS": "1", OMP_DEFAULT_VAR: "1"})
+        assert torch.get_num_threads() == max(1, cores // 2)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_prepare_refuses_an_optimizer_of_another_model(env: dict[str, str]) -> None:
     with init(environ=env) as job:
         with pytest.raises(ValueError, match="not parameters of the model"):

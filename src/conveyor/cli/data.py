@@ -2,9 +2,10 @@
 
     conveyor data convert mnist.npz data/mnist --keys image=x_train,label=y_train --image-key image --shards 8
     conveyor data convert photos/ data/photos --shards 16 --split train=0.9 --split test=0.1 --seed 0
+    conveyor data convert cifar-10-binary.tar.gz data/cifar10 --shards 8
     conveyor data inspect data/photos/train-*.tfrecord --limit 2
 
-`convert` only parses arguments; the work is in `conveyor.data.convert`.
+`convert` only parses arguments; the work is in `conveyor.data.convert` and `conveyor.data.cifar`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from conveyor.cli import Command, CommandError
+from conveyor.data.cifar import IMAGE_ENCODINGS, LAYOUTS, TAR_ENDINGS, convert_cifar, detect_cifar
 from conveyor.data.convert import IMAGE_FORMATS, convert_arrays, convert_image_folder, load_npz
 from conveyor.data.errors import DataLossError
 from conveyor.data.records import TFRecordReader, decode_example, detect_compression
@@ -30,24 +32,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     p = actions.add_parser(
         "convert",
-        help="write sharded TFRecord files of tf.train.Example from an .npz file or an image folder",
+        help="write sharded TFRecord files of tf.train.Example from an .npz file, an image folder or a CIFAR archive",
         description="Write SOURCE as OUTPUT_DIR/<prefix>-00000-of-0000N.tfrecord files of tf.train.Example, "
-        "plus dataset.json (and classes.txt for image folders). SOURCE is an .npz file (one record per row "
-        "of its equally long arrays) or a folder with one sub-folder of images per class.",
+        "plus dataset.json (and classes.txt for image folders and CIFAR). SOURCE is an .npz file (one record per "
+        "row of its equally long arrays), a folder with one sub-folder of images per class, or an official CIFAR "
+        f"archive as downloaded ({', '.join(lay.archive for lay in LAYOUTS)}) or its extracted folder, which "
+        "becomes train-* and test-* shards of image, label (and coarse_label for CIFAR-100).",
     )
-    p.add_argument("source", metavar="SOURCE", help="an .npz file, or a folder with one sub-folder per class")
+    p.add_argument("source", metavar="SOURCE",
+                   help="an .npz file, a folder with one sub-folder per class, or a CIFAR-10/100 archive")
     p.add_argument("output_dir", metavar="OUTPUT_DIR", help="folder for the shards (created if missing)")
     p.add_argument("--shards", type=int, default=1, metavar="N", help="files per split (default 1)")
-    p.add_argument("--prefix", default="train",
-                   help="file name prefix when there are no splits (default train)")
+    p.add_argument("--prefix", default=None,
+                   help="file name prefix when there are no splits (default train; CIFAR: the archive's splits)")
     p.add_argument("--compression", default="none", type=str.upper, choices=["GZIP", "ZLIB", "NONE"],
                    help="compress whole files like TensorFlow (default none)")
     p.add_argument("--split", action="append", default=[], metavar="NAME=FRACTION",
                    help="cut the rows into named splits, each its own set of shards; repeat, fractions sum "
                    "to 1 (e.g. --split train=0.9 --split test=0.1); implies shuffling (seed 0 unless --seed)")
     p.add_argument("--seed", type=int, default=None, help="shuffle the rows with this seed first")
-    p.add_argument("--image-format", default="keep", choices=IMAGE_FORMATS,
-                   help="image folders: keep the files' bytes, or re-encode; .npz image keys: keep means png")
+    p.add_argument("--image-format", default="keep", choices=sorted({*IMAGE_FORMATS, *IMAGE_ENCODINGS}),
+                   help="image folders: keep the files' bytes, or re-encode; .npz image keys and CIFAR: keep means "
+                   "png; CIFAR only: raw stores each image as its 3,072 bytes of R, G, B planes, the layout of "
+                   "TensorFlow's generate_cifar10_tfrecords.py")
     p.add_argument("--quality", type=int, default=90, help="JPEG quality, 1-100 (default 90)")
     p.add_argument("--image-key", action="append", default=[], metavar="KEY",
                    help=".npz only: store this uint8 (N,H,W[,C]) array as encoded images; repeatable")
@@ -122,7 +129,13 @@ def run_convert(args: argparse.Namespace) -> int:
     source = Path(args.source)
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     compression = None if args.compression == "NONE" else args.compression
-    common = dict(prefix=args.prefix, compression_type=compression,
+    if source.name.lower().endswith(TAR_ENDINGS) or (source.is_dir() and detect_cifar(source)):
+        summary = _convert_cifar(args, source, compression, progress)
+        _report_conversion(summary, args.output_dir)
+        return 0
+    if args.image_format == "raw":
+        raise CommandError(f"--image-format raw applies to CIFAR archives; {source} is not one")
+    common = dict(prefix=args.prefix or "train", compression_type=compression,
                   splits=parse_splits(args.split), seed=args.seed, image_format=args.image_format,
                   quality=args.quality, overwrite=args.overwrite, progress=progress)
     if source.is_dir():
@@ -137,9 +150,24 @@ def run_convert(args: argparse.Namespace) -> int:
     elif not source.exists():
         raise CommandError(f"{source}: no such file or folder")
     else:
-        raise CommandError(f"{source} is neither an .npz file nor a folder with one sub-folder per class")
+        raise CommandError(f"{source} is neither an .npz file, a folder with one sub-folder per class, nor a CIFAR "
+                           f"archive ({', '.join(TAR_ENDINGS)})")
     _report_conversion(summary, args.output_dir)
     return 0
+
+
+def _convert_cifar(args: argparse.Namespace, source: Path, compression: str | None, progress: bool) -> dict[str, Any]:
+    """An official CIFAR archive: its own train and test splits, and its own features."""
+    if not source.exists():
+        raise CommandError(f"{source}: no such file; download it from https://www.cs.toronto.edu/~kriz/cifar.html")
+    for flag, value in (("--split", args.split), ("--prefix", args.prefix), ("--keys", args.keys),
+                        ("--image-key", args.image_key)):
+        if value:
+            raise CommandError(f"{flag} does not apply to a CIFAR archive, which brings its own train and test "
+                               f"splits and features (image, label)")
+    return convert_cifar(source, args.output_dir, args.shards, image_format=args.image_format,
+                         quality=args.quality, compression_type=compression, seed=args.seed,
+                         overwrite=args.overwrite, progress=progress)
 
 
 def _report_conversion(summary: dict[str, Any], out_dir: str) -> None:

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from conveyor.cli import Command, CommandError
 from conveyor.cluster import JOB_SECRET_VAR
 from conveyor.launch import (
+    OMP_DEFAULT_VAR,
     PeerError,
     RunOptions,
     Supervisor,
@@ -44,11 +45,13 @@ examples:
   conveyor run -n 2 train.py --epochs 1
   conveyor run -n 4 --ps 2 --strategy ps-async train.py
   conveyor run --dry-run -n 2 train.py --epochs 1
+  conveyor run --chief -n 3 --ps 1 --linger 5 tf2_ps_train.py     # TF2 parameter-server tutorial pattern
+  conveyor run -n 2 --ps 1 --tf-flags trainer.py                  # TF1: --ps_hosts ... --task_index
   openssl rand -hex 32 > job.secret && chmod 600 job.secret    # once, copied to every machine
   conveyor run -n 2 --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29400 --job-secret-file job.secret train.py
   conveyor run -n 2 --nnodes 2 --node-rank 1 --rdzv 10.0.0.1:29400 --job-secret-file job.secret train.py
 
-Every task runs `PYTHON SCRIPT ARGS...` with the caller's environment plus TF_CONFIG, torch's RANK,
+Every task runs `PYTHON SCRIPT ARGS...` with the caller's environment plus TF_CONFIG, torchrun's RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT and conveyor's CONVEYOR_* variables (--dry-run shows
 them). Tasks are worker:0..N-1 (chief:0 first with --chief); rank 0 is the chief that writes checkpoints.
 Output lines are prefixed with the task ([worker:1] ...); full logs go to OUTPUT_DIR/logs/. When a task
@@ -56,6 +59,14 @@ fails, every task is stopped and the job restarts (CONVEYOR_RESTART_COUNT + 1) u
 times, after --restart-delay seconds (doubled after each failure without a new checkpoint, at most
 30 s); the script resumes from OUTPUT_DIR/checkpoints. The same failure 3 times in a row without a new
 checkpoint ends the job early. Ctrl-C stops every task, and so does the launcher's death (Linux).
+When the job succeeds (Kubeflow TFJob's rule: when the chief exits 0, with --chief; else when every
+worker has exited 0), tasks still running - parameter servers, TensorFlow 2 workers blocked in
+server.join() - get --linger seconds to exit, then SIGTERM, 5 s, SIGKILL; the job's status is 0
+whatever they do then, also when one of them failed in the same instant. A task failing before that
+(the chief, or a ps or worker it needs) restarts the job as above. TensorFlow 1 scripts that read
+--ps_hosts/--worker_hosts/--job_name/--task_index get them with --tf-flags; torchrun scripts find
+every variable torchrun sets (GROUP_RANK, ROLE_RANK, TORCHELASTIC_RESTART_COUNT...) and, when several
+tasks share the machine and OMP_NUM_THREADS is unset, OMP_NUM_THREADS=1, as torchrun gives.
 With --nnodes, -n and --ps count this machine's tasks (like torchrun's --nproc-per-node); node 0's
 tasks come first in the cluster, so rank 0 runs on node 0. A job on several machines needs the same
 job secret on every node (--job-secret-file, CONVEYOR_JOB_SECRET_FILE or CONVEYOR_JOB_SECRET): it
@@ -76,6 +87,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "--ps; local for one process)")
     job.add_argument("--chief", action="store_true",
                      help="name the first training task chief:0 instead of worker:0 (it is rank 0 either way)")
+    job.add_argument("--tf-flags", action="store_true",
+                     help="also give every task TensorFlow 1's cluster flags, right after SCRIPT: --ps_hosts=... "
+                     "--worker_hosts=... --job_name=worker|ps --task_index=I (not with --chief: worker 0 is TF1's "
+                     "chief)")
+    job.add_argument("--linger", type=float, default=30.0, metavar="SECONDS",
+                     help="once the job has succeeded (see below), how long tasks still running may take to exit "
+                     "by themselves before they are stopped (default 30)")
     job.add_argument("--data-dir", default="data", metavar="D", help="the job's input folder (default ./data)")
     job.add_argument("--output-dir", default="output", metavar="O",
                      help="checkpoints, logs, metrics (default ./output)")
@@ -110,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
         script=args.script, script_args=tuple(args.script_args), workers=args.workers, ps=args.ps,
         strategy=args.strategy, chief=args.chief, data_dir=os.path.abspath(args.data_dir),
         output_dir=os.path.abspath(args.output_dir), max_restarts=args.max_restarts, resume=args.resume,
-        timeout=args.timeout, restart_delay=args.restart_delay, python=args.python,
+        timeout=args.timeout, restart_delay=args.restart_delay, python=args.python, tf_flags=args.tf_flags,
+        linger=args.linger,
     )
     _check_node_flags(args)
     environ = dict(os.environ)  # before anything here touches os.environ: this is what the tasks inherit
@@ -132,12 +151,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _supervisor(plan, options: RunOptions, peers=None) -> Supervisor:
+    if any(t.env.get(OMP_DEFAULT_VAR) == "1" for t in plan.tasks):
+        # torchrun's warning, in the launcher's voice: the default changes how fast a plain script runs
+        print(f"[conveyor] OMP_NUM_THREADS is not set: each of the {len(plan.tasks)} tasks on this machine gets "
+              f"OMP_NUM_THREADS=1, as under torchrun, so that they do not overload the cores "
+              f"(conveyor.init() gives its training tasks their share of the cores instead); set "
+              f"OMP_NUM_THREADS to tune it", file=sys.stderr)
     return Supervisor(plan, max_restarts=options.max_restarts, peers=peers, restart_delay=options.restart_delay,
-                      restart_delay_cap=max(RESTART_DELAY_CAP, options.restart_delay))
+                      restart_delay_cap=max(RESTART_DELAY_CAP, options.restart_delay), linger=options.linger)
 
 
 def _run_node(args: argparse.Namespace, options: RunOptions, environ: dict[str, str], secret: bytes) -> int:
     settings = {"strategy": options.strategy, "chief": options.chief, "max_restarts": options.max_restarts,
+                "tf_flags": options.tf_flags,
                 "resume": options.resume, "timeout": options.timeout}
     try:
         rdzv = join(args.rdzv, nnodes=args.nnodes, node_rank=args.node_rank, workers=options.workers, ps=options.ps,

@@ -12,6 +12,12 @@ until every rank has connected or the timeout passes; the store then reports how
 :class:`AddressInUseError`. Under torchrun with ``TORCHELASTIC_USE_AGENT_STORE=True`` the agent
 already hosts the store on ``MASTER_PORT``; every rank is then a client (``host_store=False``).
 
+The store has no authentication: whoever reaches it can read and write it. Left to itself, ``TCPStore``
+listens on the wildcard address (``::``: every interface) whatever host it is given, so the host rank
+binds a socket to ``MASTER_ADDR`` only (a name is resolved once, to the first of its addresses that
+this machine owns) and hands it to the store (:func:`listen_only_on`, :func:`serve_store`; the
+launchers' rendezvous store is bound the same way).
+
 What gloo says when a peer goes away (measured with torch 2.13 on CPU, loopback):
 
 - the peer process died: its TCP connections close, and the next collective on any rank connected to
@@ -29,8 +35,12 @@ peer (a shape mismatch inside a guarded forward, say) pass through untouched.
 
 from __future__ import annotations
 
+import errno
+import ipaddress
+import os
 import re
 import socket
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -51,7 +61,9 @@ __all__ = [
     "collective_guard",
     "init_process_group",
     "is_peer_failure",
+    "listen_only_on",
     "peer_error",
+    "serve_store",
 ]
 
 _ARRIVED_KEY = "conveyor/arrived"  # every rank adds 1 once connected, so a failed init can say how many came
@@ -142,12 +154,15 @@ def init_process_group(
     hosts = (rank == 0) if host_store is None else host_store
     where = join_address(master_addr, master_port)
     delta = timedelta(seconds=timeout)
-    try:
-        # wait_for_workers on every rank: a client is counted only when it sets it too (it then just checks in).
-        store: dist.Store = dist.TCPStore(master_addr, master_port, world_size, is_master=hosts, timeout=delta,
-                                          wait_for_workers=True)
-    except RuntimeError as e:  # torch's DistError family subclasses RuntimeError
-        raise _store_error(e, where, master_port, rank, world_size, timeout, hosts) from e
+    # wait_for_workers on every rank: a client is counted only when it sets it too (it then just checks in).
+    if hosts:
+        store: dist.Store = _host_store(master_addr, master_port, rank, world_size, timeout)
+    else:
+        try:
+            store = dist.TCPStore(master_addr, master_port, world_size, is_master=False, timeout=delta,
+                                  wait_for_workers=True)
+        except RuntimeError as e:  # torch's DistError family subclasses RuntimeError
+            raise _store_error(e, where, master_port, rank, world_size, timeout, False) from e
     if store_prefix:
         store = dist.PrefixStore(store_prefix, store)
     try:
@@ -161,6 +176,104 @@ def init_process_group(
             f"within {timeout:g} s: {count}{_first_line(e)}. {_RDZV_FIX.format(host=master_addr, port=master_port)}"
         ) from e
     return store
+
+
+def _host_store(master_addr: str, master_port: int, rank: int, world_size: int, timeout: float) -> dist.TCPStore:
+    """The store, hosted here and listening at ``master_addr:master_port`` only."""
+    where = join_address(master_addr, master_port)
+    try:
+        listener = listen_only_on(master_addr, master_port)
+    except socket.gaierror as e:
+        raise RendezvousError(f"rank {rank} cannot host the rendezvous store: MASTER_ADDR {master_addr!r} does not "
+                              f"resolve on this machine ({e.strerror}); set MASTER_ADDR to rank 0's address, e.g. "
+                              f"10.0.0.1 (127.0.0.1 for a job on one machine)") from None
+    except OSError as e:
+        raise _bind_error(e, master_addr, master_port, rank) from None
+    bound = listener.getsockname()[0]
+    _warn_if_unreachable(master_addr, bound)
+    try:
+        # The host's own client connects to the bound address: the name might resolve to another one first.
+        return serve_store(listener, world_size=world_size, timeout=timedelta(seconds=timeout),
+                           wait_for_workers=True)
+    except RuntimeError as e:
+        raise _store_error(e, where, master_port, rank, world_size, timeout, True, bound) from e
+
+
+def listen_only_on(host: str, port: int) -> socket.socket:
+    """A TCP socket listening at ``host:port`` and nowhere else, for a ``TCPStore`` to serve on.
+
+    A name is resolved once; the first of its addresses that is this machine's is bound. Raises
+    ``socket.gaierror`` (no such name), ``OSError`` with ``EADDRNOTAVAIL`` naming what ``host`` resolves to
+    (none of it is this machine's: the store cannot be hosted here), or the bind's own ``OSError``
+    (``EADDRINUSE``...).
+    """
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    for family, _, _, _, sockaddr in infos:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore does: a quick restart reuses it
+            sock.bind(sockaddr)
+            sock.listen(128)
+        except OSError as e:
+            sock.close()
+            if e.errno == errno.EADDRNOTAVAIL:
+                continue
+            raise
+        return sock
+    addresses = ", ".join(dict.fromkeys(str(info[4][0]) for info in infos))
+    raise OSError(errno.EADDRNOTAVAIL, f"{host} is {addresses}, not an address of this machine")
+
+
+def serve_store(listener: socket.socket, **kwargs: Any) -> dist.TCPStore:
+    """A hosting ``TCPStore`` serving on ``listener`` (see :func:`listen_only_on`), which it owns from now on.
+
+    torch closes the descriptor when the store goes, and also when it fails to start (a rendezvous that
+    times out); it is closed here only if torch did not, found by its inode, never by its number alone:
+    that number may already belong to another file.
+    """
+    host, port = listener.getsockname()[:2]
+    identity = _identity(listener.fileno())
+    fd = listener.detach()
+    try:
+        return dist.TCPStore(host, port, is_master=True, master_listen_fd=fd, use_libuv=True, **kwargs)
+    except BaseException:
+        if _identity(fd) == identity:
+            os.close(fd)
+        raise
+
+
+def _identity(fd: int) -> tuple[int, int] | None:
+    try:
+        info = os.fstat(fd)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
+
+
+def _bind_error(e: OSError, master_addr: str, port: int, rank: int) -> RendezvousError:
+    where = join_address(master_addr, port)
+    if e.errno == errno.EADDRINUSE:
+        return AddressInUseError(
+            f"rank {rank} cannot host the rendezvous store on port {port} ({where}): the port is already in use, "
+            f"by another job or a previous run that is still alive. Stop that process, or pick a free port "
+            f"(MASTER_PORT, or `conveyor run --rdzv HOST:PORT`)")
+    if e.errno == errno.EADDRNOTAVAIL:
+        return RendezvousError(
+            f"rank {rank} cannot host the rendezvous store at {where}: MASTER_ADDR {e.strerror}, so the other ranks "
+            f"would look for the store elsewhere. Run rank {rank} on the machine MASTER_ADDR names, or set "
+            f"MASTER_ADDR to this machine's address (127.0.0.1 for a job on one machine)")
+    return RendezvousError(f"rank {rank} cannot host the rendezvous store at {where}: {e.strerror or e}; set "
+                           f"MASTER_ADDR to an address of this machine and MASTER_PORT to a free port")
+
+
+def _warn_if_unreachable(master_addr: str, bound: str) -> None:
+    # A machine's own name often resolves to 127.0.1.1 in its /etc/hosts (Debian, Ubuntu) while the other
+    # machines resolve it through DNS: they would then look for the store at an address it does not serve.
+    if master_addr == bound or master_addr == "localhost" or not ipaddress.ip_address(bound.split("%")[0]).is_loopback:
+        return
+    print(f"[conveyor] MASTER_ADDR {master_addr!r} is {bound} on this machine, a loopback address: the rendezvous "
+          f"store listens there only, so ranks on other machines cannot reach it. For a job on several machines "
+          f"set MASTER_ADDR to this machine's network address", file=sys.stderr, flush=True)
 
 
 _RDZV_FIX = ("Check that every task was started and none crashed before conveyor.init() (see their logs), that "
@@ -184,20 +297,20 @@ def _check_args(backend: str, master_addr: str, master_port: int, rank: int, wor
 
 
 def _store_error(e: RuntimeError, where: str, port: int, rank: int, world_size: int, timeout: float,
-                 hosts: bool) -> RendezvousError:
+                 hosts: bool, bound: str | None = None) -> RendezvousError:
     text = str(e)
     host = where.rsplit(":", 1)[0].strip("[]")
     if "EADDRINUSE" in text or "address already in use" in text.lower():
-        return AddressInUseError(
-            f"rank {rank} cannot host the rendezvous store on port {port} ({where}): the port is already in use, "
-            f"by another job or a previous run that is still alive. Stop that process, or pick a free port "
-            f"(MASTER_PORT, or `conveyor run --rdzv HOST:PORT`)")
+        return _bind_error(OSError(errno.EADDRINUSE, text), host, port, rank)
     if hosts:
         m = _CLIENTS_RE.search(text)
         arrived = f"{m.group(1)} of {world_size} ranks arrived (counting this one). " if m else ""
+        listens = ""
+        if bound is not None and bound != host:
+            listens = f" (it listens at {join_address(bound, port)} only: what {host} is here)"
         return RendezvousError(
-            f"rendezvous at {where} timed out after {timeout:g} s: {arrived}Rank {rank} hosts the store and waited "
-            f"for all {world_size}. {_RDZV_FIX.format(host=host, port=port)}")
+            f"rendezvous at {where} timed out after {timeout:g} s: {arrived}Rank {rank} hosts the store{listens} and "
+            f"waited for all {world_size}. {_RDZV_FIX.format(host=host, port=port)}")
     return RendezvousError(
         f"rank {rank} could not reach the rendezvous store at {where} (hosted by rank 0) within {timeout:g} s: "
         f"{_first_line(e)}. Check that rank 0 was started and is alive, that {host} is reachable from this "

@@ -21,8 +21,10 @@ How rows are laid out:
 
 What a row becomes (``convert_arrays``): a numeric array row → int64_list (integers, bools) or
 float_list (floats, stored as float32 — the only float an Example holds), flattened, plus a
-``<key>/shape`` int64 feature when the row is not a scalar; a string row → bytes_list; an array
-named in ``image_keys`` (uint8, rows of H×W or H×W×C with C in 1, 3, 4) → PNG or JPEG bytes.
+``<key>/shape`` int64 feature when the row is not a scalar; a string row → bytes_list; a raw-bytes
+row (a 1-D array of dtype ``V<n>``: numpy's fixed-width ``S`` strings drop trailing zero bytes, raw
+pixels must not) → bytes_list of exactly its n bytes; an array named in ``image_keys`` (uint8, rows
+of H×W or H×W×C with C in 1, 3, 4) → PNG or JPEG bytes.
 
 The data layer stays free of torch: this module needs numpy, Pillow and tqdm only.
 """
@@ -117,12 +119,14 @@ def convert_arrays(
     overwrite: bool = False,
     progress: bool = False,
     source: str | None = None,
+    extra_files: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Write one Example per row of equally long arrays; return the summary (also in dataset.json).
 
     Every array becomes a feature of the same name (see the module docstring for how). Arrays named
     in ``image_keys`` are stored as encoded images (``image_format`` "png", the default for
-    "keep", or "jpeg" at ``quality``). ``source`` is recorded in the summary.
+    "keep", or "jpeg" at ``quality``). ``source`` is recorded in the summary; ``extra_files``
+    (name → text) are written next to it, as ``classes.txt`` is for image folders.
     """
     arrays = {str(k): np.asarray(v) for k, v in arrays.items()}
     image_keys = tuple(image_keys)
@@ -155,7 +159,7 @@ def convert_arrays(
             continue
         features[key] = {"dtype": _example_dtype(key, arr), "shape": row_shape,
                          "source_dtype": str(arr.dtype)}
-        encoders.append((key, arr, _as_is))
+        encoders.append((key, arr, _raw_bytes if arr.dtype.kind == "V" else _as_is))
         if row_shape:
             shape_key = f"{key}/shape"
             if shape_key in arrays:
@@ -177,12 +181,16 @@ def convert_arrays(
     return _convert(
         n, make_record, out_dir, shards, prefix=prefix, compression_type=compression_type, splits=splits,
         seed=seed, overwrite=overwrite, progress=progress,
-        info={"source": source, "source_kind": "arrays", "features": features},
+        info={"source": source, "source_kind": "arrays", "features": features}, extra_files=extra_files,
     )
 
 
 def _as_is(row: Any) -> Any:
     return row  # a numpy scalar or array row: encode_example takes both
+
+
+def _raw_bytes(row: np.void) -> bytes:
+    return row.tobytes()
 
 
 def _example_dtype(key: str, arr: np.ndarray) -> str:
@@ -194,6 +202,8 @@ def _example_dtype(key: str, arr: np.ndarray) -> str:
     if kind == "f":
         return "float32"
     if kind in "SU":
+        return "string"
+    if kind == "V" and arr.dtype.names is None and arr.ndim == 1:
         return "string"
     raise ConversionError(
         f"array {key!r} has dtype {arr.dtype}, which a tf.train.Example cannot hold; convert it to an "

@@ -13,6 +13,7 @@ script, it does not run it.
 """
 
 from conveyor.launch.plan import (
+    OMP_DEFAULT_VAR,
     OWNED_VARS,
     RESTART_COUNT_VAR,
     RESUME_VAR,
@@ -34,6 +35,7 @@ from conveyor.launch.rendezvous import Rendezvous, RendezvousError, StorePeers, 
 from conveyor.launch.supervisor import JobResult, PeerError, Peers, Supervisor, TaskExit
 
 __all__ = [
+    "OMP_DEFAULT_VAR",
     "OWNED_VARS",
     "RESTART_COUNT_VAR",
     "RESUME_VAR",

@@ -20,10 +20,26 @@ A task's environment is the caller's environment, minus the variables the launch
 ``RANK`` from an outer launcher must not reach a parameter server, which gets none), plus
 ``conveyor.cluster.task_environment(...)`` plus ``CONVEYOR_RESTART_COUNT``, ``CONVEYOR_RESUME``,
 ``CONVEYOR_TIMEOUT`` and ``PYTHONUNBUFFERED=1`` (docs/training-contracts.md, "Launcher").
+
+torchrun's own variables too, with torchrun's meaning (``torch/distributed/elastic/agent/server/
+local_elastic_agent.py``), so that a script written for torchrun runs unchanged: on training tasks
+``GROUP_RANK`` (this node's rank) and ``GROUP_WORLD_SIZE`` (``--nnodes``), ``ROLE_NAME=default`` with
+``ROLE_RANK``/``ROLE_WORLD_SIZE`` equal to ``RANK``/``WORLD_SIZE`` (one role, as torchrun's static
+rendezvous gives), ``TORCHELASTIC_RESTART_COUNT`` (the supervisor updates it per attempt),
+``TORCHELASTIC_MAX_RESTARTS``, ``TORCHELASTIC_RUN_ID`` (one id per job, the same on every node),
+``TORCHELASTIC_USE_AGENT_STORE=False`` (rank 0 hosts torch's store, not the launcher) and
+``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (the caller's, else ``1``). And, like torchrun, when several tasks
+share this machine and the caller did not set ``OMP_NUM_THREADS``, every task gets ``OMP_NUM_THREADS=1``
+(``CONVEYOR_OMP_DEFAULT=1`` marks it as the launcher's default, which ``conveyor.init()`` replaces with
+each training task's share of the cores).
+
+``tf_flags=True`` also appends TensorFlow 1's cluster flags to every task's command line, right after
+the script: ``--ps_hosts=... --worker_hosts=... --job_name=worker --task_index=1``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -39,8 +55,10 @@ from conveyor.cluster.env import DATA_DIR_VAR, OUTPUT_DIR_VAR, STRATEGY_VAR, TAS
 __all__ = [
     "OWNED_VARS",
     "RESTART_COUNT_VAR",
+    "OMP_DEFAULT_VAR",
     "RESUME_VAR",
     "STRATEGIES",
+    "TORCHRUN_VARS",
     "TIMEOUT_VAR",
     "LaunchPlan",
     "NodeInfo",
@@ -59,6 +77,17 @@ RESUME_VAR = "CONVEYOR_RESUME"
 # Set by the supervisor when its own output is a terminal: the chief may draw a progress bar.
 TTY_VAR = "CONVEYOR_TTY"
 TIMEOUT_VAR = "CONVEYOR_TIMEOUT"
+#: "1" where the launcher chose OMP_NUM_THREADS=1 (torchrun's default), not the caller.
+OMP_DEFAULT_VAR = "CONVEYOR_OMP_DEFAULT"
+TORCHRUN_RESTART_VAR = "TORCHELASTIC_RESTART_COUNT"
+#: Every variable torchrun's agent sets on a worker (torch 2.x ``LocalElasticAgent._start_workers``),
+#: which the launcher sets on training tasks with the same meaning.
+TORCHRUN_VARS: tuple[str, ...] = (
+    "RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
+    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", TORCHRUN_RESTART_VAR,
+    "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+)
 
 #: The strategy names `--strategy` accepts (``ps-ssp:K`` with a staleness bound K >= 0).
 STRATEGIES: tuple[str, ...] = ("local", "allreduce", "ps-sync", "ps-async", "ps-ssp:K", "pipeline")
@@ -74,10 +103,11 @@ MAX_TIMEOUT = 86400.0
 
 #: Variables the launcher sets on some or all tasks; removed from the inherited environment first, so
 #: that only the launcher's own values (or none) reach a task.
+#: TORCH_NCCL_ASYNC_ERROR_HANDLING is not among them: the caller's value is passed on, as torchrun does.
 OWNED_VARS: tuple[str, ...] = (
-    "TF_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "TF_CONFIG", *(v for v in TORCHRUN_VARS if v != "TORCH_NCCL_ASYNC_ERROR_HANDLING"),
     TASK_TYPE_VAR, TASK_INDEX_VAR, STRATEGY_VAR, DATA_DIR_VAR, OUTPUT_DIR_VAR, JOB_SECRET_VAR,
-    RESTART_COUNT_VAR, RESUME_VAR, TIMEOUT_VAR,
+    RESTART_COUNT_VAR, RESUME_VAR, TIMEOUT_VAR, OMP_DEFAULT_VAR,
 )
 
 
@@ -104,6 +134,8 @@ class RunOptions:
     timeout: float = 300.0
     restart_delay: float = 1.0
     python: str = sys.executable
+    tf_flags: bool = False
+    linger: float = 30.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "script_args", tuple(self.script_args))
@@ -117,7 +149,11 @@ class RunOptions:
         # inf would reach torch as a timedelta it cannot hold, and kill every task at start
         _check_seconds(self.timeout, "--timeout", False, MAX_TIMEOUT, "e.g. --timeout 300")
         _check_seconds(self.restart_delay, "--restart-delay", True, 3600.0, "e.g. --restart-delay 1, or 0: none")
+        _check_seconds(self.linger, "--linger", True, 3600.0, "e.g. --linger 30, or 0: stop them at once")
         _check_task_files(self.workers, self.ps)
+        if self.tf_flags and self.chief:
+            raise ValueError("--tf-flags gives TensorFlow 1's --ps_hosts/--worker_hosts, which have no chief job "
+                             "(worker 0 is the chief there): drop --chief, or drop --tf-flags and read TF_CONFIG")
         for flag, path in (("--data-dir", self.data_dir), ("--output-dir", self.output_dir)):
             if not isinstance(path, str) or not os.path.isabs(path):
                 raise ValueError(f"{flag} {path!r} must be an absolute path here (the command line makes it "
@@ -249,18 +285,30 @@ def build_plan(
     spec = cluster_from_nodes(nodes, options.chief)
     strategy = resolve_strategy(options.strategy, spec.world_size, len(spec.ps))
     base = {k: v for k, v in environ.items() if k not in OWNED_VARS}
+    node = nodes[node_rank]
     extra = {
         RESTART_COUNT_VAR: "0",
         RESUME_VAR: "1" if options.resume else "0",
         TIMEOUT_VAR: f"{options.timeout:g}",
         "PYTHONUNBUFFERED": "1",  # lines reach the launcher (and the log) as they are printed
     }
-    argv = (options.python, options.script, *options.script_args)
+    if node.workers + node.ps > 1 and not environ.get("OMP_NUM_THREADS"):
+        # torchrun's default: N processes with a full-size OpenMP pool each would overload the cores.
+        extra.update({"OMP_NUM_THREADS": "1", OMP_DEFAULT_VAR: "1"})
+    torchrun = {
+        "GROUP_RANK": str(node_rank),
+        "GROUP_WORLD_SIZE": str(len(nodes)),
+        "ROLE_NAME": "default",
+        TORCHRUN_RESTART_VAR: "0",
+        "TORCHELASTIC_MAX_RESTARTS": str(options.max_restarts),
+        "TORCHELASTIC_RUN_ID": run_id(secret),
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+    }
     log_dir = os.path.join(options.output_dir, "logs")
     training = spec.training_tasks
     first_rank = sum(n.workers for n in nodes[:node_rank])
     first_ps = sum(n.ps for n in nodes[:node_rank])
-    node = nodes[node_rank]
     mine = [(training[first_rank + i], i) for i in range(node.workers)]
     mine += [(TaskId("ps", first_ps + i), 0) for i in range(node.ps)]
     launches = []
@@ -270,13 +318,29 @@ def build_plan(
             master_addr=master_addr, master_port=master_port, strategy=strategy,
             local_rank=local_rank, local_world_size=node.workers,
         )
+        if task.is_training:
+            own.update(torchrun, ROLE_RANK=own["RANK"], ROLE_WORLD_SIZE=own["WORLD_SIZE"])
         own.update(extra)
+        flags = tf_flags(spec, task) if options.tf_flags else ()
         launches.append(TaskLaunch(
-            task=task, argv=argv, env={**base, **own},
+            task=task, argv=(options.python, options.script, *flags, *options.script_args), env={**base, **own},
             log_path=os.path.join(log_dir, f"{task.type}-{task.index}.log"), set_vars=tuple(own),
         ))
     return LaunchPlan(spec=spec, strategy=strategy, tasks=tuple(launches), log_dir=log_dir, node_rank=node_rank,
                       nnodes=len(nodes), inherited=len(base))
+
+
+def run_id(secret: bytes) -> str:
+    """``TORCHELASTIC_RUN_ID``: the same on every node of a job (they share the secret) and different for
+    each job started with a fresh secret. A one-way hash, so the id reveals nothing of the secret."""
+    return hashlib.sha256(b"conveyor run id\0" + secret).hexdigest()[:16]
+
+
+def tf_flags(spec: ClusterSpec, task: TaskId) -> tuple[str, ...]:
+    """TensorFlow 1's cluster flags for ``task``, ``--flag=value`` each (an empty ``--ps_hosts=`` parses
+    as the empty string, where a separate empty argument would not survive some flag parsers)."""
+    return (f"--ps_hosts={','.join(spec.ps)}", f"--worker_hosts={','.join(spec.worker)}",
+            f"--job_name={task.type}", f"--task_index={task.index}")
 
 
 def local_plan(

@@ -16,7 +16,8 @@ torchrun's c10d rendezvous uses) at the ``--rdzv`` address; every launcher conne
    every launcher derives the same ``ClusterSpec`` with ``cluster_from_nodes``.
 
 Node 0 also publishes ``conveyor/job``: the torch process group's ``MASTER_PORT`` (``MASTER_ADDR`` is node
-0's address: rank 0 runs there).
+0's address: rank 0 runs there) and a random run id, which the coordination records below are signed with
+too (the secret file is usually reused from job to job: a record copied from an earlier job is refused).
 
 The store has no authentication and no encryption: anyone who reaches the port can read and write it.
 So the job secret never goes into it - every node brings the same secret from out of band
@@ -25,7 +26,8 @@ key and value under that secret: a node with another secret, or a program withou
 record off as a node's (each node checks every record, and says to give every node the same secret).
 Node 0 binds the store to the ``--rdzv`` address only (torch's ``TCPStore`` would listen on every
 interface), by handing it a socket bound here. What stays open to whoever reaches the port: reading the
-records (addresses, ports, settings) and disturbing the job through the coordination keys below.
+records (addresses, ports, settings), and delaying or blocking the job by deleting or overwriting keys
+(it can neither stop it, nor restart it, nor end it early: every coordination record is signed too).
 
 The store then stays up for the whole job: :class:`StorePeers` implements the supervisor's
 :class:`~conveyor.launch.supervisor.Peers`, through which a failure on one node restarts every node.
@@ -38,7 +40,9 @@ import hashlib
 import hmac
 import json
 import os
+import secrets
 import socket
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -80,7 +84,8 @@ def _seal(secret: bytes, key: str, record: Mapping[str, Any]) -> str:
 
 def _unseal(secret: bytes, key: str, value: bytes, endpoint: str) -> dict:
     body, _, mac = value.decode("utf-8", "replace").rpartition("\n")
-    if not hmac.compare_digest(mac, _mac(secret, key, body)):
+    # As bytes: compare_digest refuses a str with non-ASCII characters, which a forged value may hold.
+    if not hmac.compare_digest(mac.encode(), _mac(secret, key, body).encode()):
         raise RendezvousError(f"rendezvous at {endpoint}: {key} was not written with this node's job secret: the "
                               f"nodes have different secrets (or another program wrote it); give every node the "
                               f"same --job-secret-file (or CONVEYOR_JOB_SECRET)")
@@ -143,7 +148,7 @@ def join(
     address = local_address(host, port)
     ports = free_ports(workers + ps + (1 if node_rank == 0 else 0), address)
     store = _connect(host, port, endpoint, node_rank, timeout)
-    peers = StorePeers(store, nnodes=nnodes, node_rank=node_rank, endpoint=endpoint, timeout=timeout)
+    peers = StorePeers(store, nnodes=nnodes, node_rank=node_rank, endpoint=endpoint, timeout=timeout, secret=secret)
     try:
         return _agree(store, peers, endpoint, nnodes, node_rank, address, workers, ps, ports, dict(settings),
                       secret, timeout)
@@ -162,7 +167,8 @@ def _agree(store: Any, peers: StorePeers, endpoint: str, nnodes: int, node_rank:
     settings = {"nnodes": nnodes, **settings}
     mine = {"host": address, "workers": workers, "ps": ps, "ports": ports[:workers + ps], "settings": settings}
     if node_rank == 0:
-        _call(store.set, endpoint, f"{_P}job", _seal(secret, f"{_P}job", {"master_port": ports[-1]}))
+        job = {"master_port": ports[-1], "run": secrets.token_hex(16)}
+        _call(store.set, endpoint, f"{_P}job", _seal(secret, f"{_P}job", job))
     _call(store.set, endpoint, f"{_P}node/{node_rank}", _seal(secret, f"{_P}node/{node_rank}", mine))
 
     keys = [f"{_P}job"] + [f"{_P}node/{r}" for r in range(nnodes)]
@@ -178,6 +184,7 @@ def _agree(store: Any, peers: StorePeers, endpoint: str, nnodes: int, node_rank:
         nodes = tuple(NodeInfo(str(n["host"]), int(n["workers"]), int(n["ps"]), tuple(int(p) for p in n["ports"]))
                       for n in published)
         master_port = int(job["master_port"])
+        peers.run = str(job["run"])
         _check_settings(endpoint, [n["settings"] for n in published])
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise RendezvousError(f"rendezvous at {endpoint}: a published record is malformed ({type(e).__name__}: {e}); "
@@ -202,21 +209,15 @@ def _connect(host: str, port: int, endpoint: str, node_rank: int, timeout: float
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     from torch.distributed import TCPStore  # lazily: the only torch in launch/
 
+    from conveyor.comm.process_group import serve_store  # imports torch too
+
     unreachable = (f"node {node_rank} could not reach the rendezvous at {endpoint} within {timeout:g} s: {{}}; start "
                    f"node 0's launcher there (conveyor run --node-rank 0 --rdzv {endpoint} ...) and check that the "
                    f"port is open")
     wait = timedelta(seconds=timeout)
     try:
         if node_rank == 0:
-            listener = _listen(host, port, endpoint)
-            try:
-                store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=wait,
-                                 master_listen_fd=listener.fileno(), use_libuv=True)
-            except BaseException:
-                listener.close()
-                raise
-            listener.detach()  # the store's server owns the descriptor now, and closes it
-            return store
+            return serve_store(_listen(host, port, endpoint), wait_for_workers=False, timeout=wait)
         error = _wait_until_listening(host, port, timeout)
         if error is not None:
             raise RendezvousError(unreachable.format(error))
@@ -236,20 +237,15 @@ def _listen(host: str, port: int, endpoint: str) -> socket.socket:
     Left to itself, ``TCPStore`` binds the wildcard address (``::``: every interface) whatever host it is
     given; a socket handed over as ``master_listen_fd`` is served as it is.
     """
+    from conveyor.comm.process_group import listen_only_on
+
     try:
-        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        return listen_only_on(host, port)
     except socket.gaierror as e:
         raise RendezvousError(f"--rdzv host {host!r} does not resolve ({e.strerror})") from None
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore does: a quick restart may reuse it
-        sock.bind(sockaddr)
-        sock.listen(128)
     except OSError as e:
-        sock.close()
         raise RendezvousError(f"node 0 cannot host the rendezvous at {endpoint}: {e.strerror}; --rdzv must be an "
                               f"address of node 0 with a free port (is another job using it?)") from None
-    return sock
 
 
 def _wait_until_listening(host: str, port: int, timeout: float) -> str | None:
@@ -284,52 +280,96 @@ class StorePeers:
     """The supervisor's :class:`~conveyor.launch.supervisor.Peers`, over the rendezvous store.
 
     Keys: ``failed/<attempt>`` (the first failure's description wins: it is the cause, later ones are
-    usually peers whose collectives broke because of it), ``done/<attempt>`` and ``stopped/<attempt>``
-    (counters), ``abort`` (an interrupted launcher), ``left`` (a counter node 0 waits on before it shuts
-    the store down, so nobody loses the store while reading the outcome).
+    usually peers whose collectives broke because of it), ``abort`` (an interrupted launcher), and one
+    record per node for ``done/<attempt>/<node>``, ``stopped/<attempt>/<node>`` and ``left/<node>`` (node 0
+    waits for the others to leave before it shuts the store down, so nobody loses the store while reading
+    the outcome). Every value is signed like the rendezvous records, over the key and this job's run id:
+    whoever reaches the port without the secret cannot stop, restart or end the job. Counters could not
+    carry a signature, hence a record per node. A value that fails the check is ignored, and said once.
     """
 
-    def __init__(self, store: Any, *, nnodes: int, node_rank: int, endpoint: str, timeout: float) -> None:
+    def __init__(self, store: Any, *, nnodes: int, node_rank: int, endpoint: str, timeout: float,
+                 secret: bytes) -> None:
         self._store = store
         self.nnodes = nnodes
         self.node_rank = node_rank
         self.endpoint = endpoint
         self._timeout = timeout
-        self._seen: dict[str, str] = {}
+        self._secret = secret
+        self.run = ""  # node 0's run id, from the rendezvous; binds every record to this job
+        self._valid: dict[str, dict] = {}
+        self._forged: set[str] = set()
         self._closed = False
 
     @property
     def timeout(self) -> float:
         return self._timeout
 
-    def _value(self, key: str) -> str | None:
-        if key not in self._seen and _call(self._store.check, self.endpoint, [key]):
-            self._seen[key] = _call(self._store.get, self.endpoint, key).decode("utf-8", "replace")
-        return self._seen.get(key)
+    def _sealed(self, key: str, record: Mapping[str, Any]) -> str:
+        return _seal(self._secret, f"{key}\0{self.run}", record)
+
+    def _check(self, key: str, value: bytes) -> dict | None:
+        """The record in ``value`` if this job signed it under ``key``; else None, said once per key."""
+        try:
+            return _unseal(self._secret, f"{key}\0{self.run}", value, self.endpoint)
+        except RendezvousError:
+            if key not in self._forged:
+                self._forged.add(key)
+                print(f"[conveyor] ignoring {key} in the rendezvous store at {self.endpoint}: it is not signed with "
+                      f"this job's secret (a program without it wrote it, or a copy from an earlier job); anyone who "
+                      f"reaches that port can write there: keep it on a private network", file=sys.stderr, flush=True)
+            return None
+
+    def _read(self, key: str) -> dict | None:
+        if key not in self._valid and _call(self._store.check, self.endpoint, [key]):
+            record = self._check(key, _call(self._store.get, self.endpoint, key))
+            if record is not None:
+                self._valid[key] = record  # a record, once valid, stays: the store may be overwritten later
+        return self._valid.get(key)
+
+    def _first(self, key: str, description: str) -> None:
+        """Set ``key`` unless a valid record holds it already (the first one wins); a forgery is replaced."""
+        mine = self._sealed(key, {"description": description})
+        expected = ""
+        for _ in range(3):  # a writer without the secret may race; it can delay the record, not replace it
+            current = _call(self._store.compare_set, self.endpoint, key, expected, mine)
+            if current == mine.encode() or self._check(key, current) is not None:
+                return
+            expected = current
+
+    def _description(self, key: str) -> str | None:
+        record = self._read(key)
+        return None if record is None else str(record.get("description"))
+
+    def _mark(self, key: str) -> None:
+        _call(self._store.set, self.endpoint, key, self._sealed(key, {"node": self.node_rank}))
+
+    def _everyone(self, prefix: str, nodes: range | None = None) -> bool:
+        return all(self._read(f"{prefix}/{r}") is not None for r in (range(self.nnodes) if nodes is None else nodes))
 
     def failure(self, attempt: int) -> str | None:
-        return self._value(f"{_P}failed/{attempt}")
+        return self._description(f"{_P}failed/{attempt}")
 
     def aborted(self) -> str | None:
-        return self._value(f"{_P}abort")
+        return self._description(f"{_P}abort")
 
     def report_failure(self, attempt: int, description: str) -> None:
-        _call(self._store.compare_set, self.endpoint, f"{_P}failed/{attempt}", "", description)
+        self._first(f"{_P}failed/{attempt}", description)
 
     def abort(self, description: str) -> None:
-        _call(self._store.compare_set, self.endpoint, f"{_P}abort", "", description)
+        self._first(f"{_P}abort", description)
 
     def report_done(self, attempt: int) -> None:
-        _call(self._store.add, self.endpoint, f"{_P}done/{attempt}", 1)
+        self._mark(f"{_P}done/{attempt}/{self.node_rank}")
 
     def all_done(self, attempt: int) -> bool:
-        return _call(self._store.add, self.endpoint, f"{_P}done/{attempt}", 0) >= self.nnodes
+        return self._everyone(f"{_P}done/{attempt}")
 
     def report_stopped(self, attempt: int) -> None:
-        _call(self._store.add, self.endpoint, f"{_P}stopped/{attempt}", 1)
+        self._mark(f"{_P}stopped/{attempt}/{self.node_rank}")
 
     def all_stopped(self, attempt: int) -> bool:
-        return _call(self._store.add, self.endpoint, f"{_P}stopped/{attempt}", 0) >= self.nnodes
+        return self._everyone(f"{_P}stopped/{attempt}")
 
     def close(self, *, wait: bool = True, linger: float = 15.0) -> None:
         """Leave the job. Node 0 hosts the store, so it waits (at most ``linger`` s) for the others to leave
@@ -339,10 +379,10 @@ class StorePeers:
         self._closed = True
         try:
             if self.node_rank != 0:
-                _call(self._store.add, self.endpoint, f"{_P}left", 1)
+                self._mark(f"{_P}left/{self.node_rank}")
             elif wait:
                 deadline = time.monotonic() + linger
-                while _call(self._store.add, self.endpoint, f"{_P}left", 0) < self.nnodes - 1:
+                while not self._everyone(f"{_P}left", range(1, self.nnodes)):
                     if time.monotonic() > deadline:
                         break
                     time.sleep(_POLL)

@@ -11,6 +11,13 @@ the same way: SIGTERM to each group, a grace period (5 s) to save and exit, SIGK
 One thread per task reads its merged stdout+stderr line by line, appends each line to
 ``<output>/logs/<type>-<index>.log`` and prints it to the launcher's stdout as ``[worker:1] <line>``.
 
+Success, as Kubeflow's TFJob defines it: a job with a chief succeeds when the chief exits 0; a job
+without one when every worker has exited 0. Tasks still running then (parameter servers, TensorFlow 2
+workers blocked in ``server.join()``) get ``linger`` seconds to exit by themselves, then are stopped like
+any task (SIGTERM, ``grace``, SIGKILL); how they end no longer matters, and a task that failed in the
+same instant as the chief succeeded is reported but does not fail the job. A failure before that point -
+of the chief, a worker or a ps, which the chief needs - restarts the job as below.
+
 Supervision, as torchrun's elastic agent does it: when a task exits non-zero or is killed, every task is
 stopped and the whole job starts again with ``CONVEYOR_RESTART_COUNT`` + 1 (each log gets a
 ``=== restart N ===`` line); the script resumes from its latest checkpoint by itself. After
@@ -57,7 +64,14 @@ from typing import IO, Protocol
 
 import psutil
 
-from conveyor.launch.plan import RESTART_COUNT_VAR, RESUME_VAR, TTY_VAR, LaunchPlan, TaskLaunch
+from conveyor.launch.plan import (
+    RESTART_COUNT_VAR,
+    RESUME_VAR,
+    TORCHRUN_RESTART_VAR,
+    TTY_VAR,
+    LaunchPlan,
+    TaskLaunch,
+)
 
 __all__ = ["JobResult", "PeerError", "Peers", "Supervisor", "TaskExit"]
 
@@ -299,8 +313,9 @@ class Supervisor:
 
     ``out`` gets the tasks' prefixed lines (default: ``sys.stdout``), ``err`` the launcher's own messages
     (default: ``sys.stderr``). ``grace`` is how long a task has to exit after SIGTERM. ``linger`` is how
-    long parameter servers may keep running after every training task has finished (they exit by
-    themselves when the job ends; after ``linger`` seconds they are stopped). ``peers`` coordinates with
+    long the tasks still running when the job has succeeded (see :meth:`_ended`) may take to exit by
+    themselves (conveyor's parameter servers do, once the workers are done) before they are stopped
+    (TensorFlow's serving tasks never do). ``peers`` coordinates with
     the other nodes of a multi-node job. ``restart_delay`` is the pause before the first restart, doubled
     after each further failure without progress, at most ``restart_delay_cap``; ``same_failure_limit``
     identical failures in a row without progress end the job early.
@@ -435,7 +450,7 @@ class Supervisor:
         return outcome
 
     def _watch(self, running: list[_Running], attempt: int) -> _Outcome:
-        finished_at: float | None = None  # when the last training task finished
+        ended_at: float | None = None  # when this node's part of the job succeeded (see _ended)
         done_here = False
         next_peer_check = 0.0
         while True:
@@ -443,21 +458,23 @@ class Supervisor:
                 name = signal.Signals(self._signals[0]).name
                 self._tell_peers_abort(f"node {self.plan.node_rank}'s launcher was stopped by {name}")
                 return _Outcome("signal")
-            for rt in running:
-                code = rt.proc.poll()
-                if code is not None and code != 0:
-                    failure = TaskExit(rt.name, code, rt.launch.log_path)
-                    self._report_failure(attempt, rt, failure)
-                    return _Outcome("failed", failure)
-            if not done_here and all(rt.proc.returncode == 0 for rt in running if rt.launch.task.is_training):
-                finished_at = finished_at or time.monotonic()
-                rest = [rt for rt in running if rt.proc.returncode is None]
-                if rest and time.monotonic() - finished_at > self.linger:
-                    names = ", ".join(rt.name for rt in rest)
-                    self._say(f"{names} still running {self.linger:g} s after every training task finished; "
-                              f"stopping it")
+            if ended_at is None and self._ended(running):
+                ended_at = time.monotonic()
+            if ended_at is None:  # once the job has succeeded, how the other tasks end no longer matters
+                for rt in running:
+                    code = rt.proc.poll()
+                    if code is not None and code != 0:
+                        failure = TaskExit(rt.name, code, rt.launch.log_path)
+                        self._report_failure(attempt, rt, failure)
+                        return _Outcome("failed", failure)
+            elif not done_here:
+                rest = [rt for rt in running if rt.proc.poll() is None]
+                if rest and time.monotonic() - ended_at > self.linger:
+                    self._say(f"{', '.join(rt.name for rt in rest)} still running {self.linger:g} s after "
+                              f"{self._end_condition()}; stopping {'it' if len(rest) == 1 else 'them'}")
                     rest = []
                 if not rest:
+                    self._note_late_failures(running)
                     if self.peers is None:
                         return _Outcome("done")
                     done_here = True
@@ -479,6 +496,34 @@ class Supervisor:
                 except PeerError as e:
                     return _Outcome("final", message=str(e))
             self._wake.wait(self.poll)
+
+    def _ended(self, running: list[_Running]) -> bool:
+        """Whether this node's part of the job has succeeded: Kubeflow TFJob's success policy.
+
+        With a chief, the job succeeds when the chief exits 0, whatever the other tasks are doing: in
+        TensorFlow 2's parameter-server training the workers and ps only serve (``server.join()`` never
+        returns) while the chief coordinates. Without a chief, when every training task has exited 0
+        (TFJob's ``AllWorkers``). Parameter servers never decide. A node without the chief (several
+        machines) ends when its own training tasks have all exited 0.
+        """
+        chief = [rt for rt in running if rt.launch.task.type == "chief"]
+        if chief:
+            return chief[0].proc.poll() == 0
+        return all(rt.proc.poll() == 0 for rt in running if rt.launch.task.is_training)
+
+    def _end_condition(self) -> str:
+        if any(t.task.type == "chief" for t in self.plan.tasks):
+            return "the chief finished"
+        return "every training task finished"
+
+    def _note_late_failures(self, running: list[_Running]) -> None:
+        """Say which tasks failed after the job had succeeded (or in the same instant): not a failure of the
+        job, whose outcome the chief decides, but worth a line in case it hides a problem."""
+        for rt in running:
+            code = rt.proc.returncode
+            if code is not None and code != 0:
+                self._say(f"{TaskExit(rt.name, code, rt.launch.log_path).describe()} after "
+                          f"{self._end_condition()}; the job succeeded all the same (see {rt.launch.log_path})")
 
     def _report_failure(self, attempt: int, rt: _Running, failure: TaskExit) -> None:
         """Tell the other nodes at once (before stopping anything here), so the first failure - the likely
@@ -527,6 +572,8 @@ class Supervisor:
         log.write(f"=== restart {attempt} === {stamp}\n" if attempt else f"=== {launch.name} started === {stamp}\n")
         env = dict(launch.env)
         env[RESTART_COUNT_VAR] = str(attempt)
+        if TORCHRUN_RESTART_VAR in env:  # training tasks only, as the plan set it
+            env[TORCHRUN_RESTART_VAR] = str(attempt)
         if self._live_ok:
             env.setdefault(TTY_VAR, "1")
         if attempt:

@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conveyor.cluster import Discovered, discover
+from conveyor.cluster import Discovered
+from conveyor.cluster.argv import discover_with_flags
 from conveyor.comm.process_group import collective_guard, init_process_group
 from conveyor.strategies import Strategy, get_strategy
 from conveyor.strategies.ps.server import IdleTimeout, serve_task
@@ -42,18 +43,22 @@ TIMEOUT_VAR = "CONVEYOR_TIMEOUT"
 RESTART_COUNT_VAR = "CONVEYOR_RESTART_COUNT"
 RESUME_VAR = "CONVEYOR_RESUME"
 DEFAULT_TIMEOUT = 300.0
+#: Set by `conveyor run` beside the OMP_NUM_THREADS=1 it chose (launch/plan.py writes the same name).
+OMP_DEFAULT_VAR = "CONVEYOR_OMP_DEFAULT"
 
 _OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
 
 
 def init(strategy: str | None = None, *, timeout: float | None = None,
-         environ: Mapping[str, str] | None = None) -> Job:
+         environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None) -> Job:
     """This process's :class:`Job`, its process group joined and its strategy set up.
 
     ``strategy``: the argument, else ``CONVEYOR_STRATEGY``, else ``"ps-sync"`` when the cluster has ps
     tasks, ``"allreduce"`` with several training processes and ``"local"`` with one. ``timeout``
     (seconds): the argument, else ``CONVEYOR_TIMEOUT``, else 300. ``environ`` replaces ``os.environ``
-    (tests, tools); nothing is written to it.
+    (tests, tools); nothing is written to it. ``argv`` (default ``sys.argv[1:]``) may hold TensorFlow 1's
+    ``--ps_hosts/--worker_hosts/--job_name/--task_index``: where no launcher's variables describe this
+    process, they do (``conveyor.cluster.argv``); they are read, not removed.
 
     On a parameter-server task (``ps`` in TF_CONFIG) this does not return: the task serves its share of
     the parameters (:mod:`conveyor.strategies.ps.server`) until every worker has said it is done, then
@@ -62,7 +67,7 @@ def init(strategy: str | None = None, *, timeout: float | None = None,
     tasks are not in it) for ``barrier``/``all_gather_bytes``/``all_reduce``.
     """
     env: Mapping[str, str] = os.environ if environ is None else environ
-    found = discover(env)
+    found = discover_with_flags(sys.argv[1:] if argv is None else argv, env)
     if found.task.type == "ps":
         _serve_ps(found, strategy, _timeout(timeout, env))  # does not return: the process exits when the job ends
     if found.rank is None:
@@ -299,9 +304,12 @@ def _limit_threads(local_world_size: int, env: Mapping[str, str]) -> None:
     PyTorch sizes its intra-op pool to every core of the machine in every process. With N workers on
     one machine that is N x cores threads fighting over the cores; each worker's matrix products then
     stall on the others' and steps get slower than with fewer threads (torchrun sets OMP_NUM_THREADS=1
-    for the same reason). An explicit OMP_NUM_THREADS is the user's (or launcher's) choice and is kept.
+    for the same reason). An explicit OMP_NUM_THREADS is the user's (or launcher's) choice and is kept,
+    except the ``1`` that ``conveyor run`` sets by torchrun's rule for scripts that do not call this
+    (marked by ``CONVEYOR_OMP_DEFAULT=1``): a training task here gets its share of the cores instead.
     """
-    if local_world_size <= 1 or env.get("OMP_NUM_THREADS"):
+    defaulted = env.get(OMP_DEFAULT_VAR) == "1"
+    if not defaulted and (local_world_size <= 1 or env.get("OMP_NUM_THREADS")):
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     torch.set_num_threads(threads_per_worker(local_world_size, cores))
@@ -341,7 +349,8 @@ def _serve_ps(found: Discovered, strategy: str | None, timeout: float) -> None:
                          f"start the job with --strategy ps-sync, ps-async or ps-ssp:K (CONVEYOR_STRATEGY)")
     if not found.secret:
         raise ValueError(f"parameter server {found.task} needs the job secret (CONVEYOR_JOB_SECRET) that signs "
-                         f"its messages; `conveyor run` sets it")
+                         f"its messages; `conveyor run` sets it, and tasks started by hand each need the same "
+                         f"one, e.g. CONVEYOR_JOB_SECRET=$(openssl rand -hex 32) exported once for all of them")
     assert found.spec is not None  # a ps task always comes from a cluster spec
     address = found.spec.task_address("ps", found.task.index)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {found.task} %(levelname)s %(message)s")
