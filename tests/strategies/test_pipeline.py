@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -207,3 +210,89 @@ def worker_main(scenario: str, out: Path) -> None:
 
 if __name__ == "__main__":
     worker_main(sys.argv[1], Path(sys.argv[2]))
+
+
+# -- checkpoints and recovery under `conveyor run` ------------------------------------------------------------------
+
+
+def conveyor_run(data: Path, out: Path, *flags: str, epochs: int = 3) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "conveyor.cli.main", "run", "-n", "2", "--strategy", "pipeline", *flags,
+           "--data-dir", str(data), "--output-dir", str(out), "--max-restarts", "2", "--timeout", "60",
+           str(DIGITS), "--epochs", str(epochs), "--checkpoint-every", "20"]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def stage_parameters(out: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    step = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
+    state: dict[str, torch.Tensor] = {}
+    for part in sorted(step.glob("stage-*.safetensors")):
+        state |= {f"{part.stem}/{k}": v for k, v in load_file(str(part)).items()}
+    return state
+
+
+def worker_process(launcher: subprocess.Popen, index: int):
+    import psutil
+
+    for p in psutil.Process(launcher.pid).children(recursive=True):
+        try:
+            env = p.environ()
+            if env.get("CONVEYOR_TASK_INDEX") == str(index) and env.get("CONVEYOR_RESTART_COUNT") == "0" \
+                    and "train.py" in " ".join(p.cmdline()):
+                return p
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return None
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    pytest.importorskip("sklearn", reason="the digits come from scikit-learn (pip install 'conveyor[examples]')")
+    base = tmp_path_factory.mktemp("pipeline-reference")
+    run = conveyor_run(base / "data", base / "out", "--stages", "2", "--microbatches", "4")
+    log, _ = run.communicate(timeout=240)
+    assert run.returncode == 0, log[-3000:]
+    return base / "out"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_kill_9_of_a_stage_restarts_from_the_checkpoint_and_matches_the_uninterrupted_run(tmp_path, uninterrupted):
+    out = tmp_path / "killed"
+    run = conveyor_run(tmp_path / "data", out, "--stages", "2", "--microbatches", "4")
+    try:
+        deadline, victim = time.monotonic() + 150, None
+        while time.monotonic() < deadline and run.poll() is None:  # the second checkpoint, then kill stage 1
+            if (out / "checkpoints" / "step-00000040").is_dir():
+                victim = worker_process(run, 1)
+                break
+            time.sleep(0.02)
+        assert victim is not None, "the run never reached step 40"
+        manifest = json.loads((out / "checkpoints" / "step-00000040" / "COMPLETE").read_text())
+        assert {"stage-0.safetensors", "stage-0.json", "stage-1.safetensors", "stage-1.json"} <= set(manifest["parts"])
+        os.kill(victim.pid, signal.SIGKILL)
+        log, _ = run.communicate(timeout=240)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+    assert run.returncode == 0, log[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["restarts"] == 1 and summary["resumed_from_step"] >= 40
+    got, want = stage_parameters(out), stage_parameters(uninterrupted)
+    assert sorted(got) == sorted(want) and any(k.startswith("stage-1/") for k in want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), f"{name} differs from the uninterrupted run"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_checkpoint_of_another_split_is_refused_naming_both(tmp_path, uninterrupted):
+    out = tmp_path / "other-split"
+    shutil.copytree(uninterrupted / "checkpoints", out / "checkpoints")
+    run = conveyor_run(uninterrupted.parent / "data", out, "--split", "features.3", epochs=4)
+    log, _ = run.communicate(timeout=180)
+    assert run.returncode != 0
+    assert "written with the split [features | head] (2 stages) and this job splits " \
+           "[features.0..features.2 | features.3..head] (2 stages)" in log, log[-3000:]

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from conveyor.cluster.env import PIPELINE_VARS
 from conveyor.comm.process_group import collective_guard
 from conveyor.strategies.base import Strategy, check_optimizer
 from conveyor.strategies.pipeline.figures import pipeline_figures
@@ -58,8 +59,7 @@ __all__ = ["ENV", "PipelineStrategy"]
 _CHECKPOINT_FORMAT = "conveyor.pipeline.stages"
 
 #: the variables ``conveyor run --stages/--microbatches/--schedule/--split`` set
-ENV = {"stages": "CONVEYOR_PIPELINE_STAGES", "microbatches": "CONVEYOR_PIPELINE_MICROBATCHES",
-       "schedule": "CONVEYOR_PIPELINE_SCHEDULE", "split": "CONVEYOR_PIPELINE_SPLIT"}
+ENV = PIPELINE_VARS
 
 
 class PipelineStrategy(Strategy):
