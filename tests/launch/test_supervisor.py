@@ -233,7 +233,7 @@ def test_an_interrupted_node_stops_this_node_for_good(tmp_path):
 def test_segments_split_lines_and_live_updates():
     import io
 
-    from conveyor.launch.supervisor import _segments
+    from conveyor.launch.tasks import segments as _segments
 
     stream = io.BufferedReader(io.BytesIO(b"hello\r\n\rbar 1\rbar 2\rbar 3\ndone\npartial"))
     assert list(_segments(stream)) == [("hello", False), ("bar 1", True), ("bar 2", True), ("bar 3", False),
@@ -322,9 +322,9 @@ class FullDiskLog:
 
 
 def test_a_full_disk_is_reported_once_per_log_and_the_output_keeps_flowing(tmp_path, monkeypatch):
-    from conveyor.launch import supervisor as supervisor_module
+    from conveyor.launch import tasks as tasks_module  # where the task logs are opened
 
-    monkeypatch.setattr(supervisor_module, "open", FullDiskLog, raising=False)
+    monkeypatch.setattr(tasks_module, "open", FullDiskLog, raising=False)
     plan = make_plan(tmp_path, """
         import signal
         signal.alarm(30)  # a launcher that stops reading would block this task on a full pipe: end the test

@@ -34,8 +34,8 @@ from conveyor.launch.ports import free_ports
 from conveyor.strategies import PSStrategy, get_strategy
 from conveyor.strategies.ps import OptimizerSpec, ServerOptimizer, mean_of_gradients, place
 from conveyor.strategies.ps.server import ParameterServer, parse_mode
+from conveyor.strategies.ps.task import shard_stores
 from conveyor.train.checkpoint import CheckpointManager
-from conveyor.train.job import shard_stores
 
 WORLD = 2
 NUM_PS = 2
@@ -360,7 +360,7 @@ def test_ssp_pull_waits_beyond_the_bound_and_staleness_is_recorded(served) -> No
 
 @pytest.mark.timeout(30)
 def test_a_ps_shard_saved_into_a_checkpoint_restores_a_fresh_server(served, tmp_path: Path) -> None:
-    stores = shard_stores(tmp_path)
+    stores = shard_stores(tmp_path, CheckpointManager)
     server, (w0, w1) = served("async", shards=stores)
     model = nn.Linear(3, 2)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -392,6 +392,35 @@ def test_a_ps_shard_saved_into_a_checkpoint_restores_a_fresh_server(served, tmp_
     _init(o0, wider, torch.optim.Adam(wider.parameters()))
     with pytest.raises(RemoteError, match="another model or ps layout"):
         o0.request("restore", {"rank": 0, "step": 7, "root": root})
+
+
+@pytest.mark.timeout(30)
+def test_a_shard_that_is_json_but_not_an_object_is_refused_naming_the_file_and_step(served, tmp_path: Path) -> None:
+    server, (w0, _) = served("async", shards=shard_stores(tmp_path, CheckpointManager))
+    model = nn.Linear(3, 2)
+    _init(w0, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    root = tmp_path / "checkpoints"
+    manager = CheckpointManager(root)
+    for name, data in (("ps-0.json", b"[1, 2]"), ("ps-0.safetensors", b"{}")):
+        manager.save_part(9, name, data)
+    manager.finalize(9, ["ps-0.json", "ps-0.safetensors"])
+    with pytest.raises(RemoteError, match=r"ps-0.json of checkpoint step 9 is not ps:0's shard"):
+        w0.request("restore", {"rank": 0, "step": 9, "root": str(root)})
+
+
+def test_the_chief_logs_staleness_as_percentiles_and_keeps_the_histogram_for_the_json(tmp_path: Path, capsys) -> None:
+    strategy = PSStrategy("async")
+    strategy._job = type("FakeJob", (), {"output_dir": tmp_path})()
+    histogram = {str(k): 1 + (k % 7) for k in range(376)}  # a long async run's staleness table
+    stats = {"step": 900, "push_seconds": 1.0, "pull_seconds": 2.0, "wait_seconds": 0.5, "staleness": histogram,
+             "max_staleness": 375, "bytes_out_per_server": [2**20], "bytes_in_per_server": [2**20],
+             "servers": [{"dropped": 0}]}
+    strategy._report(stats)
+    line = capsys.readouterr().out.strip()
+    total = sum(histogram.values())
+    assert len(line) < 400 and "'374'" not in line, line
+    assert f"staleness n={total} p50=" in line and " p90=" in line and " p99=" in line and "max=375" in line, line
+    assert json.loads((tmp_path / "ps-stats.json").read_text())["staleness"] == histogram
 
 
 # -- tests across processes -----------------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ rendezvous and every collective), ``CONVEYOR_RESTART_COUNT`` (default 0), ``CONV
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -34,7 +33,7 @@ from conveyor.cluster import Discovered
 from conveyor.cluster.argv import discover_with_flags
 from conveyor.comm.process_group import collective_guard, init_process_group
 from conveyor.strategies import Strategy, get_strategy
-from conveyor.strategies.ps.server import IdleTimeout, serve_task
+from conveyor.strategies.ps.task import serve_ps_task
 from conveyor.train.checkpoint import CheckpointManager
 
 __all__ = ["DEFAULT_TIMEOUT", "RESTART_COUNT_VAR", "RESUME_VAR", "TIMEOUT_VAR", "Job", "init", "threads_per_worker"]
@@ -61,15 +60,16 @@ def init(strategy: str | None = None, *, timeout: float | None = None,
     process, they do (``conveyor.cluster.argv``); they are read, not removed.
 
     On a parameter-server task (``ps`` in TF_CONFIG) this does not return: the task serves its share of
-    the parameters (:mod:`conveyor.strategies.ps.server`) until every worker has said it is done, then
+    the parameters (:mod:`conveyor.strategies.ps.task`) until every worker has said it is done, then
     the process exits with status 0 — TensorFlow's ``server.join()`` pattern, so one script serves every
-    role. Workers with a ``ps-*`` strategy still join the gloo process group among themselves (the ps
-    tasks are not in it) for ``barrier``/``all_gather_bytes``/``all_reduce``.
+    role (status 1, and why on stderr, when no worker was heard from for the timeout). Workers with a
+    ``ps-*`` strategy still join the gloo process group among themselves (the ps tasks are not in it)
+    for ``barrier``/``all_gather_bytes``/``all_reduce``.
     """
     env: Mapping[str, str] = os.environ if environ is None else environ
     found = discover_with_flags(sys.argv[1:] if argv is None else argv, env)
-    if found.task.type == "ps":
-        _serve_ps(found, strategy, _timeout(timeout, env))  # does not return: the process exits when the job ends
+    if found.task.type == "ps":  # serves until the job ends, then the process exits: it never returns
+        sys.exit(serve_ps_task(found, strategy, _timeout(timeout, env), checkpoints=CheckpointManager))
     if found.rank is None:
         raise NotImplementedError(f"this process is the {found.task} task, which has no training rank; only "
                                   f"chief and worker tasks can call conveyor.init() for now")
@@ -324,44 +324,6 @@ def _device(local_rank: int) -> torch.device:
                          f"{count} training processes per machine (one per GPU)")
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
-
-
-def shard_stores(output_dir: Path):
-    """What a ps task opens the checkpoint folders named in its requests with: only under ``output_dir``."""
-    output_dir = output_dir.resolve()
-
-    def open_root(root: str) -> CheckpointManager:
-        # The folder comes in a signed request; still, a ps task writes only under its own output folder.
-        folder = Path(root).resolve()
-        if not folder.is_relative_to(output_dir):
-            raise ValueError(f"checkpoint folder {folder} is outside this task's output folder {output_dir}; give "
-                             f"every task the same --output-dir")
-        return CheckpointManager(folder, keep=None)
-
-    return open_root
-
-
-def _serve_ps(found: Discovered, strategy: str | None, timeout: float) -> None:
-    """Run this ps task's parameter server until every worker is done, then exit the process (``server.join()``)."""
-    name = strategy or found.strategy or "ps-sync"  # the launcher's default when there are ps tasks
-    if not name.strip().lower().startswith("ps-"):
-        raise ValueError(f"this process is the parameter server {found.task}, but the strategy is {name!r}: "
-                         f"start the job with --strategy ps-sync, ps-async or ps-ssp:K (CONVEYOR_STRATEGY)")
-    if not found.secret:
-        raise ValueError(f"parameter server {found.task} needs the job secret (CONVEYOR_JOB_SECRET) that signs "
-                         f"its messages; `conveyor run` sets it, and tasks started by hand each need the same "
-                         f"one, e.g. CONVEYOR_JOB_SECRET=$(openssl rand -hex 32) exported once for all of them")
-    assert found.spec is not None  # a ps task always comes from a cluster spec
-    address = found.spec.task_address("ps", found.task.index)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {found.task} %(levelname)s %(message)s")
-    print(f"{found.task}: serving {name} for {found.world_size} worker(s) on {address}", flush=True)
-    try:
-        serve_task(address, found.secret, index=found.task.index, num_workers=found.world_size, strategy=name,
-                   shards=shard_stores(Path(found.output_dir or "output")), idle_timeout=timeout)
-    except IdleTimeout as exc:
-        sys.exit(f"{found.task}: {exc}")  # status 1; no traceback: the message says it all
-    print(f"{found.task}: every worker is done; exiting", flush=True)
-    sys.exit(0)
 
 
 def _join_group(found: Discovered, backend: str, timeout: float, env: Mapping[str, str]) -> bool:

@@ -5,12 +5,14 @@
     loss.backward()                      # each parameter's gradient is pushed as soon as it is accumulated
     client.finish_step()                 # remaining pushes + commit to every server, then the pull
 
-One transport :class:`~conveyor.comm.transport.Client` per ps task. Requests to all servers are in
-flight at once (``send`` to each, then ``receive`` from each). Gradients leave from a
-``register_post_accumulate_grad_hook`` per parameter, so a layer's gradient travels while backward
-still computes the earlier layers; the replies are collected in :meth:`finish_step`. Pulled pieces are
-joined (:meth:`Placement.join`) and copied into the model's parameters in place, so the user's model
-object, and anything holding its parameters, stays valid.
+One transport :class:`~conveyor.comm.transport.Client` per ps task, spoken to only in the typed
+messages of :mod:`.protocol`. Requests to all servers are in flight at once (``send`` to each, then
+``receive`` from each). Besides the step protocol, :class:`PSConnections` (its base) has a method for
+everything else the strategy asks the servers: checkpoint shards, state, statistics, data positions.
+Gradients leave from a ``register_post_accumulate_grad_hook`` per parameter, so a layer's gradient
+travels while backward still computes the earlier layers; the replies are collected in
+:meth:`finish_step`. Pulled pieces are joined (:meth:`Placement.join`) and copied into the model's
+parameters in place, so the user's model object, and anything holding its parameters, stays valid.
 
 A daemon thread pings every server every quarter of ``timeout`` (at most 5 s) on connections of its own, from
 construction to :meth:`close`: a ps task stops after a timeout without hearing from any worker (so
@@ -33,48 +35,152 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from conveyor.comm.framing import Message
 from conveyor.comm.transport import Client, ServerUnavailable, TransportError
+from conveyor.strategies.ps import protocol as wire
 from conveyor.strategies.ps.optim import OptimizerSpec, group_hyperparameters
 from conveyor.strategies.ps.sharding import DEFAULT_CHUNK_BYTES, Placement, place
 
-__all__ = ["PSClient"]
+__all__ = ["PSClient", "PSConnections"]
 
 log = logging.getLogger(__name__)
 
 _SLEEP_MIN, _SLEEP_MAX = 0.0002, 0.005
 
 
-class PSClient:
+class PSConnections:
+    """A connection to every ps task, and the requests outside a training step (checkpoints, state, stats).
+
+    Every request goes through :meth:`_send`/:meth:`_receive` with the typed messages of
+    :mod:`.protocol`; callers never see headers or sockets. :class:`PSClient` adds the step protocol.
+    """
+
+    def __init__(self, addresses: Sequence[str], secret: bytes, *, rank: int, num_workers: int, sender: str,
+                 timeout: float = 300.0) -> None:
+        if not addresses:
+            raise ValueError("parameter-server strategies need ps tasks: start the job with --ps M (M >= 1), or "
+                             "list a 'ps' job in TF_CONFIG")
+        self.rank = rank
+        self.num_workers = num_workers
+        self.timeout = timeout
+        self._links = [Client(a, secret, name=f"ps:{i}", timeout=timeout, sender=sender)
+                       for i, a in enumerate(addresses)]
+        # a ping per server every quarter of the timeout, at least every 5 s: a dead server delays nothing long
+        self._heartbeat = _Heartbeat(addresses, secret, sender, interval=min(timeout / 4, 5.0))
+        self._closed = False
+
+    @property
+    def num_servers(self) -> int:
+        return len(self._links)
+
+    def _send(self, server: int, request: Any) -> int:
+        return self._links[server].send(*request.encode())
+
+    def _receive(self, server: int, request_id: int, *expected: type, what: str, timeout: float | None = None) -> Any:
+        return wire.read_reply(self._links[server].receive(request_id, timeout), *expected, what=what,
+                          num_workers=self.num_workers)
+
+    def _settle(self) -> None:
+        """Finish what is in flight before another request (the step protocol's pull)."""
+
+    def _ask_all(self, requests: Sequence[Any], *expected: type, what: str) -> list[Any]:
+        """One request to each server at once (``requests[s]`` to server ``s``); the replies in server order."""
+        self._settle()
+        ids = [self._send(s, request) for s, request in enumerate(requests)]
+        return [self._receive(s, rid, *expected, what=what) for s, rid in enumerate(ids)]
+
+    def _ask_first(self, request: Any, *expected: type, what: str) -> Any:
+        """One request to ps:0 (the board of workers running apart)."""
+        self._settle()
+        return self._receive(0, self._send(0, request), *expected, what=what)
+
+    # -- checkpoints and state --------------------------------------------------------------------
+
+    def save_shards(self, step: int, root: str | Path) -> list[str]:
+        """Every ps task writes its shard into checkpoint step ``step`` under ``root``; the file names written."""
+        replies = self._ask_all([wire.Save(self.rank, step, str(root))] * self.num_servers, wire.SaveReply, what="save")
+        return [part for reply in replies for part in reply.parts]
+
+    def restore_shards(self, step: int, root: str | Path) -> None:
+        """Every ps task loads its shard back from checkpoint step ``step`` under ``root``."""
+        self._ask_all([wire.Restore(self.rank, step, str(root))] * self.num_servers, wire.OkReply, what="restore")
+
+    def state(self) -> list[wire.StateReply]:
+        """Every server's pieces and optimizer state (``meta`` JSON, ``named`` tensors; copies), in server order."""
+        replies = self._ask_all([wire.State(self.rank)] * self.num_servers, wire.StateReply, what="state")
+        return [wire.StateReply(r.meta, {n: t.clone() for n, t in r.named.items()}) for r in replies]
+
+    def load_state(self, states: Sequence[tuple[dict[str, Any], dict[str, torch.Tensor]]]) -> None:
+        """Send each server its ``(meta, tensors)`` back (what :meth:`state` returned, in server order)."""
+        if len(states) != self.num_servers:
+            raise ValueError(f"{len(states)} server states for {self.num_servers} ps tasks")
+        requests = [wire.LoadState(self.rank, meta, {n: t.contiguous() for n, t in tensors.items()})
+                    for meta, tensors in states]
+        self._ask_all(requests, wire.OkReply, what="load_state")
+
+    def stats(self) -> list[wire.StatsReply]:
+        """Every server's counters (staleness histogram, drops, ...), in server order."""
+        return self._ask_all([wire.Stats(self.rank)] * self.num_servers, wire.StatsReply, what="stats")
+
+    # -- the board of workers running apart (ps:0) ------------------------------------------------
+
+    def publish_position(self, data: bytes) -> None:
+        """Leave this worker's newest data position with ps:0 (workers running apart; see the server)."""
+        self._ask_first(wire.Position(self.rank, bytes(data)), wire.OkReply, what="position")
+
+    def positions(self) -> list[bytes | None]:
+        """Every worker's newest position left with ps:0 (index = rank; None: nothing left yet)."""
+        reply = self._ask_first(wire.Positions(self.rank), wire.PositionsReply, what="positions")
+        return [reply.found.get(rank) for rank in range(self.num_workers)]
+
+    # -- lifetime ---------------------------------------------------------------------------------
+
+    def close(self, *, done: bool = True) -> None:
+        """Tell every server this worker is done (best effort) and close the sockets."""
+        if self._closed:
+            return
+        self._closed = True
+        self._heartbeat.stop()  # while the servers still answer (the last "done" stops them)
+        try:
+            self._settle()
+        except Exception:  # noqa: BLE001 - closing anyway
+            pass
+        self._release()
+        if done:
+            try:
+                ids = [self._send(s, wire.Done(self.rank)) for s in range(self.num_servers)]
+                for s, rid in enumerate(ids):
+                    self._receive(s, rid, wire.OkReply, what="done", timeout=min(self.timeout, 10.0))
+            except Exception:  # noqa: BLE001 - a server already gone is not an error at shutdown
+                pass
+        for link in self._links:
+            link.close()
+
+    def _release(self) -> None:
+        """What a subclass lets go of before the servers hear "done" (the step protocol's hooks)."""
+
+
+class PSClient(PSConnections):
     """Connections to every ps task and the per-step push/pull protocol (see the module docstring)."""
 
     def __init__(self, addresses: Sequence[str], secret: bytes, *, rank: int, num_workers: int, sender: str,
                  timeout: float = 300.0, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
-        if not addresses:
-            raise ValueError("parameter-server strategies need ps tasks: start the job with --ps M (M >= 1), or "
-                             "list a 'ps' job in TF_CONFIG")
         if chunk_bytes > DEFAULT_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes = {chunk_bytes} is over {DEFAULT_CHUNK_BYTES}: ps tasks started by "
                              f"conveyor.init() refuse frames much larger than their default pieces")
-        self.rank = rank
-        self.num_workers = num_workers
-        self.timeout = timeout
+        super().__init__(addresses, secret, rank=rank, num_workers=num_workers, sender=sender, timeout=timeout)
         self.chunk_bytes = chunk_bytes
-        self.clients = [Client(a, secret, name=f"ps:{i}", timeout=timeout, sender=sender)
-                        for i, a in enumerate(addresses)]
-        # a ping per server every quarter of the timeout, at least every 5 s: a dead server delays nothing long
-        self._heartbeat = _Heartbeat(addresses, secret, sender, interval=min(timeout / 4, 5.0))
         self.placement: Placement | None = None
         self.step = 0
-        self.read = [0] * len(self.clients)  # the version each server reported at the last pull
+        self.read = [0] * self.num_servers  # the version each server reported at the last pull
         self.seconds: Counter[str] = Counter()  # push, pull, wait
-        self.bytes_out = [0] * len(self.clients)
-        self.bytes_in = [0] * len(self.clients)
+        self.bytes_out = [0] * self.num_servers
+        self.bytes_in = [0] * self.num_servers
         self.hooks_enabled = True
         #: steps committed by all workers together, and the total they stop at (from ps:0's commit replies)
         self.global_steps = 0
@@ -89,7 +195,6 @@ class PSClient:
         self._hyper: list[dict[str, Any]] | None = None
         self._handles: list[Any] = []
         self._pulls: list[tuple[int, int]] | None = None  # (server, request id) of the pull in flight
-        self._closed = False
 
     # -- set-up -----------------------------------------------------------------------------------
 
@@ -97,26 +202,19 @@ class PSClient:
         """Place the parameters, initialise every server (rank 0's values win), pull, install the hooks."""
         named = list(model.named_parameters())
         spec = OptimizerSpec.from_optimizer(optimizer, named)
-        self.placement = placement = place([(n, p.shape, p.dtype) for n, p in named], len(self.clients),
+        self.placement = placement = place([(n, p.shape, p.dtype) for n, p in named], self.num_servers,
                                            self.chunk_bytes)
         self._params = dict(named)
         self._trained = set(spec.param_names)
         self._optimizer = optimizer
         self._hyper = group_hyperparameters(optimizer)
+        inits = [self._init_request(s, spec, named) for s in range(self.num_servers)]
         deadline = time.monotonic() + self.timeout
-        pending = list(range(len(self.clients)))
+        pending = list(range(self.num_servers))
         while pending:
-            ids = []
-            for s in pending:
-                header: dict[str, Any] = {"fingerprint": placement.fingerprint, "rank": self.rank}
-                tensors: list[torch.Tensor] = []
-                if self.rank == 0:
-                    pieces = placement.pieces_for(s)
-                    header.update(spec=spec.to_json(), keys=[p.key for p in pieces])
-                    flat = {n: p.detach().reshape(-1) for n, p in named}
-                    tensors = [flat[p.param][p.start:p.stop].clone() for p in pieces]
-                ids.append((s, self.clients[s].send("init", header, tensors)))
-            pending = [s for s, rid in ids if self.clients[s].receive(rid).kind == "wait"]
+            ids = [(s, self._send(s, inits[s])) for s in pending]
+            replies = [(s, self._receive(s, rid, wire.InitReply, wire.WaitReply, what="init")) for s, rid in ids]
+            pending = [s for s, reply in replies if isinstance(reply, wire.WaitReply)]
             if pending:
                 if time.monotonic() > deadline:
                     raise ServerUnavailable(f"ps tasks {pending} were not initialised by worker 0 within "
@@ -127,6 +225,16 @@ class PSClient:
             if param.requires_grad and name in self._trained:
                 self._handles.append(param.register_post_accumulate_grad_hook(self._hook(name)))
         return placement
+
+    def _init_request(self, server: int, spec: OptimizerSpec, named: list[tuple[str, nn.Parameter]]) -> wire.Init:
+        """Worker 0's init carries the optimizer and the initial values; the others only the placement."""
+        assert self.placement is not None
+        if self.rank != 0:
+            return wire.Init(self.placement.fingerprint, self.rank)
+        pieces = self.placement.pieces_for(server)
+        flat = {n: p.detach().reshape(-1) for n, p in named}
+        return wire.Init(self.placement.fingerprint, self.rank, spec.to_json(), [p.key for p in pieces],
+                    [flat[p.param][p.start:p.stop].clone() for p in pieces])
 
     # -- pushing ----------------------------------------------------------------------------------
 
@@ -147,15 +255,15 @@ class PSClient:
             keys.append(piece.key)
             tensors.append(copy)
         for server, (keys, tensors) in by_server.items():
-            header = {"rank": self.rank, "step": self.step, "read": self.read[server], "keys": keys}
-            self._pending.append((server, self.clients[server].send("push", header, tensors)))
+            request = wire.Push(self.rank, self.step, self.read[server], keys, tensors)
+            self._pending.append((server, self._send(server, request)))
             self._keep.extend(tensors)
             self.bytes_out[server] += sum(t.numel() * t.element_size() for t in tensors)
         self._pushed.add(name)
         self.seconds["push"] += time.perf_counter() - start
 
     def finish_step(self, prefetch: bool = False) -> None:
-        """Push what the hooks did not, commit the step on every server, then pull for the next step.
+        """wire.Push what the hooks did not, commit the step on every server, then pull for the next step.
 
         ``prefetch``: only send the pull; :meth:`finish_pull` (called by the model's forward pre-hook and
         state_dict pre-hook, see the strategy) receives it, so the round trip overlaps what the worker
@@ -170,20 +278,15 @@ class PSClient:
         hyper = group_hyperparameters(self._optimizer) if self._optimizer is not None else None
         changed = hyper if hyper != self._hyper else None
         self._hyper = hyper
-        commits = []
-        for server, client in enumerate(self.clients):
-            header = {"rank": self.rank, "step": self.step, "read": self.read[server], "hyper": changed,
-                      "plan": self.announce}
-            commits.append(client.send("commit", header))
+        commits = [self._send(s, wire.Commit(self.rank, self.step, self.read[s], changed, self.announce))
+                   for s in range(self.num_servers)]
         for server, rid in self._pending:
-            self._check(self.clients[server].receive(rid), "push")
+            self._receive(server, rid, wire.OkReply, what="push")
         self._pending.clear()
         for server, rid in enumerate(commits):
-            reply = self.clients[server].receive(rid)
-            self._check(reply, "commit")
+            reply = self._receive(server, rid, wire.CommitReply, what="commit")
             if server == 0:
-                self.global_steps = int(reply.header.get("total", 0))
-                self.plan = reply.header.get("plan")
+                self.global_steps, self.plan = reply.total, reply.plan
         self._keep.clear()
         self._pushed.clear()
         self.seconds["push"] += time.perf_counter() - start
@@ -202,8 +305,7 @@ class PSClient:
     def start_pull(self) -> None:
         """Send the pull for step ``self.step`` to every server; :meth:`finish_pull` collects it."""
         if self._pulls is None:
-            self._pulls = [(s, c.send("pull", {"rank": self.rank, "step": self.step}))
-                           for s, c in enumerate(self.clients)]
+            self._pulls = [(s, self._send(s, wire.Pull(self.rank, self.step))) for s in range(self.num_servers)]
 
     @torch.no_grad()
     def finish_pull(self) -> None:
@@ -211,97 +313,54 @@ class PSClient:
         if self._pulls is None:
             return
         assert self.placement is not None
-        replies: dict[int, Message] = {}
         ids, self._pulls = self._pulls, None
-        sleep = _SLEEP_MIN
-        deadline = time.monotonic() + self.timeout
-        while ids:
-            start = time.perf_counter()
-            again = []
-            for s, rid in ids:
-                reply = self.clients[s].receive(rid)
-                if reply.kind == "wait":
-                    again.append(s)
-                else:
-                    self._check(reply, "pull")
-                    replies[s] = reply
-            if again:
-                if time.monotonic() > deadline:
-                    raise ServerUnavailable(f"ps task(s) {again} kept answering 'wait' to the pull for step "
-                                            f"{self.step} for {self.timeout:g} s: another worker is stuck or gone",
-                                            name=f"ps:{again[0]}", address=self.clients[again[0]].address)
-                time.sleep(sleep)
-                sleep = min(sleep * 2, _SLEEP_MAX)
-                ids = [(s, self.clients[s].send("pull", {"rank": self.rank, "step": self.step})) for s in again]
-                self.seconds["wait"] += time.perf_counter() - start
-            else:
-                self.seconds["pull"] += time.perf_counter() - start
-                ids = []
+        replies = self._collect_pull(ids)
         start = time.perf_counter()
         parts: dict[str, list[tuple[str, torch.Tensor]]] = {}
         for s, reply in replies.items():
-            self.read[s] = int(reply.header["version"])
-            for key, value in zip(reply.header["keys"], reply.torch_tensors(), strict=True):
+            self.read[s] = reply.version
+            for key, value in zip(reply.keys, reply.values, strict=True):
                 parts.setdefault(self.placement.piece(key).param, []).append((key, value))
                 self.bytes_in[s] += value.numel() * value.element_size()
         for name, param in self._params.items():
             param.copy_(self.placement.join(name, parts[name]).view_as(param))
         self.seconds["pull"] += time.perf_counter() - start
 
-    def _check(self, reply: Message, what: str) -> None:
-        if reply.kind not in ("ok", "params"):
-            raise RuntimeError(f"unexpected {reply.kind!r} reply to a {what} request")
+    def _collect_pull(self, ids: list[tuple[int, int]]) -> dict[int, wire.ParamsReply]:
+        """The pull's replies by server, asking again (0.2 ms, doubling up to 5 ms) while a server says wait."""
+        replies: dict[int, wire.ParamsReply] = {}
+        sleep = _SLEEP_MIN
+        deadline = time.monotonic() + self.timeout
+        while ids:
+            start = time.perf_counter()
+            again = []
+            for s, rid in ids:
+                reply = self._receive(s, rid, wire.ParamsReply, wire.WaitReply, what="pull")
+                if isinstance(reply, wire.WaitReply):
+                    again.append(s)
+                else:
+                    replies[s] = reply
+            if not again:
+                self.seconds["pull"] += time.perf_counter() - start
+                break
+            if time.monotonic() > deadline:
+                raise ServerUnavailable(f"ps task(s) {again} kept answering 'wait' to the pull for step "
+                                        f"{self.step} for {self.timeout:g} s: another worker is stuck or gone",
+                                        name=f"ps:{again[0]}", address=self._links[again[0]].address)
+            time.sleep(sleep)
+            sleep = min(sleep * 2, _SLEEP_MAX)
+            ids = [(s, self._send(s, wire.Pull(self.rank, self.step))) for s in again]
+            self.seconds["wait"] += time.perf_counter() - start
+        return replies
 
-    # -- other requests ---------------------------------------------------------------------------
+    # -- lifetime ---------------------------------------------------------------------------------
 
-    def request_all(self, kind: str, headers: Sequence[dict[str, Any]] | None = None,
-                    tensors: Sequence[Sequence[Any]] | None = None) -> list[Message]:
-        """One request to every server at once; the replies in server order (after any pull in flight)."""
+    def _settle(self) -> None:
         self.finish_pull()
-        ids = [c.send(kind, headers[s] if headers else {"rank": self.rank}, tensors[s] if tensors else ())
-               for s, c in enumerate(self.clients)]
-        return [c.receive(rid) for c, rid in zip(self.clients, ids, strict=True)]
 
-    def publish_position(self, data: bytes) -> None:
-        """Leave this worker's newest data position with ps:0 (workers running apart; see the server)."""
-        self.finish_pull()
-        client = self.clients[0]
-        self._check(client.receive(client.send("position", {"rank": self.rank},
-                                               [torch.frombuffer(bytearray(data), dtype=torch.uint8)])), "position")
-
-    def positions(self) -> list[bytes | None]:
-        """Every worker's newest position left with ps:0 (index = rank; None: nothing left yet)."""
-        self.finish_pull()
-        client = self.clients[0]
-        reply = client.receive(client.send("positions", {"rank": self.rank}))
-        if reply.kind != "positions":
-            raise RuntimeError(f"unexpected {reply.kind!r} reply to a positions request")
-        found: list[bytes | None] = [None] * self.num_workers
-        for rank, tensor in zip(reply.header["ranks"], reply.torch_tensors(), strict=True):
-            found[int(rank)] = tensor.numpy().tobytes()
-        return found
-
-    def close(self, *, done: bool = True) -> None:
-        """Tell every server this worker is done (best effort), remove the hooks and close the sockets."""
-        if self._closed:
-            return
-        self._closed = True
-        self._heartbeat.stop()  # while the servers still answer (the last "done" stops them)
-        try:
-            self.finish_pull()
-        except Exception:  # noqa: BLE001 - closing anyway
-            pass
+    def _release(self) -> None:
         for handle in self._handles:
             handle.remove()
-        if done:
-            try:
-                ids = [(c, c.send("done", {"rank": self.rank})) for c in self.clients]
-                for c, rid in ids:
-                    c.receive(rid, timeout=min(self.timeout, 10.0))
-            except Exception:  # noqa: BLE001 - a server already gone is not an error at shutdown
-                pass
-        for client in self.clients:
-            client.close()
 
 
 class _Heartbeat:
@@ -324,7 +383,7 @@ class _Heartbeat:
             while not self._stop.is_set():
                 started = time.monotonic()
                 try:
-                    ids = [(c, c.send("ping")) for c in clients]
+                    ids = [(c, c.send(*wire.Ping().encode())) for c in clients]
                     for c, rid in ids:
                         c.receive(rid, timeout=max(0.001, started + self.interval - time.monotonic()))
                 except TransportError as exc:  # the server's own log tells more; tried again next round

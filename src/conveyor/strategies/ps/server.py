@@ -6,41 +6,35 @@
 One ``ParameterServer`` runs in each ps task, on a transport :class:`~conveyor.comm.transport.Server`
 bound to the task's TF_CONFIG address. The transport drops (and counts) anything unauthenticated,
 malformed, replayed or addressed to another task before the handler here sees it, so garbage on the
-port cannot change the parameters. Requests (all from workers, all signed):
+port cannot change the parameters. The messages are the classes of :mod:`.protocol` (its docstring lists
+them, field by field); each handler ``_on_<kind>`` takes one typed request and returns a typed reply.
+What the server does with them:
 
-``init``   ``{"fingerprint", "rank", "spec"?, "keys"?}`` + the initial values of this server's pieces.
-           The first init that carries values (worker 0's) wins; a later one with the same placement
-           fingerprint is acknowledged, one with another fingerprint is refused (an ``error`` reply).
-           A worker that asks before any init arrived is told ``wait`` and asks again.
-``push``   ``{"rank", "step", "read", "keys"}`` + one gradient per key. ``sync``: kept until the step
-           is complete; ``async``/``ssp``: applied at once (one optimizer step over those pieces).
-``commit`` ``{"rank", "step", "read", "hyper"?, "plan"?}``: the worker has pushed everything of step
-           ``step``. ``sync``: when all workers committed a step, each piece's gradients are averaged
-           with :func:`~conveyor.strategies.ps.optim.mean_of_gradients` in rank order (a worker that
-           sent none for a piece counts as zeros, like DDP's unused parameters) and applied once.
-           The reply carries ``total`` (steps committed by all workers together) and ``plan`` (the
-           largest total any worker announced it will stop at): the shared step count that workers
-           running apart (``async``/``ssp``) stop on, as TensorFlow's global step.
-``pull``   ``{"rank", "step"}``: the parameters the worker needs to compute step ``step``; answered
-           ``wait`` while the update rule does not allow it (the worker asks again; its wait time is
-           measured): ``sync`` until the version (steps applied) reaches ``step``; ``ssp:K`` while
-           ``step - min(clock) > K``, where a worker's clock is the number of steps it committed;
-           ``async`` never waits.
-``stats``  counters: version, clocks, staleness histogram, pushes, bytes in and out, drops.
-``state`` / ``load_state``: the pieces and optimizer state (safetensors-style tensors + JSON meta),
-           so a worker's checkpoint can carry the servers' optimizer state.
-``save``   ``{"step", "root"}``: write this server's shard (pieces + optimizer state) as ``ps-<i>.safetensors`` and
-           ``ps-<i>.json`` into checkpoint step ``step`` (as a part the chief collects); reply: the names.
-``restore`` ``{"step", "root"}``: load this server's shard back from the complete checkpoint step ``step``.
-``position`` ``{"rank"}`` + one uint8 tensor: that worker's newest data position (JSON). Workers that
-           run apart (``async``/``ssp``) leave it with ps:0 every checkpoint interval; ps:0 keeps the
-           newest of each, in memory (a restarted job starts with fresh ps tasks and no positions).
-``positions`` ``{"rank"}``: every worker's newest position (reply ``ranks``: which workers left one,
-           one uint8 tensor each), for the chief's checkpoint.
-``done``   ``{"rank"}``: that worker has finished; when all have, :meth:`serve` returns.
-``ping``   ``{}``: a worker's heartbeat (:class:`~conveyor.strategies.ps.client.PSClient` sends one every
-           quarter of the job's timeout from a thread of its own), so a worker busy elsewhere — a long
-           evaluation, a checkpoint, a slow first batch — still counts as alive.
+- ``init``: the first init that carries values (worker 0's) wins; a later one with the same placement
+  fingerprint is acknowledged, one with another fingerprint is refused. A worker that asks before any
+  init arrived is told ``wait`` and asks again; so is every other request but ``stats``, ``ping`` and ``done``.
+- ``push``: ``sync``: kept until the step is complete; ``async``/``ssp``: applied at once (one
+  optimizer step over those pieces).
+- ``commit``: ``sync``: when all workers committed a step, each piece's gradients are averaged with
+  :func:`~conveyor.strategies.ps.optim.mean_of_gradients` in rank order (a worker that sent none for a
+  piece counts as zeros, like DDP's unused parameters) and applied once. The reply's ``total`` (steps
+  committed by all workers together) and ``plan`` (the largest total any worker announced it will stop
+  at) are the shared step count that workers running apart (``async``/``ssp``) stop on, as
+  TensorFlow's global step.
+- ``pull``: answered ``wait`` while the update rule does not allow it (the worker asks again; its wait
+  time is measured): ``sync`` until the version (steps applied) reaches ``step``; ``ssp:K`` while
+  ``step - min(clock) > K``, where a worker's clock is the number of steps it committed; ``async`` never.
+- ``stats``: version, clocks, staleness histogram, pushes, bytes in and out, drops.
+- ``state`` / ``load_state``: the pieces and optimizer state, so a worker's checkpoint can carry them.
+- ``save`` / ``restore``: this server's shard (pieces + optimizer state) as ``ps-<i>.safetensors`` and
+  ``ps-<i>.json`` in checkpoint step ``step`` (a part the chief collects), or back from it.
+- ``position`` / ``positions``: workers that run apart (``async``/``ssp``) leave their newest data
+  position with ps:0 every checkpoint interval; ps:0 keeps the newest of each, in memory (a restarted
+  job starts with fresh ps tasks and no positions), and hands them all to the chief's checkpoint.
+- ``done``: that worker has finished; when all have, :meth:`serve` returns.
+- ``ping``: a worker's heartbeat (:class:`~conveyor.strategies.ps.client.PSClient` sends one every
+  quarter of the job's timeout from a thread of its own), so a worker busy elsewhere — a long
+  evaluation, a checkpoint, a slow first batch — still counts as alive.
 
 **Lifetime.** Besides "every worker is done", a ps task stops when it has heard nothing authenticated
 for the job's timeout (twice that before the first worker shows up: the workers may spend up to one
@@ -58,11 +52,12 @@ how many steps the slowest worker's updates lagged behind the gradient's own ste
 only zeros, ``ssp:K`` never more than K (the pull rule guarantees it), ``async`` whatever happens.
 
 **Checkpoints.** A ps task writes its own shard into the checkpoint folder it shares with the
-workers. ``save``/``restore`` name the checkpoint root; ``shards``, which ``conveyor.init()`` hands
-the server, opens it as the job's checkpoint manager after checking it lies in the task's output
-folder. So the shard lands in the step folder in the same atomic rename as the chief's files, and
-is checked against the step's manifest when read back. A ps task that dies loses nothing written:
-the launcher restarts the job, and the restarted ps tasks are restored from the last step.
+workers. ``save``/``restore`` name the checkpoint root; ``shards``, which the ps task's entry
+(:func:`~conveyor.strategies.ps.task.serve_ps_task`) hands the server, opens it as the job's
+checkpoint manager after checking it lies in the task's output folder. So the shard lands in the
+step folder in the same atomic rename as the chief's files, and is checked against the step's
+manifest when read back. A ps task that dies loses nothing written: the launcher restarts the job,
+and the restarted ps tasks are restored from the last step.
 """
 
 from __future__ import annotations
@@ -75,13 +70,13 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from conveyor.comm.framing import MAX_HEADER_BYTES, MAX_TRAILER_BYTES, Message
 from conveyor.comm.transport import Server
+from conveyor.strategies.ps import protocol as wire
 from conveyor.strategies.ps.optim import OptimizerSpec, ServerOptimizer, mean_of_gradients
 from conveyor.strategies.ps.sharding import DEFAULT_CHUNK_BYTES
 
@@ -134,9 +129,9 @@ class ShardStore(Protocol):
 SHARD_FORMAT = "conveyor.ps.shard"
 
 
-def _torch(array: np.ndarray) -> torch.Tensor:
-    # A copy: the received frame is ZeroMQ's buffer (maybe read-only) and may be kept across messages.
-    return torch.from_numpy(np.array(array, copy=True)).reshape(-1)
+def _own(tensor: torch.Tensor) -> torch.Tensor:
+    # A copy: the received tensor views ZeroMQ's frame, and the server keeps it across messages.
+    return tensor.reshape(-1).clone()
 
 
 class ParameterServer:
@@ -218,80 +213,61 @@ class ParameterServer:
     def handle(self, message: Message) -> tuple[str, dict[str, Any], list[Any]]:
         self.counters["requests"] += 1
         self.counters["bytes_in"] += sum(a.nbytes for a in message.tensors)
-        handler = getattr(self, f"_on_{message.kind}", None)
-        if handler is None:
-            raise ValueError(f"unknown request kind {message.kind!r}")
-        if message.kind not in ("init", "stats", "done", "ping") and self.opt is None:
-            return "wait", {}, []
-        kind, header, tensors = handler(message.header, message.tensors)
+        request = wire.read_request(message.kind, message.header, message.torch_tensors(), num_workers=self.num_workers)
+        if self.opt is None and not isinstance(request, (wire.Init, wire.Stats, wire.Done, wire.Ping)):
+            return wire.WaitReply().encode()
+        kind, header, tensors = getattr(self, f"_on_{request.KIND}")(request).encode()
         self.counters["bytes_out"] += sum(int(t.numel() * t.element_size()) for t in tensors
                                           if isinstance(t, torch.Tensor))
         return kind, header, tensors
 
-    def _on_init(self, header: dict[str, Any], arrays: list[np.ndarray]):
-        fingerprint = header.get("fingerprint")
-        if not isinstance(fingerprint, str):
-            raise ValueError("init without a placement fingerprint")
+    def _on_init(self, init: wire.Init) -> wire.InitReply | wire.WaitReply:
         if self.opt is not None:
-            if fingerprint != self.fingerprint:
+            if init.fingerprint != self.fingerprint:
                 raise ValueError(f"{self.name} serves parameter placement {self.fingerprint}, the worker sent "
-                                 f"{fingerprint}: every worker must build the same model with the same number of "
-                                 f"ps tasks")
-            return "ok", {"version": self.version}, []
-        if "spec" not in header:
-            return "wait", {}, []  # worker 0's init (with the values) has not arrived yet
-        keys = [str(k) for k in header["keys"]]
-        if len(keys) != len(arrays):
-            raise ValueError(f"init lists {len(keys)} pieces but carries {len(arrays)} tensors")
-        spec = OptimizerSpec.from_json(header["spec"])
-        self.opt = ServerOptimizer(spec, {k: _torch(a) for k, a in zip(keys, arrays, strict=True)})
-        self.keys, self.fingerprint = keys, fingerprint
-        log.info("%s: serving %d pieces (%s, mode %s%s) for %d workers", self.name, len(keys), spec.name, self.mode,
-                 f":{self.staleness_bound}" if self.mode == "ssp" else "", self.num_workers)
-        return "ok", {"version": self.version}, []
+                                 f"{init.fingerprint}: every worker must build the same model with the same number "
+                                 f"of ps tasks")
+            return wire.InitReply(self.version)
+        if init.spec is None:
+            return wire.WaitReply()  # worker 0's init (with the values) has not arrived yet
+        spec = OptimizerSpec.from_json(init.spec)
+        self.opt = ServerOptimizer(spec, {k: _own(v) for k, v in zip(init.keys, init.values, strict=True)})
+        self.keys, self.fingerprint = list(init.keys), init.fingerprint
+        log.info("%s: serving %d pieces (%s, mode %s%s) for %d workers", self.name, len(self.keys), spec.name,
+                 self.mode, f":{self.staleness_bound}" if self.mode == "ssp" else "", self.num_workers)
+        return wire.InitReply(self.version)
 
-    def _rank(self, header: dict[str, Any]) -> int:
-        rank = header.get("rank")
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.num_workers:
-            raise ValueError(f"rank {rank!r} outside 0..{self.num_workers - 1}")
-        return rank
-
-    def _on_push(self, header: dict[str, Any], arrays: list[np.ndarray]):
-        rank, step = self._rank(header), int(header["step"])
-        keys = [str(k) for k in header["keys"]]
-        if len(keys) != len(arrays):
-            raise ValueError(f"push lists {len(keys)} pieces but carries {len(arrays)} tensors")
-        grads = {k: _torch(a) for k, a in zip(keys, arrays, strict=True)}
+    def _on_push(self, push: wire.Push) -> wire.OkReply:
+        grads = {k: _own(g) for k, g in zip(push.keys, push.grads, strict=True)}
         self.counters["pushes"] += 1
         if self.mode == "sync":
-            if step < self.version:
-                raise ValueError(f"push for step {step}, which was already applied (version {self.version})")
-            slot = self._grads.setdefault(step, {})
+            if push.step < self.version:
+                raise ValueError(f"push for step {push.step}, which was already applied (version {self.version})")
+            slot = self._grads.setdefault(push.step, {})
             for key, grad in grads.items():
-                slot.setdefault(key, {})[rank] = grad  # a second push of a piece (accumulation) replaces the first
+                slot.setdefault(key, {})[push.rank] = grad  # a second push of a piece (accumulation) replaces it
         else:
-            self._record(step - int(header.get("read", step)))
+            self._record(push.step - push.read)
             self.opt.apply(grads)
             self.counters["updates"] += 1
-        return "ok", {}, []
+        return wire.OkReply()
 
-    def _on_commit(self, header: dict[str, Any], arrays: list[np.ndarray]):
-        rank, step = self._rank(header), int(header["step"])
-        if header.get("hyper") is not None:
-            self.opt.update_hyperparameters(header["hyper"])
-        plan = header.get("plan")
-        if isinstance(plan, int) and not isinstance(plan, bool) and plan >= 0:
-            self.plan = max(self.plan or 0, plan)
+    def _on_commit(self, commit: wire.Commit) -> wire.CommitReply:
+        if commit.hyper is not None:
+            self.opt.update_hyperparameters(commit.hyper)
+        if commit.plan is not None:
+            self.plan = max(self.plan or 0, commit.plan)
+        rank, step = commit.rank, commit.step
         self.clock[rank] = max(self.clock[rank], step + 1)
         if self.mode != "sync":
             self.version = min(self.clock)
         else:
-            self._record(step - int(header.get("read", step)))
+            self._record(step - commit.read)
             commits = self._commits.setdefault(step, set())
             commits.add(rank)
             if len(commits) == self.num_workers and step == self.version:
                 self._apply_step(step)
-        return "ok", {"version": self.version, "total": sum(self.clock), "plan": self.plan}, []
+        return wire.CommitReply(self.version, sum(self.clock), self.plan)
 
     def _apply_step(self, step: int) -> None:
         slot = self._grads.pop(step, {})
@@ -317,57 +293,49 @@ class ParameterServer:
             return step - min(self.clock) <= self.staleness_bound
         return True
 
-    def _on_pull(self, header: dict[str, Any], arrays: list[np.ndarray]):
-        self._rank(header)
-        step = int(header["step"])
-        if not self._ready(step):
+    def _on_pull(self, pull: wire.Pull) -> wire.ParamsReply | wire.WaitReply:
+        if not self._ready(pull.step):
             self.counters["pull_waits"] += 1
-            return "wait", {"version": self.version}, []
+            return wire.WaitReply(self.version)
         self.counters["pulls"] += 1
         read = self.version if self.mode == "sync" else min(self.clock)
-        return "params", {"version": read, "keys": self.keys}, [self.opt.params[k] for k in self.keys]
+        return wire.ParamsReply(read, list(self.keys), [self.opt.params[k] for k in self.keys])
 
-    def _on_stats(self, header: dict[str, Any], arrays: list[np.ndarray]):
+    def _on_stats(self, stats: wire.Stats) -> wire.StatsReply:
         transport = self.server.stats
-        return "stats", {"name": self.name, "mode": self.mode, "version": self.version, "clock": list(self.clock),
-                         "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
-                         "counters": dict(self.counters), "dropped": transport["dropped"],
-                         "dropped_by_reason": transport["dropped_by_reason"], "pieces": len(self.keys)}, []
+        return wire.StatsReply(name=self.name, mode=self.mode, version=self.version, clock=list(self.clock),
+                          staleness={str(k): v for k, v in sorted(self.staleness.items())},
+                          counters=dict(self.counters), dropped=transport["dropped"],
+                          dropped_by_reason=transport["dropped_by_reason"], pieces=len(self.keys))
 
-    def _on_state(self, header: dict[str, Any], arrays: list[np.ndarray]):
+    def _on_state(self, state: wire.State) -> wire.StateReply:
         tensors, meta = self.opt.state_dict()
-        names = list(tensors)
-        return "state", {"meta": meta, "names": names}, [tensors[n] for n in names]
+        return wire.StateReply(meta, tensors)
 
-    def _on_load_state(self, header: dict[str, Any], arrays: list[np.ndarray]):
-        names = [str(n) for n in header["names"]]
-        tensors = {n: torch.from_numpy(np.array(a, copy=True)) for n, a in zip(names, arrays, strict=True)}
-        self.opt.load_state_dict(tensors, header["meta"])
-        return "ok", {}, []
+    def _on_load_state(self, load: wire.LoadState) -> wire.OkReply:
+        self.opt.load_state_dict({n: t.clone() for n, t in load.named.items()}, load.meta)
+        return wire.OkReply()
 
-    def _shard_store(self, header: dict[str, Any]) -> tuple[ShardStore, str, str]:
+    def _shard_store(self, root: str) -> tuple[ShardStore, str, str]:
         if self.shards is None:
             raise ValueError(f"{self.name} has no checkpoint folder to write its shard to (it was started without "
                              f"one); save the optimizer's state_dict() from a worker instead")
-        return self.shards(str(header["root"])), f"ps-{self.index}.safetensors", f"ps-{self.index}.json"
+        return self.shards(root), f"ps-{self.index}.safetensors", f"ps-{self.index}.json"
 
-    def _on_save(self, header: dict[str, Any], arrays: list[np.ndarray]):
-        step = int(header["step"])
-        store, tensors_name, meta_name = self._shard_store(header)
+    def _on_save(self, save: wire.Save) -> wire.SaveReply:
+        store, tensors_name, meta_name = self._shard_store(save.root)
         tensors, meta = self.opt.state_dict()
         shard = {"format": SHARD_FORMAT, "version": 1, "ps": self.index, "fingerprint": self.fingerprint,
                  "keys": self.keys, "optimizer": meta}
-        store.save_part(step, tensors_name, save_safetensors({k: v.contiguous() for k, v in tensors.items()}))
-        store.save_part(step, meta_name, json.dumps(shard, sort_keys=True).encode())
+        store.save_part(save.step, tensors_name, save_safetensors({k: v.contiguous() for k, v in tensors.items()}))
+        store.save_part(save.step, meta_name, json.dumps(shard, sort_keys=True).encode())
         self.counters["checkpoints"] += 1
-        return "ok", {"parts": [tensors_name, meta_name]}, []
+        return wire.SaveReply([tensors_name, meta_name])
 
-    def _on_restore(self, header: dict[str, Any], arrays: list[np.ndarray]):
-        step = int(header["step"])
-        store, tensors_name, meta_name = self._shard_store(header)
-        shard = json.loads(store.read_part(step, meta_name))
-        if shard.get("format") != SHARD_FORMAT or shard.get("ps") != self.index:
-            raise ValueError(f"{meta_name} of checkpoint step {step} is not {self.name}'s shard")
+    def _on_restore(self, restore: wire.Restore) -> wire.OkReply:
+        step = restore.step
+        store, tensors_name, meta_name = self._shard_store(restore.root)
+        shard = self._read_shard(store, step, meta_name)
         if shard.get("fingerprint") != self.fingerprint:
             raise ValueError(f"checkpoint step {step} holds a shard of another model or ps layout (placement "
                              f"{shard.get('fingerprint')}, this job {self.fingerprint}): resume with the same model "
@@ -375,31 +343,39 @@ class ParameterServer:
         tensors = load_safetensors(store.read_part(step, tensors_name))
         self.opt.load_state_dict(tensors, shard["optimizer"])
         log.info("%s: restored its shard from checkpoint step %d", self.name, step)
-        return "ok", {}, []
+        return wire.OkReply()
 
-    def _on_ping(self, header: dict[str, Any], arrays: list[np.ndarray]):
-        return "ok", {}, []
+    def _read_shard(self, store: ShardStore, step: int, meta_name: str) -> dict[str, Any]:
+        """The JSON half of this server's shard in checkpoint step ``step``, checked to be this server's."""
+        try:
+            shard = json.loads(store.read_part(step, meta_name))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{meta_name} of checkpoint step {step} is not JSON ({exc}); the step is damaged: "
+                             f"resume from an earlier step or start over with --no-resume") from None
+        if not isinstance(shard, dict) or shard.get("format") != SHARD_FORMAT or shard.get("ps") != self.index \
+                or not isinstance(shard.get("optimizer"), dict):
+            raise ValueError(f"{meta_name} of checkpoint step {step} is not {self.name}'s shard (a JSON object of "
+                             f"format {SHARD_FORMAT!r} with its optimizer state); the step is damaged: resume from an "
+                             f"earlier step or start over with --no-resume")
+        return shard
 
-    def _on_position(self, header: dict[str, Any], arrays: list[np.ndarray]):
-        rank = self._rank(header)
-        if len(arrays) != 1 or arrays[0].dtype != np.uint8 or arrays[0].ndim != 1:
-            raise ValueError("a position request carries exactly one 1-d uint8 tensor")
-        self.positions[rank] = arrays[0].tobytes()
-        return "ok", {}, []
+    def _on_ping(self, ping: wire.Ping) -> wire.OkReply:
+        return wire.OkReply()
 
-    def _on_positions(self, header: dict[str, Any], arrays: list[np.ndarray]):
-        self._rank(header)
-        ranks = sorted(self.positions)
-        return "positions", {"ranks": ranks}, [torch.from_numpy(np.frombuffer(self.positions[r], np.uint8).copy())
-                                                for r in ranks]
+    def _on_position(self, position: wire.Position) -> wire.OkReply:
+        self.positions[position.rank] = position.data
+        return wire.OkReply()
 
-    def _on_done(self, header: dict[str, Any], arrays: list[np.ndarray]):
-        self.done.add(self._rank(header))
+    def _on_positions(self, positions: wire.Positions) -> wire.PositionsReply:
+        return wire.PositionsReply(dict(self.positions))
+
+    def _on_done(self, done: wire.Done) -> wire.OkReply:
+        self.done.add(done.rank)
         if len(self.done) == self.num_workers:
             log.info("%s: every worker is done; stopping", self.name)
             self._finished.set()
             self.server.stop()
-        return "ok", {}, []
+        return wire.OkReply()
 
 
 def serve_task(address: str, secret: bytes, *, index: int, num_workers: int, strategy: str,

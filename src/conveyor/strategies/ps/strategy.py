@@ -66,7 +66,6 @@ from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -78,7 +77,7 @@ from conveyor.strategies.coordination import Coordinator, IndependentCoordinator
 from conveyor.strategies.ps.client import PSClient
 from conveyor.strategies.ps.server import parse_mode
 
-__all__ = ["PSOptimizer", "PSStrategy"]
+__all__ = ["PSOptimizer", "PSStrategy", "staleness_summary"]
 
 _STATE_FORMAT = "conveyor.ps.servers_state"
 
@@ -152,14 +151,8 @@ class PSStrategy(Strategy):
     def save_optimizer(self, optimizer: Any, checkpoints: Any, step: int) -> tuple[Any, list[str]]:
         """Every ps task writes its shard into step ``step`` under ``checkpoints.root``; returns a reference."""
         client = self._client("checkpoint")
-        root = str(Path(checkpoints.root).resolve())  # the ps tasks may run in another folder
-        parts = []
-        header = {"rank": client.rank, "step": step, "root": root}
-        for reply in client.request_all("save", [header] * len(client.clients)):
-            if reply.kind != "ok":
-                raise RuntimeError(f"a ps task did not write its checkpoint shard ({reply.kind!r} reply)")
-            parts += [str(p) for p in reply.header["parts"]]
-        return {"format": _STATE_FORMAT, "num_ps": len(client.clients), "shards": parts}, parts
+        parts = client.save_shards(step, Path(checkpoints.root).resolve())  # the ps tasks may run in another folder
+        return {"format": _STATE_FORMAT, "num_ps": client.num_servers, "shards": parts}, parts
 
     def restore_optimizer(self, optimizer: Any, state: Any, checkpoints: Any, step: int) -> None:
         """Rank 0 has every ps task load its shard of step ``step``; then every worker pulls."""
@@ -167,15 +160,12 @@ class PSStrategy(Strategy):
         if not (isinstance(state, dict) and "shards" in state):
             optimizer.load_state_dict(state)  # a state fetched to the worker (PSOptimizer.state_dict)
             return
-        if state.get("format") != _STATE_FORMAT or state.get("num_ps") != len(client.clients):
+        if state.get("format") != _STATE_FORMAT or state.get("num_ps") != client.num_servers:
             raise ValueError(f"checkpoint step {step} holds shards of {state.get('num_ps')} ps tasks; this job has "
-                             f"{len(client.clients)}: resume with --ps {state.get('num_ps')} or start over "
+                             f"{client.num_servers}: resume with --ps {state.get('num_ps')} or start over "
                              f"with --no-resume")
         if self.job.rank == 0:
-            header = {"rank": 0, "step": step, "root": str(Path(checkpoints.root).resolve())}
-            for reply in client.request_all("restore", [header] * len(client.clients)):
-                if reply.kind != "ok":
-                    raise RuntimeError(f"a ps task did not restore its checkpoint shard ({reply.kind!r} reply)")
+            client.restore_shards(step, Path(checkpoints.root).resolve())
         self.job.barrier()  # no worker pulls before every shard is back
         client.pull()
 
@@ -197,7 +187,7 @@ class PSStrategy(Strategy):
         client = self.client
         if client is None:
             return {}
-        servers = [reply.header for reply in client.request_all("stats")]
+        servers = [reply.to_header() for reply in client.stats()]
         staleness: Counter[int] = Counter()
         for s in servers:
             staleness.update({int(k): v for k, v in s["staleness"].items()})
@@ -213,7 +203,8 @@ class PSStrategy(Strategy):
         """Tell the servers this worker is done (they exit when every worker is).
 
         The chief first prints the parameter-server breakdown (push / pull / wait-for-servers seconds,
-        bytes per server, staleness, drops) and writes it to ``<output_dir>/ps-stats.json``.
+        bytes per server, staleness as count and percentiles, drops) and writes all of it, the staleness
+        histogram included, to ``<output_dir>/ps-stats.json`` (``summary.json`` has it too).
         """
         if self.client is None:
             return
@@ -231,11 +222,29 @@ class PSStrategy(Strategy):
                                                         strict=True)))
         print(f"parameter servers ({self.name}, {stats['step']} steps): push {stats['push_seconds']:.2f} s, "
               f"pull {stats['pull_seconds']:.2f} s, wait for servers {stats['wait_seconds']:.2f} s; traffic per "
-              f"server: {load}; staleness {stats['staleness']}; dropped messages "
+              f"server: {load}; staleness {staleness_summary(stats['staleness'])}; dropped messages "
               f"{[s['dropped'] for s in stats['servers']]}", flush=True)
         out = getattr(self._job, "output_dir", None)
         if out is not None:
             atomic_write(Path(out) / "ps-stats.json", json.dumps(stats, indent=1).encode())
+
+
+def staleness_summary(histogram: dict[str, int]) -> str:
+    """``{"0": 90, "3": 10}`` -> ``"n=100 p50=0 p90=0 p99=3 max=3"``: a log line's worth of a staleness histogram."""
+    counts = sorted((int(k), int(v)) for k, v in histogram.items() if int(v) > 0)
+    total = sum(v for _, v in counts)
+    if not total:
+        return "n=0"
+
+    def percentile(q: float) -> int:  # nearest rank: the smallest staleness with at least q of the records
+        need, seen = q * total, 0
+        for value, count in counts:
+            seen += count
+            if seen >= need:
+                return value
+        return counts[-1][0]
+
+    return f"n={total} p50={percentile(0.5)} p90={percentile(0.9)} p99={percentile(0.99)} max={counts[-1][0]}"
 
 
 class _ServerBoard:
@@ -306,11 +315,7 @@ class PSOptimizer(torch.optim.Optimizer):
         client = self._strategy.client
         if client is None:
             raise RuntimeError("optimizer.state_dict() after the job was shut down")
-        servers = []
-        for reply in client.request_all("state"):
-            tensors = {n: torch.from_numpy(np.array(a, copy=True))
-                       for n, a in zip(reply.header["names"], reply.tensors, strict=True)}
-            servers.append({"meta": reply.header["meta"], "tensors": tensors})
+        servers = [{"meta": reply.meta, "tensors": reply.named} for reply in client.state()]
         return {"format": _STATE_FORMAT, "servers": servers}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -322,17 +327,10 @@ class PSOptimizer(torch.optim.Optimizer):
             raise ValueError("this optimizer state names shards the ps tasks wrote into a checkpoint folder; "
                              "job.strategy.restore_optimizer(optimizer, state, checkpoints, step) restores it "
                              "(the Trainer does this on resume)")
-        if state.get("format") != _STATE_FORMAT or len(state.get("servers", ())) != len(client.clients):
-            raise ValueError(f"not a parameter-server optimizer state for {len(client.clients)} ps tasks (a "
+        if state.get("format") != _STATE_FORMAT or len(state.get("servers", ())) != client.num_servers:
+            raise ValueError(f"not a parameter-server optimizer state for {client.num_servers} ps tasks (a "
                              f"checkpoint of another strategy or another number of ps tasks?)")
-        headers, tensors = [], []
-        for entry in state["servers"]:
-            names = list(entry["tensors"])
-            headers.append({"rank": client.rank, "meta": entry["meta"], "names": names})
-            tensors.append([entry["tensors"][n].contiguous() for n in names])
-        for reply in client.request_all("load_state", headers, tensors):
-            if reply.kind != "ok":
-                raise RuntimeError(f"a server refused the optimizer state ({reply.kind})")
+        client.load_state([(entry["meta"], entry["tensors"]) for entry in state["servers"]])
         client.pull()
 
     def __repr__(self) -> str:
