@@ -77,10 +77,10 @@ def example(training: bool):
 def tfrecord_pipeline(pattern: str, job, batch_size: int, training: bool) -> Dataset:
     files = sorted(glob.glob(pattern))
     if len(files) >= job.world_size:  # each worker reads its own files
-        records = Dataset.list_files(pattern, shuffle=False).shard(job.world_size, job.rank).interleave(
+        records = Dataset.list_files(pattern, shuffle=False).shard(*job.data_shard).interleave(
             lambda f: TFRecordDataset(f), cycle_length=4, num_parallel_calls=None)
     else:  # fewer files than workers: every worker reads them all and keeps its share of the records
-        records = TFRecordDataset(files).shard(job.world_size, job.rank)
+        records = TFRecordDataset(files).shard(*job.data_shard)
     if training:
         records = records.shuffle(10_000, seed=0)
     return records.map(example(training), num_parallel_calls=AUTOTUNE).batch(
@@ -94,7 +94,7 @@ def synthetic_pipeline(job, size: int, batch_size: int, training: bool, num_clas
     colours = np.random.default_rng(0).integers(0, 256, (num_classes, 1, 1, 3))
     noise = rng.integers(-64, 64, (size, 32, 32, 3))
     images = np.clip(colours[labels] + noise, 0, 255).astype(np.uint8)
-    ds = Dataset.from_tensor_slices((images, labels.astype(np.int64))).shard(job.world_size, job.rank)
+    ds = Dataset.from_tensor_slices((images, labels.astype(np.int64))).shard(*job.data_shard)
     if training:
         ds = ds.shuffle(size, seed=0)
     fn = (lambda im, lab: (normalise(augment(im)), lab)) if training else (lambda im, lab: (normalise(im), lab))

@@ -3,6 +3,7 @@
     conveyor run -n 2 examples/digits/train.py --epochs 20     # two workers, all-reduce
     python examples/digits/train.py                            # one local worker
     make demo                                                  # sets up, then the first command
+    conveyor run -n 2 --strategy pipeline --stages 2 examples/digits/train.py   # features | head, one per process
 
 The data is scikit-learn's bundled copy of the UCI handwritten digits (1,797 8×8 images, no
 download). On first use the script writes it as sharded TFRecord files of tf.train.Example into
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -51,25 +53,26 @@ def parse(record: bytes):
 
 def pipeline(folder: str, split: str, job, batch_size: int, training: bool) -> Dataset:
     files = Dataset.list_files(os.path.join(folder, f"{split}-*.tfrecord"), shuffle=False)
-    files = files.shard(job.world_size, job.rank)  # each worker reads its own files
+    files = files.shard(*job.data_shard)  # each worker (each pipeline replica) reads its own files
     records = files.interleave(lambda f: TFRecordDataset(f), cycle_length=2, num_parallel_calls=None)
     if training:
         records = records.shuffle(1024, seed=0)
     return records.map(parse).batch(batch_size, drop_remainder=training).prefetch(AUTOTUNE)
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.features = nn.Sequential(
-            nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),  # 8×8 → 4×4
-        )
-        self.head = nn.Sequential(nn.Flatten(), nn.Dropout(0.25), nn.Linear(64 * 16, 128), nn.ReLU(),
-                                  nn.Linear(128, 10))
+class Net(nn.Sequential):
+    """features, then head: a Sequential, so `--strategy pipeline` can cut it (between them, or inside
+    either with `--split features.2,head`)."""
 
-    def forward(self, x):
-        return self.head(self.features(x))
+    def __init__(self):
+        super().__init__(OrderedDict(
+            features=nn.Sequential(
+                nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(),
+                nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),  # 8×8 → 4×4
+            ),
+            head=nn.Sequential(nn.Flatten(), nn.Dropout(0.25), nn.Linear(64 * 16, 128), nn.ReLU(),
+                               nn.Linear(128, 10)),
+        ))
 
 
 def main() -> None:

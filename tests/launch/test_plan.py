@@ -260,3 +260,27 @@ def test_free_ports_are_distinct_and_bindable():
     assert free_ports(0) == []
     with pytest.raises(ValueError):
         free_ports(-1)
+
+
+def test_pipeline_flags_reach_every_task_and_stale_ones_do_not():
+    plan = local_plan(options(strategy="pipeline", stages=2, microbatches=8, schedule="gpipe"), [7001, 7002],
+                      master_port=7000, secret=SECRET, environ=CALLER | {"CONVEYOR_PIPELINE_SPLIT": "stale"})
+    for task in plan.tasks:
+        assert {k: v for k, v in task.env.items() if k.startswith("CONVEYOR_PIPELINE_")} == {
+            "CONVEYOR_PIPELINE_STAGES": "2", "CONVEYOR_PIPELINE_MICROBATCHES": "8",
+            "CONVEYOR_PIPELINE_SCHEDULE": "gpipe"}
+    plan = local_plan(options(), [7001, 7002], master_port=7000, secret=SECRET, environ=CALLER)
+    assert not any(k.startswith("CONVEYOR_PIPELINE_") for task in plan.tasks for k in task.env)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (dict(stages=2), "--stages belong(s) to pipeline parallelism: add --strategy pipeline"),
+    (dict(strategy="pipeline"), "--strategy pipeline needs the split: --stages S"),
+    (dict(strategy="pipeline", workers=3, stages=2), "-n 3 --stages 2: each pipeline replica runs all 2 stages"),
+    (dict(strategy="pipeline", stages=0), "--stages 0: expected a whole number >= 1"),
+    (dict(strategy="pipeline", stages=2, microbatches=0), "--microbatches 0"),
+])
+def test_pipeline_flags_are_checked_naming_the_fix(overrides, needle):
+    with pytest.raises(ValueError) as info:
+        options(**overrides)
+    assert needle in str(info.value)

@@ -96,7 +96,7 @@ def test_argument_beats_environment(env: dict[str, str]) -> None:
     ("ps-sync", "needs parameter servers, but this job has none"),
     ("ps-ssp:4", "needs parameter servers, but this job has none"),
     ("ps-ssp:0", "needs parameter servers, but this job has none"),
-    ("pipeline", "recognised but not implemented yet"),
+    ("pipeline", "needs the number of stages: conveyor run --stages S"),
     ("ps-ssp", "staleness bound K"),
     ("ps-ssp:x", "staleness bound K"),
 ])

@@ -2,6 +2,7 @@
 
     conveyor run -n 2 train.py --epochs 1                     # 2 workers on this machine
     conveyor run -n 4 --ps 2 --strategy ps-async train.py     # 4 workers, 2 parameter servers
+    conveyor run -n 4 --strategy pipeline --stages 2 train.py # 2 pipeline replicas of 2 stages
     conveyor run --dry-run -n 2 train.py --epochs 1           # print what would start, start nothing
     conveyor run -n 2 --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29400 --job-secret-file s train.py  # 10.0.0.1
     conveyor run -n 2 --nnodes 2 --node-rank 1 --rdzv 10.0.0.1:29400 --job-secret-file s train.py  # the other
@@ -44,6 +45,7 @@ EXAMPLES = """\
 examples:
   conveyor run -n 2 train.py --epochs 1
   conveyor run -n 4 --ps 2 --strategy ps-async train.py
+  conveyor run -n 4 --strategy pipeline --stages 2 --microbatches 8 train.py   # 2 replicas x 2 stages
   conveyor run --dry-run -n 2 train.py --epochs 1
   conveyor run --chief -n 3 --ps 1 --linger 5 tf2_ps_train.py     # TF2 parameter-server tutorial pattern
   conveyor run -n 2 --ps 1 --tf-flags trainer.py                  # TF1: --ps_hosts ... --task_index
@@ -114,6 +116,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      f"600); default: ${SECRET_FILE_VAR}, ${JOB_SECRET_VAR}, else a fresh random one on one "
                      "machine. Required with --nnodes > 1: give every node the same file")
     job.add_argument("--dry-run", action="store_true", help="print every task's command and environment; start nothing")
+    pipe = parser.add_argument_group("pipeline parallelism (--strategy pipeline)")
+    pipe.add_argument("--stages", type=int, default=None, metavar="S",
+                      help="cut the model (an nn.Sequential) into S stages balanced by parameter bytes; -n N with N a "
+                           "multiple of S runs N/S pipeline replicas")
+    pipe.add_argument("--microbatches", type=int, default=None, metavar="M",
+                      help="microbatches per batch (default 2*S); the batch size must be a multiple of M")
+    pipe.add_argument("--schedule", default=None, metavar="NAME", help="1f1b (default) or gpipe")
+    pipe.add_argument("--split", default=None, metavar="NAME,NAME",
+                      help="the layers to cut before (named_modules names), instead of a balanced --stages")
     nodes = parser.add_argument_group("several machines")
     nodes.add_argument("--nnodes", type=int, default=1, metavar="K", help="machines in the job (default 1)")
     nodes.add_argument("--node-rank", type=int, default=None, metavar="I", help="this machine's rank, 0..K-1")
@@ -129,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
         strategy=args.strategy, chief=args.chief, data_dir=os.path.abspath(args.data_dir),
         output_dir=os.path.abspath(args.output_dir), max_restarts=args.max_restarts, resume=args.resume,
         timeout=args.timeout, restart_delay=args.restart_delay, python=args.python, tf_flags=args.tf_flags,
-        linger=args.linger,
+        linger=args.linger, stages=args.stages, microbatches=args.microbatches, schedule=args.schedule,
+        split=args.split,
     )
     _check_node_flags(args)
     environ = dict(os.environ)  # before anything here touches os.environ: this is what the tasks inherit

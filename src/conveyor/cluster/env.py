@@ -28,6 +28,7 @@ __all__ = [
     "DATA_DIR_VAR",
     "JOB_SECRET_VAR",
     "OUTPUT_DIR_VAR",
+    "PIPELINE_VARS",
     "STRATEGY_VAR",
     "TASK_INDEX_VAR",
     "TASK_TYPE_VAR",
@@ -42,6 +43,9 @@ __all__ = [
 TASK_TYPE_VAR = "CONVEYOR_TASK_TYPE"
 TASK_INDEX_VAR = "CONVEYOR_TASK_INDEX"
 STRATEGY_VAR = "CONVEYOR_STRATEGY"
+#: ``conveyor run --stages/--microbatches/--schedule/--split`` (read by the pipeline strategy)
+PIPELINE_VARS = {"stages": "CONVEYOR_PIPELINE_STAGES", "microbatches": "CONVEYOR_PIPELINE_MICROBATCHES",
+                 "schedule": "CONVEYOR_PIPELINE_SCHEDULE", "split": "CONVEYOR_PIPELINE_SPLIT"}
 DATA_DIR_VAR = "CONVEYOR_DATA_DIR"
 OUTPUT_DIR_VAR = "CONVEYOR_OUTPUT_DIR"
 JOB_SECRET_VAR = "CONVEYOR_JOB_SECRET"

@@ -28,7 +28,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from conveyor.cluster import JOB_SECRET_VAR, ClusterSpec, TaskId, join_address, task_environment
-from conveyor.cluster.env import DATA_DIR_VAR, OUTPUT_DIR_VAR, STRATEGY_VAR, TASK_INDEX_VAR, TASK_TYPE_VAR
+from conveyor.cluster.env import (
+    DATA_DIR_VAR,
+    OUTPUT_DIR_VAR,
+    PIPELINE_VARS,
+    STRATEGY_VAR,
+    TASK_INDEX_VAR,
+    TASK_TYPE_VAR,
+)
 
 __all__ = [
     "OWNED_VARS",
@@ -85,7 +92,7 @@ MAX_TIMEOUT = 86400.0
 OWNED_VARS: tuple[str, ...] = (
     "TF_CONFIG", *(v for v in TORCHRUN_VARS if v != "TORCH_NCCL_ASYNC_ERROR_HANDLING"),
     TASK_TYPE_VAR, TASK_INDEX_VAR, STRATEGY_VAR, DATA_DIR_VAR, OUTPUT_DIR_VAR, JOB_SECRET_VAR,
-    RESTART_COUNT_VAR, RESUME_VAR, TIMEOUT_VAR, OMP_DEFAULT_VAR,
+    RESTART_COUNT_VAR, RESUME_VAR, TIMEOUT_VAR, OMP_DEFAULT_VAR, *PIPELINE_VARS.values(),
 )
 
 
@@ -114,6 +121,10 @@ class RunOptions:
     python: str = sys.executable
     tf_flags: bool = False
     linger: float = 30.0
+    stages: int | None = None  # --strategy pipeline: --stages, --microbatches, --schedule, --split
+    microbatches: int | None = None
+    schedule: str | None = None
+    split: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "script_args", tuple(self.script_args))
@@ -129,6 +140,7 @@ class RunOptions:
         _check_seconds(self.restart_delay, "--restart-delay", True, 3600.0, "e.g. --restart-delay 1, or 0: none")
         _check_seconds(self.linger, "--linger", True, 3600.0, "e.g. --linger 30, or 0: stop them at once")
         _check_task_files(self.workers, self.ps)
+        self._check_pipeline()
         if self.tf_flags and self.chief:
             raise ValueError("--tf-flags gives TensorFlow 1's --ps_hosts/--worker_hosts, which have no chief job "
                              "(worker 0 is the chief there): drop --chief, or drop --tf-flags and read TF_CONFIG")
@@ -138,6 +150,26 @@ class RunOptions:
                                  f"absolute from the current folder)")
         if not isinstance(self.python, str) or not self.python:
             raise ValueError("--python is empty; give an interpreter, e.g. --python /usr/bin/python3")
+
+    def _check_pipeline(self) -> None:
+        given = [f"--{k}" for k in PIPELINE_VARS if getattr(self, k) is not None]
+        pipeline = (self.strategy or "").strip().lower() == "pipeline"
+        if given and not pipeline:
+            raise ValueError(f"{', '.join(given)} belong(s) to pipeline parallelism: add --strategy pipeline, or drop "
+                             f"{'them' if len(given) > 1 else 'it'}")
+        if pipeline and self.stages is None and not self.split:
+            raise ValueError("--strategy pipeline needs the split: --stages S (an nn.Sequential cut into S stages "
+                             "balanced by parameter bytes) or --split NAME,NAME (the layers to cut before)")
+        for flag, value in (("--stages", self.stages), ("--microbatches", self.microbatches)):
+            if value is not None:
+                _check_count(value, flag, 1, "pipeline stages" if flag == "--stages" else "microbatches per batch")
+        if self.stages is not None and self.workers % self.stages:
+            raise ValueError(f"-n {self.workers} --stages {self.stages}: each pipeline replica runs all {self.stages} "
+                             f"stages, so -n must be a multiple of {self.stages} (e.g. -n {self.stages})")
+
+    def pipeline_env(self) -> dict[str, str]:
+        """The ``CONVEYOR_PIPELINE_*`` variables of the flags given."""
+        return {var: str(getattr(self, key)) for key, var in PIPELINE_VARS.items() if getattr(self, key) is not None}
 
     @property
     def tasks_per_node(self) -> int:
@@ -298,6 +330,7 @@ def _node_env(options: RunOptions, node: NodeInfo, node_rank: int, nnodes: int, 
         RESUME_VAR: "1" if options.resume else "0",
         TIMEOUT_VAR: f"{options.timeout:g}",
         "PYTHONUNBUFFERED": "1",  # lines reach the launcher (and the log) as they are printed
+        **options.pipeline_env(),
     }
     if node.workers + node.ps > 1 and not environ.get("OMP_NUM_THREADS"):
         # torchrun's default: N processes with a full-size OpenMP pool each would overload the cores.

@@ -4,8 +4,8 @@
 
 Implemented: ``local`` (one process, no communication), ``allreduce`` (DistributedDataParallel) and
 the parameter-server strategies ``ps-sync``, ``ps-async``, ``ps-ssp:K`` (bounded staleness K;
-:mod:`conveyor.strategies.ps.strategy`). Recognised but not implemented yet: ``pipeline``; asking for
-it raises a ``ValueError`` that says so.
+:mod:`conveyor.strategies.ps.strategy`), and ``pipeline`` (pipeline model parallelism, combined with
+data parallelism: :mod:`conveyor.strategies.pipeline.strategy`).
 """
 
 from __future__ import annotations
@@ -13,16 +13,18 @@ from __future__ import annotations
 from conveyor.strategies.allreduce import AllReduceStrategy
 from conveyor.strategies.base import Strategy, check_optimizer
 from conveyor.strategies.local import LocalStrategy
+from conveyor.strategies.pipeline.strategy import PipelineStrategy
 from conveyor.strategies.ps.strategy import PSStrategy
 
-__all__ = ["NAMES", "AllReduceStrategy", "LocalStrategy", "PSStrategy", "Strategy", "check_optimizer", "get_strategy"]
+__all__ = ["NAMES", "AllReduceStrategy", "LocalStrategy", "PSStrategy", "PipelineStrategy", "Strategy",
+           "check_optimizer", "get_strategy"]
 
-_IMPLEMENTED: dict[str, type[Strategy]] = {"local": LocalStrategy, "allreduce": AllReduceStrategy}
+_IMPLEMENTED: dict[str, type[Strategy]] = {"local": LocalStrategy, "allreduce": AllReduceStrategy,
+                                           "pipeline": PipelineStrategy}
 _PS = ("ps-sync", "ps-async", "ps-ssp:K")
-_PLANNED = ("pipeline",)
 
-#: Every strategy name conveyor knows, implemented or not, as the command line spells them.
-NAMES: tuple[str, ...] = (*_IMPLEMENTED, *_PS, *_PLANNED)
+#: Every strategy name conveyor knows, as the command line spells them.
+NAMES: tuple[str, ...] = (*_IMPLEMENTED, *_PS)
 
 
 def get_strategy(name: str) -> Strategy:
@@ -40,9 +42,6 @@ def get_strategy(name: str) -> Strategy:
         return PSStrategy("ssp", int(k))
     if key in ("ps-sync", "ps-async"):
         return PSStrategy(key[3:])
-    if key in _PLANNED:
-        raise ValueError(f"strategy {name!r} is recognised but not implemented yet (implemented: "
-                         f"{_quoted((*_IMPLEMENTED, *_PS))}); use 'allreduce' for synchronous data parallelism")
     raise ValueError(f"unknown strategy {name!r}; expected one of {_quoted(NAMES)}")
 
 

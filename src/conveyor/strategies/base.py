@@ -75,8 +75,28 @@ class Strategy(ABC):
         """Undo :meth:`save_optimizer` on resume (every rank calls it)."""
         optimizer.load_state_dict(state)
 
+    def checkpoint_model(self, module: nn.Module) -> Any:
+        """What the chief's checkpoint holds as ``model`` (default: the whole module's ``state_dict()``)."""
+        return module.state_dict()
+
+    def checkpoint_parts(self, module: nn.Module, optimizer: Any) -> dict[str, Any]:
+        """State trees this rank adds to a checkpoint, by part name (every rank calls it at each save; the
+        trainer writes each as ``<name>.safetensors`` + ``<name>.json``). Default: none."""
+        return {}
+
+    def restore_checkpoint(self, module: nn.Module, optimizer: Any, saved_optimizer: Any,
+                           read_part: Callable[[str], Any]) -> bool:
+        """Restore ``module`` and ``optimizer`` from a checkpoint the strategy wrote in parts (``read_part(name)``
+        gives a part's state tree); False (the default): the trainer loads ``model`` and the optimizer itself."""
+        return False
+
     def stats(self) -> dict[str, Any] | None:
         """Communication figures for the run's summary beyond ``comm_seconds`` (None: nothing more to say)."""
+        return None
+
+    def summary_figures(self) -> dict[str, Any] | None:
+        """Entries for ``summary.json`` that need every rank's figures (collective: every rank calls it at
+        the end of a run; the chief's result is written). None: nothing to add."""
         return None
 
     def check_prepared(self, model: nn.Module) -> None:
@@ -103,6 +123,20 @@ class Strategy(ABC):
         optimizer.step()
         mark("optimizer")
         return loss.detach()
+
+    def data_shard(self) -> tuple[int, int]:
+        """(number of shards, this process's shard) of the training data: ``(world_size, rank)`` for data
+        parallelism; strategies whose processes share a batch (pipeline stages) say otherwise."""
+        return int(self.job.world_size), int(self.job.rank)
+
+    def counted_samples(self, samples: int) -> int:
+        """How many of a step's ``samples`` this process counts in throughput figures (summed over ranks)."""
+        return samples
+
+    def eval_forward(self, module: nn.Module, inputs: Any) -> Any:
+        """The outputs of ``module`` for ``inputs`` in evaluation (no gradients); None: this process has
+        none, and leaves the batch's loss and metric to the process that has them."""
+        return module(inputs)
 
     def __str__(self) -> str:
         return self.name

@@ -37,9 +37,13 @@ def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def evaluate(module: torch.nn.Module, data: Any, loss_fn: Callable, metric_fn: Callable, *,
-             device: torch.device, job: Any = None) -> dict[str, float]:
+             device: torch.device, job: Any = None, forward: Callable | None = None) -> dict[str, float]:
     """Loss and metric over ``data`` (a conveyor Dataset of (inputs, targets) batches); summed over the
-    job's ranks when ``job`` is given, else this rank's alone. The module is left in the mode it was in."""
+    job's ranks when ``job`` is given, else this rank's alone. The module is left in the mode it was in.
+
+    ``forward(module, inputs)`` gives the outputs (the strategy's ``eval_forward``; default
+    ``module(inputs)``); where it returns None this rank counts nothing for the batch (a pipeline stage
+    other than the last), and the rank that has the outputs counts it."""
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss * n, metric * n, n
     was_training = module.training
     module.eval()
@@ -48,7 +52,9 @@ def evaluate(module: torch.nn.Module, data: Any, loss_fn: Callable, metric_fn: C
         with torch.no_grad():
             for batch in it:
                 inputs, targets = split_batch(batch)
-                outputs = module(inputs)
+                outputs = module(inputs) if forward is None else forward(module, inputs)
+                if outputs is None:
+                    continue
                 n = batch_size(targets)
                 sums[0] += loss_fn(outputs, targets).detach().double() * n
                 sums[1] += torch.as_tensor(metric_fn(outputs, targets), device=device).double() * n

@@ -106,7 +106,7 @@ class Job:
 
     Attributes: ``rank``, ``world_size``, ``local_rank``, ``local_world_size``, ``is_chief``, ``task_type``,
     ``task_index``, ``cluster`` (``ClusterSpec`` or ``None``), ``strategy``, ``device``, ``data_dir``,
-    ``output_dir``, ``restart_count``, ``resume``, ``timeout`` (seconds), ``backend``, ``source`` (which
+    ``output_dir``, ``restart_count``, ``resume``, ``timeout`` (seconds), ``backend``, ``data_shard``, ``source`` (which
     launcher's variables described this process), ``secret`` (the job's message-signing key, or ``None``;
     kept out of ``repr``).
     """
@@ -139,10 +139,33 @@ class Job:
 
     # -- training ---------------------------------------------------------------------------------
 
-    def prepare(self, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
-        """Wrap ``model`` and ``optimizer`` for the job's strategy; the rest of the loop is plain PyTorch."""
+    def prepare(self, model: nn.Module, optimizer: Any, *, split: Sequence[str] | None = None
+                ) -> tuple[nn.Module, Any]:
+        """Wrap ``model`` and ``optimizer`` for the job's strategy; the rest of the loop is plain PyTorch.
+
+        ``split``: the layers to cut the model before under ``--strategy pipeline`` (ignored by the
+        data-parallel strategies, which hold the whole model), so one script runs under all of them.
+        """
         self._check_open("prepare")
+        if split is not None and self.strategy.name == "pipeline":
+            return self.strategy.prepare(model, optimizer, split=split)
         return self.strategy.prepare(model, optimizer)
+
+    @property
+    def data_shard(self) -> tuple[int, int]:
+        """(number of shards, this process's shard) for the training data: ``ds.shard(*job.data_shard)``.
+
+        ``(world_size, rank)`` under data parallelism; under ``pipeline`` every stage of a replica reads the
+        replica's shard, ``(replicas, replica)``.
+        """
+        return self.strategy.data_shard()
+
+    def train_step(self, model: nn.Module, optimizer: Any, loss_fn: Any, inputs: Any, targets: Any) -> torch.Tensor:
+        """One training step the strategy's way (zero_grad, forward, loss, backward, step; a pipeline's
+        schedule over microbatches); returns the detached batch-mean loss. For plain loops that should
+        run under every strategy, pipeline included."""
+        self._check_open("train_step")
+        return self.strategy.train_step(model, optimizer, loss_fn, inputs, targets, lambda phase: None)
 
     # -- collectives ------------------------------------------------------------------------------
 

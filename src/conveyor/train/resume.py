@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from conveyor.train.checkpoint import Checkpoint, CheckpointError, CheckpointManager
-from conveyor.train.state_io import rng_from_json, rng_state, rng_to_json, set_rng_state
+from conveyor.train.state_io import rng_from_json, rng_state, rng_to_json, set_rng_state, state_from_bytes
 
 __all__ = ["DATA_STATE_FORMAT", "DATA_STATE_VERSION", "ResumeError", "Resumed", "data_state", "describe",
            "optimizer_name", "resume"]
@@ -60,10 +60,11 @@ def resume(job: Any, checkpoints: CheckpointManager, coordinator: Any, module: A
     world, rank = int(job.world_size), int(job.rank)
     _check_world_size(ckpt, world, checkpoints)
     state = _worker_state(ckpt, rank, world, coordinator, checkpoints)
-    _check_model(module, ckpt, checkpoints)
-    module.load_state_dict(ckpt.model_state)
-    if ckpt.optimizer_state is not None:
-        _restore_optimizer(job, optimizer, ckpt, checkpoints)
+    if not _restored_by_strategy(job, module, optimizer, ckpt, checkpoints):
+        _check_model(module, ckpt, checkpoints)
+        module.load_state_dict(ckpt.model_state)
+        if ckpt.optimizer_state is not None:
+            _restore_optimizer(job, optimizer, ckpt, checkpoints)
     coordinator.resumed(ckpt.extra)
     rng = rng_from_json(state["rng"]) if state is not None and state.get("rng") else ckpt.rng
     if rng is not None:
@@ -110,11 +111,29 @@ def _some(names: list[str], limit: int = 5) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def _restore_optimizer(job: Any, optimizer: Any, ckpt: Checkpoint, checkpoints: CheckpointManager) -> None:
+def _restored_by_strategy(job: Any, module: Any, optimizer: Any, ckpt: Checkpoint,
+                          checkpoints: CheckpointManager) -> bool:
+    """Whether the strategy restored model and optimizer from parts it wrote (pipeline stages do)."""
+    def read(name: str) -> Any:
+        return state_from_bytes(checkpoints.read_part(ckpt.step, f"{name}.safetensors"),
+                                checkpoints.read_part(ckpt.step, f"{name}.json"))
+
+    _check_optimizer_name(optimizer, ckpt, checkpoints)
+    try:
+        return bool(job.strategy.restore_checkpoint(module, optimizer, ckpt.optimizer_state, read))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ResumeError(f"checkpoint {ckpt.path} cannot be resumed by this job: {e}. Or "
+                          + _start_over(checkpoints)) from e
+
+
+def _check_optimizer_name(optimizer: Any, ckpt: Checkpoint, checkpoints: CheckpointManager) -> None:
     saved, mine = ckpt.extra.get("optimizer"), optimizer_name(optimizer)
     if saved is not None and saved != mine:  # torch would load it and fail on the first step, or worse, not at all
         raise ResumeError(f"checkpoint {ckpt.path} holds the state of optimizer {saved}; this job trains with "
                           f"{mine}. Resume with {saved}, or " + _start_over(checkpoints))
+
+
+def _restore_optimizer(job: Any, optimizer: Any, ckpt: Checkpoint, checkpoints: CheckpointManager) -> None:
     try:
         job.strategy.restore_optimizer(optimizer, ckpt.optimizer_state, checkpoints, ckpt.step)
     except (KeyError, TypeError, ValueError) as e:  # torch's own complaints about a state of another shape

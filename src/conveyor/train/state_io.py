@@ -15,6 +15,7 @@ the tags: `docs/architecture.md`, "State without pickle".
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -26,6 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors import safe_open
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save as safetensors_save
 from safetensors.torch import save_file
 
 from conveyor.fileio import bytes_from_json, bytes_to_json, umask_mode
@@ -198,6 +201,23 @@ def save_tensors(
     tensor in the file (tied weights, views of one buffer). The file then holds independent copies;
     `load_state_dict` copies them back into the model's own (still tied) parameters.
     """
+    save_file(_prepared(tensors), str(path), metadata=dict(metadata) if metadata else None)
+    os.chmod(path, umask_mode())  # safetensors writes a 0600 temp file and renames it (see conveyor.fileio)
+
+
+def state_to_bytes(state: Any) -> tuple[bytes, bytes]:
+    """A state tree as (safetensors bytes, JSON bytes): a checkpoint part another task writes with `save_part`."""
+    tensors, meta = flatten_state(state)
+    return safetensors_save(_prepared(tensors)), json.dumps(meta, sort_keys=True).encode()
+
+
+def state_from_bytes(tensor_bytes: bytes, json_bytes: bytes) -> Any:
+    """The inverse of `state_to_bytes` (tensors on the CPU). Never executes anything from the bytes."""
+    return unflatten_state(safetensors_load(tensor_bytes), json.loads(json_bytes))
+
+
+def _prepared(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` as safetensors accepts them (see `save_tensors`)."""
     seen: set[tuple[int, int]] = set()
     prepared: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
@@ -215,8 +235,7 @@ def save_tensors(
             else:
                 seen.add(key)
         prepared[name] = t
-    save_file(prepared, str(path), metadata=dict(metadata) if metadata else None)
-    os.chmod(path, umask_mode())  # safetensors writes a 0600 temp file and renames it (see conveyor.fileio)
+    return prepared
 
 
 def load_tensors(

@@ -51,6 +51,9 @@ def summarize(job: Any, prof: StepProfiler, *, wall: float, steps: int, epochs: 
         "checkpoints": str(checkpoints),
         "outputs": outputs,
     }
+    gathered = job.strategy.summary_figures()  # collective: before the chief-only part
+    if gathered:
+        summary.update(gathered)
     if job.is_chief:
         # Strategies with more to say (parameter servers: push / pull / wait-for-servers seconds,
         # bytes and staleness per server) add it to the summary.

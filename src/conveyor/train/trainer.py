@@ -39,7 +39,7 @@ from conveyor.train.evaluation import Evaluator, accuracy, batch_size, evaluate,
 from conveyor.train.profiler import StepProfiler, StepTimes
 from conveyor.train.reporting import Reporter
 from conveyor.train.resume import ResumeError, data_state, optimizer_name, resume
-from conveyor.train.state_io import rng_state
+from conveyor.train.state_io import rng_state, state_to_bytes
 from conveyor.train.summary import summarize
 
 __all__ = ["ResumeError", "StepEnd", "TrainConfig", "Trainer", "accuracy"]
@@ -135,6 +135,7 @@ class Trainer:
                 raise TypeError(f"{name} must be a conveyor.data Dataset (got {type(ds).__name__}); build it with "
                                 f"conveyor.data.Dataset.from_tensor_slices(...) or TFRecordDataset(...)")
         _check_epochs_end(train_data, self.config)
+        _check_data_shard(train_data, job)
         self.job, self.model, self.optimizer, self.loss_fn = job, model, optimizer, loss_fn
         self.train_data, self.eval_data, self.metric_fn = train_data, eval_data, metric_fn
         self.callbacks = list(callbacks)
@@ -168,13 +169,13 @@ class Trainer:
         if self.eval_data is None:
             return {}
         data = self.eval_data
-        world = int(self.job.world_size)
-        if collective and world > 1 and not data.is_sharded(world):
-            data = self._shard_eval_data(world)
+        shards, index = self.job.data_shard
+        if collective and shards > 1 and not data.is_sharded(shards):
+            data = self._shard_eval_data(shards, index)
         return evaluate(self.module, data, self.loss_fn, self.metric_fn, device=self.job.device,
-                        job=self.job if collective else None)
+                        job=self.job if collective else None, forward=self.job.strategy.eval_forward)
 
-    def _shard_eval_data(self, world: int):
+    def _shard_eval_data(self, world: int, index: int):
         """`eval_data` split by batch over the workers, so that every sample is counted once (as tf.distribute's
         auto-sharding does); said once, since the user's own `shard` would also split the reading."""
         if not self._warned_eval_shard:
@@ -182,9 +183,9 @@ class Trainer:
             warnings.warn(f"eval_data is not sharded per worker (no .shard({world}, rank)), so each of the {world} "
                           f"workers would evaluate all of it and every sample would count {world} times; conveyor "
                           f"evaluates every {world}th batch on each worker instead. Shard it yourself "
-                          f"(eval_data.shard(job.world_size, job.rank)) to read only each worker's part.",
+                          f"(eval_data.shard(*job.data_shard)) to read only each worker's part.",
                           stacklevel=4)
-        return self.eval_data.shard(world, int(self.job.rank))
+        return self.eval_data.shard(world, index)
 
 
 class _Run:
@@ -243,7 +244,7 @@ class _Run:
             comm_before = self.strategy.comm_seconds()
             loss = self.strategy.train_step(t.model, t.optimizer, t.loss_fn, inputs, targets, self.prof.mark)
             t.step += 1
-            samples = batch_size(targets)
+            samples = self.strategy.counted_samples(batch_size(targets))
             times = self.prof.end_step(t.step, samples, self.strategy.comm_seconds() - comm_before)
             self.reporter.add(loss, samples, times.input_wait)
             if t.step % self.cfg.log_every_steps == 0:
@@ -412,6 +413,11 @@ class _Checkpointer:
             return
         t = self.t
         with self.run.prof.span("checkpoint", step=step):
+            if self.last_saved != step:  # parts of ranks that hold state of their own (pipeline stages)
+                for name, tree in self.job.strategy.checkpoint_parts(t.module, t.optimizer).items():
+                    tensors, meta = state_to_bytes(tree)
+                    t.checkpoints.save_part(step, f"{name}.safetensors", tensors)
+                    t.checkpoints.save_part(step, f"{name}.json", meta)
             mine = json.dumps(self.run.batches.state(), separators=(",", ":")).encode()
             gathered = self.coord.positions(mine, final)
             if self.job.is_chief and self.last_saved != step:  # (meeting at the end, it may be written already)
@@ -420,7 +426,7 @@ class _Checkpointer:
                          "optimizer": optimizer_name(t.optimizer),
                          **self.coord.checkpoint_extra()}
                 optimizer_state, parts = self.job.strategy.save_optimizer(t.optimizer, t.checkpoints, step)
-                t.checkpoints.save(step, t.module.state_dict(), optimizer_state, extra=extra,
+                t.checkpoints.save(step, self.job.strategy.checkpoint_model(t.module), optimizer_state, extra=extra,
                                    data_states=decode_positions(gathered), rng=rng_state(), parts=parts,
                                    parts_timeout=float(self.job.timeout))
         self.last_saved = step
@@ -439,6 +445,18 @@ def _check_epochs_end(train_data: Any, cfg: TrainConfig) -> None:
         raise ValueError(f"train_data repeats forever (it ends in .repeat() without a count), so an epoch never ends "
                          f"and {asked} would train forever: pass steps_per_epoch=N (batches per epoch) or "
                          f"max_steps=N, or drop the .repeat() (the Trainer runs the epochs itself)")
+
+
+def _check_data_shard(train_data: Any, job: Any) -> None:
+    """Under a strategy whose processes share batches (pipeline stages), a shard per rank would feed each stage
+    of a replica different samples: refuse it with the fix."""
+    world = int(job.world_size)
+    shards, _ = job.data_shard
+    if shards != world and world > 1 and train_data.is_sharded(world):
+        raise ValueError(f"train_data is sharded by the {world} processes (shard(job.world_size, job.rank)), but under "
+                         f"strategy {job.strategy.name!r} the data has {shards} shard(s): every stage of a replica "
+                         f"must read the same batches. Shard with ds.shard(*job.data_shard), which is right under "
+                         f"every strategy")
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -1,0 +1,287 @@
+"""Pipeline model parallelism: each process holds one stage of the model; microbatches flow through.
+
+    conveyor run -n 4 --strategy pipeline --stages 2 --microbatches 8 --schedule 1f1b train.py
+    job = conveyor.init()
+    model, optimizer = job.prepare(model, optimizer)        # this process's stage, and an optimizer over it
+    train = data.shard(*job.data_shard)                     # the replica's shard: every stage reads it
+    loss = job.train_step(model, optimizer, loss_fn, x, y)  # or conveyor.Trainer
+
+Layout. ``N`` processes with ``S`` stages make ``R = N / S`` pipeline replicas (pipeline × data
+parallel). Rank ``r`` runs stage ``r % S`` of replica ``r // S``: the ranks of one pipeline are
+consecutive, so with ``S`` processes per machine a pipeline stays on one machine, where its activations
+travel every microbatch, and only the once-a-step gradient all-reduce crosses machines. Rank 0 (the
+chief) is replica 0's first stage. Two kinds of process groups: each replica's pipeline (the stages'
+sends and receives, torch's ``PipelineStage``) and each stage's replicas (the gradient all-reduce).
+
+Data. Every stage of a replica reads the same shard, the replica's: ``job.data_shard`` is
+``(R, replica)`` here (``(world_size, rank)`` under the other strategies, so a script that shards with
+it runs under all of them). The first stage feeds the inputs, the last computes the loss with the
+targets, the middle ones only count along; nothing but activations and their gradients crosses
+stages, and every stage keeps the same data position for checkpoints. ``job.rank`` / ``job.world_size``
+stay the process group's (collectives, checkpoints, logs), which is why the data shard has a name of
+its own rather than a changed ``world_size``.
+
+Split. ``--stages S`` (``CONVEYOR_PIPELINE_STAGES``) cuts an ``nn.Sequential`` into S stages balanced by
+parameter bytes; ``--split a,b`` (``CONVEYOR_PIPELINE_SPLIT``) or ``job.prepare(model, optimizer,
+split=[...])`` names the layers to cut before (:mod:`.split`). The other stages' parameters are moved to
+the meta device in ``prepare`` (this process no longer holds them), and the optimizer is rebuilt, same
+class and hyperparameters, over this stage's parameters.
+
+Step. torch's schedule (``--schedule 1f1b`` default, or ``gpipe``; ``--microbatches M``, default 2·S)
+runs the microbatches (:mod:`.runner`); gradients are scaled so that M mean-reduced microbatch losses
+give the batch-mean gradient. Then each stage's gradients are averaged over its replicas in one flat
+all-reduce (``comm_seconds``), the loss goes from the last stage to the rest of its pipeline, and the
+optimizer steps. The numbers equal one process training the whole model on the replicas' combined batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from conveyor.cluster.env import PIPELINE_VARS
+from conveyor.comm.process_group import collective_guard
+from conveyor.strategies.base import Strategy, check_optimizer
+from conveyor.strategies.pipeline.figures import pipeline_figures
+from conveyor.strategies.pipeline.runner import StageRunner, all_reduce_mean, schedule_class
+from conveyor.strategies.pipeline.split import SplitError, SplitPlan, StageModule, meta_copy, plan_split
+
+__all__ = ["ENV", "PipelineStrategy"]
+
+_CHECKPOINT_FORMAT = "conveyor.pipeline.stages"
+
+#: the variables ``conveyor run --stages/--microbatches/--schedule/--split`` set
+ENV = PIPELINE_VARS
+
+
+class PipelineStrategy(Strategy):
+    """Pipeline × data parallelism (module docstring). Arguments left None come from ``CONVEYOR_PIPELINE_*``."""
+
+    name = "pipeline"
+
+    def __init__(self, stages: int | None = None, microbatches: int | None = None, schedule: str | None = None,
+                 split: Sequence[str] | None = None) -> None:
+        super().__init__()
+        self.stages = stages if stages is not None else _env_int(ENV["stages"])
+        self.microbatches = microbatches if microbatches is not None else _env_int(ENV["microbatches"])
+        self.schedule = schedule or os.environ.get(ENV["schedule"], "").strip() or "1f1b"
+        text = os.environ.get(ENV["split"], "").strip()
+        self.split = list(split) if split is not None else ([s.strip() for s in text.split(",")] if text else None)
+        schedule_class(self.schedule)  # a bad name fails here, before any process group
+        self.stage = self.replica = 0
+        self.replicas = 1
+        self.plan: SplitPlan | None = None
+        self.runner: StageRunner | None = None
+        self.module: StageModule | None = None
+        self._pipe_group: Any = None
+        self._stage_group: Any = None
+        self._comm = 0.0
+        self._announced = False  # the split's table is printed at the first step
+
+    # -- setup ------------------------------------------------------------------------------------
+
+    def setup(self, job: Any) -> None:
+        super().setup(job)
+        world, stages = int(job.world_size), self.stages
+        if stages is None and self.split:
+            stages = self.stages = len(self.split) + 1
+        if stages is None:
+            raise SplitError("strategy 'pipeline' needs the number of stages: conveyor run --stages S (or "
+                             "CONVEYOR_PIPELINE_STAGES), or split points (--split NAME,NAME)")
+        if stages < 2:
+            raise SplitError(f"--stages {stages}: a pipeline has at least 2 stages; for one stage per process use "
+                             f"--strategy allreduce (or local)")
+        if world % stages:
+            lower, upper = stages * max(1, world // stages), stages * (world // stages + 1)
+            raise SplitError(f"conveyor run -n {world} --stages {stages}: the number of processes must be a multiple "
+                             f"of the stages (each replica runs all {stages}); use -n {lower} or -n {upper}")
+        if self.microbatches is None:
+            self.microbatches = 2 * stages
+        if self.microbatches < 1:
+            raise SplitError(f"--microbatches {self.microbatches}: expected a whole number >= 1")
+        self.replicas, self.stage, self.replica = world // stages, job.rank % stages, job.rank // stages
+        self._make_groups(job, stages)
+
+    def _make_groups(self, job: Any, stages: int) -> None:
+        """Every rank creates every group, in the same order (torch requires it), and keeps its own two."""
+        timeout = timedelta(seconds=float(job.timeout))
+        with collective_guard(job, "pipeline process groups"):
+            for r in range(self.replicas):
+                group = dist.new_group([r * stages + s for s in range(stages)], timeout=timeout)
+                if r == self.replica:
+                    self._pipe_group = group
+            for s in range(stages):
+                group = dist.new_group([r * stages + s for r in range(self.replicas)], timeout=timeout)
+                if s == self.stage:
+                    self._stage_group = group
+
+    def data_shard(self) -> tuple[int, int]:
+        """(replicas, this replica): every stage of a replica reads the replica's shard."""
+        return self.replicas, self.replica
+
+    # -- prepare ----------------------------------------------------------------------------------
+
+    def prepare(self, model: nn.Module, optimizer: Any, split: Sequence[str] | None = None) -> tuple[nn.Module, Any]:
+        job = self.job
+        check_optimizer(model, optimizer)
+        points = list(split) if split is not None else self.split
+        self.plan = plan = plan_split(model, stages=self.stages, split_points=points)
+        meta_model = meta_copy(model)
+        for i in range(plan.num_stages):  # this process keeps only its own stage's tensors
+            if i != self.stage:
+                plan.stage_module(model, i).to("meta")
+        self.module = module = plan.stage_module(model, self.stage).to(job.device)
+        if self.replicas > 1:  # replicas of a stage start from replica 0's values, as DDP does
+            with collective_guard(job, "pipeline stage broadcast from replica 0"):
+                for tensor in [*module.parameters(), *module.buffers()]:
+                    dist.broadcast(tensor.data, src=self.stage, group=self._stage_group)
+        self.runner = StageRunner(module, meta_model, plan, self.stage, self._pipe_group, job.device,
+                                  microbatches=int(self.microbatches), schedule=self.schedule)
+        return module, _stage_optimizer(optimizer, module)
+
+    def check_prepared(self, model: nn.Module) -> None:
+        if self.module is None or model is not self.module:
+            raise ValueError("the model is not this process's pipeline stage: pass the model and optimizer that "
+                             "`job.prepare(model, optimizer)` returned")
+
+    # -- the step ---------------------------------------------------------------------------------
+
+    def train_step(self, model: nn.Module, optimizer: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
+                   inputs: Any, targets: Any, mark: Callable[[str], None]) -> torch.Tensor:
+        """One schedule over the microbatches, the replicas' gradient average, the optimizer step."""
+        runner = self._runner()
+        if not self._announced:
+            self._announced = True
+            if self.job.is_chief:  # now that the shapes are known
+                print(runner.table(inputs), flush=True)
+        optimizer.zero_grad(set_to_none=True)
+        with collective_guard(self.job, "pipeline schedule (stage sends and receives)"):
+            loss = runner.train(inputs, targets, loss_fn)
+        mark("forward_backward")
+        start = time.perf_counter()
+        with collective_guard(self.job, "pipeline gradient all-reduce and loss broadcast"):
+            if self.replicas > 1:
+                params = [p for p in model.parameters() if p.requires_grad]
+                for p in params:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                all_reduce_mean([p.grad for p in params], self._stage_group, self.replicas)
+            loss = self._share_loss(loss, inputs)
+        self._comm += time.perf_counter() - start
+        optimizer.step()
+        mark("optimizer")
+        return loss
+
+    def _share_loss(self, loss: torch.Tensor | None, inputs: Any) -> torch.Tensor:
+        """The last stage's loss on every stage of the replica (the chief logs it; the trainer averages ranks)."""
+        buffer = loss if loss is not None else torch.zeros((), device=self.job.device)
+        last = self.replica * self.plan.num_stages + self.plan.num_stages - 1
+        dist.broadcast(buffer, src=last, group=self._pipe_group)
+        return buffer
+
+    def summary_figures(self) -> dict[str, Any] | None:
+        """``summary["pipeline"]``: per-stage compute, send/receive wait, measured and theoretical bubble."""
+        if self.runner is None or self.plan is None:
+            return None
+        mine = {"stage": self.stage, **self.runner.seconds}
+        reports = [json.loads(b) for b in self.job.all_gather_bytes(json.dumps(mine).encode())]
+        return {"pipeline": pipeline_figures(reports, stages=self.plan.num_stages, microbatches=int(self.microbatches),
+                                             schedule=self.schedule, split=self.plan.signature())}
+
+    # -- checkpoints: one part per stage (replica 0's), the chief's optimizer entry names them -------
+
+    def checkpoint_model(self, module: nn.Module) -> Any:
+        return {}  # every stage, the chief's included, is a part of its own
+
+    def checkpoint_parts(self, module: nn.Module, optimizer: Any) -> dict[str, Any]:
+        """Replica 0's stages write ``stage-<i>``: parameters (whole-model names) and optimizer state."""
+        if self.replica != 0:
+            return {}
+        plan = self._plan()
+        return {f"stage-{self.stage}": {"stage": self.stage, "split": plan.signature(),
+                                        "model": self.module.model_state_dict(), "optimizer": optimizer.state_dict()}}
+
+    def save_optimizer(self, optimizer: Any, checkpoints: Any, step: int) -> tuple[Any, list[str]]:
+        plan = self._plan()
+        names = [f"stage-{i}" for i in range(plan.num_stages)]
+        header = {"format": _CHECKPOINT_FORMAT, "split": plan.signature(), "stages": names}
+        return header, [f"{n}.{ext}" for n in names for ext in ("safetensors", "json")]
+
+    def restore_checkpoint(self, module: nn.Module, optimizer: Any, saved_optimizer: Any,
+                           read_part: Callable[[str], Any]) -> bool:
+        """Every process reads its stage's part; a checkpoint of another split is refused, naming both."""
+        plan = self._plan()
+        if not (isinstance(saved_optimizer, dict) and saved_optimizer.get("format") == _CHECKPOINT_FORMAT):
+            raise ValueError("it was not written by the pipeline strategy (it holds the whole model): resume it with "
+                             "the strategy that wrote it")
+        saved = SplitPlan(tuple(tuple(names) for names in saved_optimizer["split"]))
+        if saved != plan:
+            raise ValueError(f"it was written with the split [{saved.short()}] ({saved.num_stages} stages) and this "
+                             f"job splits [{plan.short()}] ({plan.num_stages} stages): resume with the split that "
+                             f"wrote it (--stages {saved.num_stages}, or --split naming the first layer of each "
+                             f"later stage)")
+        state = read_part(f"stage-{self.stage}")
+        self.module.load_model_state_dict(dict(state["model"]))
+        optimizer.load_state_dict(state["optimizer"])
+        return True
+
+    def _plan(self) -> SplitPlan:
+        if self.plan is None or self.module is None:
+            raise RuntimeError("strategy 'pipeline': call job.prepare(model, optimizer) first")
+        return self.plan
+
+    def counted_samples(self, samples: int) -> int:
+        """Only the first stage counts a batch's samples: every stage of a replica sees the same batch."""
+        return samples if self.stage == 0 else 0
+
+    def comm_seconds(self) -> float:
+        """Seconds in the replicas' gradient all-reduce and the loss broadcast (stage sends and receives are
+        part of the schedule: see ``stats``)."""
+        return self._comm
+
+    def eval_forward(self, module: nn.Module, inputs: Any) -> Any:
+        """Forward only through every stage; the outputs on the last stage, None on the others."""
+        with collective_guard(self.job, "pipeline evaluation (forward only)"):
+            return self._runner().forward(inputs)
+
+    def _runner(self) -> StageRunner:
+        if self.runner is None:
+            raise RuntimeError("strategy 'pipeline': call job.prepare(model, optimizer) before training")
+        return self.runner
+
+
+def _stage_optimizer(optimizer: Any, module: nn.Module) -> Any:
+    """The user's optimizer class and hyperparameters over this stage's parameters only."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"strategy 'pipeline' rebuilds the optimizer over each stage's parameters and needs a "
+                        f"torch.optim.Optimizer; got a {type(optimizer).__name__}")
+    if optimizer.state:
+        raise ValueError("the optimizer already has state (it stepped, or a state was loaded): pass a fresh one to "
+                         "job.prepare() and restore state afterwards through a checkpoint")
+    own = {id(p) for p in module.parameters()}
+    groups = []
+    for group in optimizer.param_groups:
+        params = [p for p in group["params"] if id(p) in own]
+        if params:
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+    if not groups:
+        raise SplitError("this pipeline stage has no parameter the optimizer updates; move a split point so that "
+                         "every stage holds trainable layers")
+    return type(optimizer)(groups, **optimizer.defaults)
+
+
+def _env_int(name: str) -> int | None:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    if not text.isdigit():
+        raise SplitError(f"{name}={text!r}; expected a whole number")
+    return int(text)
