@@ -6,32 +6,13 @@
     train = data.shard(*job.data_shard)                     # the replica's shard: every stage reads it
     loss = job.train_step(model, optimizer, loss_fn, x, y)  # or conveyor.Trainer
 
-Layout. ``N`` processes with ``S`` stages make ``R = N / S`` pipeline replicas (pipeline × data
-parallel). Rank ``r`` runs stage ``r % S`` of replica ``r // S``: the ranks of one pipeline are
-consecutive, so with ``S`` processes per machine a pipeline stays on one machine, where its activations
-travel every microbatch, and only the once-a-step gradient all-reduce crosses machines. Rank 0 (the
-chief) is replica 0's first stage. Two kinds of process groups: each replica's pipeline (the stages'
-sends and receives, torch's ``PipelineStage``) and each stage's replicas (the gradient all-reduce).
-
-Data. Every stage of a replica reads the same shard, the replica's: ``job.data_shard`` is
-``(R, replica)`` here (``(world_size, rank)`` under the other strategies, so a script that shards with
-it runs under all of them). The first stage feeds the inputs, the last computes the loss with the
-targets, the middle ones only count along; nothing but activations and their gradients crosses
-stages, and every stage keeps the same data position for checkpoints. ``job.rank`` / ``job.world_size``
-stay the process group's (collectives, checkpoints, logs), which is why the data shard has a name of
-its own rather than a changed ``world_size``.
-
-Split. ``--stages S`` (``CONVEYOR_PIPELINE_STAGES``) cuts an ``nn.Sequential`` into S stages balanced by
-parameter bytes; ``--split a,b`` (``CONVEYOR_PIPELINE_SPLIT``) or ``job.prepare(model, optimizer,
-split=[...])`` names the layers to cut before (:mod:`.split`). The other stages' parameters are moved to
-the meta device in ``prepare`` (this process no longer holds them), and the optimizer is rebuilt, same
-class and hyperparameters, over this stage's parameters.
-
-Step. torch's schedule (``--schedule 1f1b`` default, or ``gpipe``; ``--microbatches M``, default 2·S)
-runs the microbatches (:mod:`.runner`); gradients are scaled so that M mean-reduced microbatch losses
-give the batch-mean gradient. Then each stage's gradients are averaged over its replicas in one flat
-all-reduce (``comm_seconds``), the loss goes from the last stage to the rest of its pipeline, and the
-optimizer steps. The numbers equal one process training the whole model on the replicas' combined batch.
+``N`` processes with ``S`` stages make ``N / S`` pipeline replicas (pipeline × data parallel); rank
+``r`` runs stage ``r % S`` of replica ``r // S``, and rank 0 (the chief) is replica 0's first stage.
+Every stage of a replica reads the replica's shard (``job.data_shard``). ``prepare`` keeps this
+stage's layers (the others go to the meta device) and rebuilds the optimizer over them; a step runs
+torch's schedule over the microbatches, averages each stage's gradients over its replicas, and equals
+one process training the whole model on the replicas' combined batch. Rank layout, data, splits and
+the numbers: ``docs/architecture.md``, "Pipeline parallelism".
 """
 
 from __future__ import annotations
