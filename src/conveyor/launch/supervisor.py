@@ -64,6 +64,7 @@ from typing import IO, Protocol
 
 import psutil
 
+from conveyor.errors import PeerError  # re-exported: its old home
 from conveyor.launch.plan import (
     RESTART_COUNT_VAR,
     RESUME_VAR,
@@ -79,10 +80,6 @@ TAIL_LINES = 20
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 _STEP_FOLDER = re.compile(r"step-(\d{8,})")
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-class PeerError(RuntimeError):
-    """The other launchers of a multi-node job cannot be reached, or did not answer in time."""
 
 
 class Peers(Protocol):

@@ -76,6 +76,7 @@ from safetensors.torch import save as save_safetensors
 
 from conveyor.comm.framing import MAX_HEADER_BYTES, MAX_TRAILER_BYTES, Message
 from conveyor.comm.transport import Server
+from conveyor.errors import ConveyorError
 from conveyor.strategies.ps import protocol as wire
 from conveyor.strategies.ps.optim import OptimizerSpec, ServerOptimizer, mean_of_gradients
 from conveyor.strategies.ps.sharding import DEFAULT_CHUNK_BYTES
@@ -114,7 +115,7 @@ def max_frame_bytes(chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
     return 2 * max(chunk_bytes, MAX_HEADER_BYTES, MAX_TRAILER_BYTES, 64)
 
 
-class IdleTimeout(RuntimeError):
+class IdleTimeout(ConveyorError, RuntimeError):
     """A ps task heard from no worker for longer than the job's timeout: its job is gone."""
 
 
