@@ -20,7 +20,7 @@ import sys
 from collections.abc import Mapping
 
 from conveyor.cli import Command, CommandError
-from conveyor.cluster import JOB_SECRET_VAR
+from conveyor.cluster import JOB_SECRET_VAR, STRATEGY_NAMES
 from conveyor.launch import (
     OMP_DEFAULT_VAR,
     PeerError,
@@ -83,8 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     job.add_argument("--ps", type=int, default=0, metavar="M",
                      help="parameter servers on this machine (default 0)")
     job.add_argument("--strategy", default=None, metavar="NAME",
-                     help="allreduce, ps-sync, ps-async, ps-ssp:K or pipeline (default: allreduce; ps-sync with "
-                     "--ps; local for one process)")
+                     help=f"{', '.join(STRATEGY_NAMES)} (default: allreduce; ps-sync with --ps; local for one "
+                     f"process)")
     job.add_argument("--chief", action="store_true",
                      help="name the first training task chief:0 instead of worker:0 (it is rank 0 either way)")
     job.add_argument("--tf-flags", action="store_true",

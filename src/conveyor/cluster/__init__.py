@@ -3,7 +3,8 @@
 - :mod:`.spec`     - ``ClusterSpec`` / ``TaskId`` and TensorFlow's TF_CONFIG, parsed and emitted;
 - :mod:`.flags`    - TensorFlow 1's ``--ps_hosts/--worker_hosts/--job_name/--task_index``;
 - :mod:`.env`      - hosts → task placement → each task's environment variables (for the launcher);
-- :mod:`.discover` - the reverse: this process's identity from its environment (for ``conveyor.init()``).
+- :mod:`.discover` - the reverse: this process's identity from its environment (for ``conveyor.init()``);
+- :mod:`.strategy_name` - the one parser and default for strategy names (launcher, ``init()``, ps task).
 
 The launcher writes with :mod:`.env` what the trainer reads back with :mod:`.discover`; both sides
 live here so they cannot disagree about a variable's name or meaning.
@@ -40,6 +41,8 @@ from conveyor.cluster.spec import (
     parse_tf_config,
     split_address,
 )
+from conveyor.cluster.strategy_name import NAMES as STRATEGY_NAMES
+from conveyor.cluster.strategy_name import StrategyName, default_strategy, parse_strategy
 
 __all__ = [
     "CLUSTER_FLAGS",
@@ -48,6 +51,7 @@ __all__ = [
     "JOB_SECRET_VAR",
     "OUTPUT_DIR_VAR",
     "SOURCES",
+    "STRATEGY_NAMES",
     "STRATEGY_VAR",
     "TASK_INDEX_VAR",
     "TASK_TYPE_VAR",
@@ -56,14 +60,17 @@ __all__ = [
     "ClusterSpec",
     "Discovered",
     "TaskId",
+    "StrategyName",
     "TaskSlot",
     "assign_hosts",
+    "default_strategy",
     "discover",
     "expand_hostlist",
     "expand_tasks_per_node",
     "join_address",
     "local_cluster",
     "parse_cluster_flags",
+    "parse_strategy",
     "parse_tf_config",
     "slurm_port",
     "split_address",

@@ -10,6 +10,7 @@ it raises a ``ValueError`` that says so.
 
 from __future__ import annotations
 
+from conveyor.cluster.strategy_name import NAMES, parse_strategy
 from conveyor.strategies.allreduce import AllReduceStrategy
 from conveyor.strategies.base import Strategy, check_optimizer
 from conveyor.strategies.local import LocalStrategy
@@ -18,33 +19,16 @@ from conveyor.strategies.ps.strategy import PSStrategy
 __all__ = ["NAMES", "AllReduceStrategy", "LocalStrategy", "PSStrategy", "Strategy", "check_optimizer", "get_strategy"]
 
 _IMPLEMENTED: dict[str, type[Strategy]] = {"local": LocalStrategy, "allreduce": AllReduceStrategy}
-_PS = ("ps-sync", "ps-async", "ps-ssp:K")
-_PLANNED = ("pipeline",)
-
-#: Every strategy name conveyor knows, implemented or not, as the command line spells them.
-NAMES: tuple[str, ...] = (*_IMPLEMENTED, *_PS, *_PLANNED)
 
 
 def get_strategy(name: str) -> Strategy:
-    """A new, not yet set up strategy for ``name``; ``ValueError`` naming the choices for anything else."""
-    if not isinstance(name, str):
-        raise ValueError(f"strategy = {name!r}; expected one of {_quoted(NAMES)}")
-    key = name.strip().lower()
-    if key in _IMPLEMENTED:
-        return _IMPLEMENTED[key]()
-    if key.startswith("ps-ssp"):
-        _, _, k = key.partition(":")
-        if not (k.isascii() and k.isdigit()):
-            raise ValueError(f"strategy = {name!r}: ps-ssp needs its staleness bound K, a whole number >= 0, "
-                             f"e.g. 'ps-ssp:4'")
-        return PSStrategy("ssp", int(k))
-    if key in ("ps-sync", "ps-async"):
-        return PSStrategy(key[3:])
-    if key in _PLANNED:
-        raise ValueError(f"strategy {name!r} is recognised but not implemented yet (implemented: "
-                         f"{_quoted((*_IMPLEMENTED, *_PS))}); use 'allreduce' for synchronous data parallelism")
-    raise ValueError(f"unknown strategy {name!r}; expected one of {_quoted(NAMES)}")
-
-
-def _quoted(names) -> str:
-    return ", ".join(f"'{n}'" for n in names)
+    """A new, not yet set up strategy for ``name``; ``ValueError`` naming the choices for anything else
+    (names are parsed by :func:`conveyor.cluster.strategy_name.parse_strategy`)."""
+    parsed = parse_strategy(name)
+    if parsed.uses_ps:
+        return PSStrategy(parsed.mode, parsed.staleness)
+    if parsed.kind in _IMPLEMENTED:
+        return _IMPLEMENTED[parsed.kind]()
+    implemented = ", ".join(f"'{n}'" for n in NAMES if n != parsed.kind)
+    raise ValueError(f"strategy {name!r} is recognised but not implemented yet (implemented: {implemented}); use "
+                     f"'allreduce' for synchronous data parallelism")

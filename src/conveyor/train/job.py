@@ -31,6 +31,7 @@ from torch import nn
 
 from conveyor.cluster import Discovered
 from conveyor.cluster.argv import discover_with_flags
+from conveyor.cluster.strategy_name import default_strategy
 from conveyor.comm.process_group import collective_guard, init_process_group
 from conveyor.strategies import Strategy, get_strategy
 from conveyor.strategies.ps.task import serve_ps_task
@@ -73,8 +74,8 @@ def init(strategy: str | None = None, *, timeout: float | None = None,
     if found.rank is None:
         raise NotImplementedError(f"this process is the {found.task} task, which has no training rank; only "
                                   f"chief and worker tasks can call conveyor.init() for now")
-    has_ps = found.spec is not None and found.spec.num_tasks("ps") > 0
-    name = strategy or found.strategy or ("ps-sync" if has_ps else "allreduce" if found.world_size > 1 else "local")
+    num_ps = found.spec.num_tasks("ps") if found.spec is not None else 0
+    name = strategy or found.strategy or default_strategy(found.world_size, num_ps)
     chosen = get_strategy(name)
     if found.world_size > 1 and not chosen.distributed:
         raise ValueError(f"strategy {chosen.name!r} trains in one process, but this job has {found.world_size} "
