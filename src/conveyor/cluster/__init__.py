@@ -4,7 +4,8 @@
 - :mod:`.flags`    - TensorFlow 1's ``--ps_hosts/--worker_hosts/--job_name/--task_index``;
 - :mod:`.env`      - hosts → task placement → each task's environment variables (for the launcher);
 - :mod:`.discover` - the reverse: this process's identity from its environment (for ``conveyor.init()``);
-- :mod:`.strategy_name` - the one parser and default for strategy names (launcher, ``init()``, ps task).
+- :mod:`.strategy_name` - the one parser and default for strategy names (launcher, ``init()``, ps task);
+- :mod:`.variables` - every ``CONVEYOR_*`` variable, named once, with its meaning and who sets and reads it.
 
 The launcher writes with :mod:`.env` what the trainer reads back with :mod:`.discover`; both sides
 live here so they cannot disagree about a variable's name or meaning.
@@ -19,12 +20,6 @@ from conveyor.cluster.discover import (
     slurm_port,
 )
 from conveyor.cluster.env import (
-    DATA_DIR_VAR,
-    JOB_SECRET_VAR,
-    OUTPUT_DIR_VAR,
-    STRATEGY_VAR,
-    TASK_INDEX_VAR,
-    TASK_TYPE_VAR,
     TaskSlot,
     assign_hosts,
     local_cluster,
@@ -43,6 +38,14 @@ from conveyor.cluster.spec import (
 )
 from conveyor.cluster.strategy_name import NAMES as STRATEGY_NAMES
 from conveyor.cluster.strategy_name import StrategyName, default_strategy, parse_strategy
+from conveyor.cluster.variables import (
+    DATA_DIR_VAR,
+    JOB_SECRET_VAR,
+    OUTPUT_DIR_VAR,
+    STRATEGY_VAR,
+    TASK_INDEX_VAR,
+    TASK_TYPE_VAR,
+)
 
 __all__ = [
     "CLUSTER_FLAGS",

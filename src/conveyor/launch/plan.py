@@ -48,10 +48,22 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from conveyor.cluster import JOB_SECRET_VAR, ClusterSpec, TaskId, join_address, task_environment
-from conveyor.cluster.env import DATA_DIR_VAR, OUTPUT_DIR_VAR, STRATEGY_VAR, TASK_INDEX_VAR, TASK_TYPE_VAR
+from conveyor.cluster import ClusterSpec, TaskId, join_address, task_environment
 from conveyor.cluster.strategy_name import NAMES as STRATEGY_NAMES
 from conveyor.cluster.strategy_name import default_strategy, parse_strategy
+from conveyor.cluster.variables import (  # re-exported: conveyor.launch.*_VAR and the supervisor use them
+    DATA_DIR_VAR,
+    JOB_SECRET_VAR,
+    OMP_DEFAULT_VAR,
+    OUTPUT_DIR_VAR,
+    RESTART_COUNT_VAR,
+    RESUME_VAR,
+    STRATEGY_VAR,
+    TASK_INDEX_VAR,
+    TASK_TYPE_VAR,
+    TIMEOUT_VAR,
+    TTY_VAR,
+)
 
 __all__ = [
     "OWNED_VARS",
@@ -61,6 +73,7 @@ __all__ = [
     "STRATEGIES",
     "TORCHRUN_VARS",
     "TIMEOUT_VAR",
+    "TTY_VAR",
     "LaunchPlan",
     "NodeInfo",
     "RunOptions",
@@ -73,13 +86,6 @@ __all__ = [
     "resolve_strategy",
 ]
 
-RESTART_COUNT_VAR = "CONVEYOR_RESTART_COUNT"
-RESUME_VAR = "CONVEYOR_RESUME"
-# Set by the supervisor when its own output is a terminal: the chief may draw a progress bar.
-TTY_VAR = "CONVEYOR_TTY"
-TIMEOUT_VAR = "CONVEYOR_TIMEOUT"
-#: "1" where the launcher chose OMP_NUM_THREADS=1 (torchrun's default), not the caller.
-OMP_DEFAULT_VAR = "CONVEYOR_OMP_DEFAULT"
 TORCHRUN_RESTART_VAR = "TORCHELASTIC_RESTART_COUNT"
 #: Every variable torchrun's agent sets on a worker (torch 2.x ``LocalElasticAgent._start_workers``),
 #: which the launcher sets on training tasks with the same meaning.

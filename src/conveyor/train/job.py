@@ -32,6 +32,7 @@ from torch import nn
 from conveyor.cluster import Discovered
 from conveyor.cluster.argv import discover_with_flags
 from conveyor.cluster.strategy_name import default_strategy
+from conveyor.cluster.variables import OMP_DEFAULT_VAR, RESTART_COUNT_VAR, RESUME_VAR, TIMEOUT_VAR
 from conveyor.comm.process_group import collective_guard, init_process_group
 from conveyor.strategies import Strategy, get_strategy
 from conveyor.strategies.ps.task import serve_ps_task
@@ -39,12 +40,7 @@ from conveyor.train.checkpoint import CheckpointManager
 
 __all__ = ["DEFAULT_TIMEOUT", "RESTART_COUNT_VAR", "RESUME_VAR", "TIMEOUT_VAR", "Job", "init", "threads_per_worker"]
 
-TIMEOUT_VAR = "CONVEYOR_TIMEOUT"
-RESTART_COUNT_VAR = "CONVEYOR_RESTART_COUNT"
-RESUME_VAR = "CONVEYOR_RESUME"
 DEFAULT_TIMEOUT = 300.0
-#: Set by `conveyor run` beside the OMP_NUM_THREADS=1 it chose (launch/plan.py writes the same name).
-OMP_DEFAULT_VAR = "CONVEYOR_OMP_DEFAULT"
 
 _OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
 
