@@ -20,8 +20,8 @@ import sys
 from collections.abc import Mapping
 
 from conveyor.cli import Command, CommandError
-from conveyor.cluster import JOB_SECRET_VAR, STRATEGY_NAMES
-from conveyor.cluster.variables import JOB_SECRET_FILE_VAR
+from conveyor.cluster import STRATEGY_NAMES
+from conveyor.cluster.variables import JOB_SECRET_FILE_VAR, JOB_SECRET_VAR
 from conveyor.launch import (
     OMP_DEFAULT_VAR,
     PeerError,
