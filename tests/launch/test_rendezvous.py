@@ -320,6 +320,7 @@ def forge(store) -> None:
     """Everything that used to stop, restart or finish a job: plain values and inflated counters."""
     store.set("conveyor/abort", "forged: stop the job")
     store.set("conveyor/failed/0", "forged: restart the job")
+    store.set("conveyor/succeeded/0", json.dumps({"node": 0}) + "\n" + "0" * 64)  # "the chief finished"
     for key in ("conveyor/done/0", "conveyor/stopped/0", "conveyor/left"):
         store.add(key, 10)
     for r in range(2):  # and the per-node keys, with something that is not a record
@@ -336,7 +337,7 @@ def test_forged_coordination_keys_neither_stop_restart_nor_finish_the_job(capsys
         forge(intruder_of(endpoint))
         for peers in (node0, node1):
             assert peers.aborted() is None and peers.failure(0) is None
-            assert not peers.all_done(0) and not peers.all_stopped(0)
+            assert not peers.all_done(0) and not peers.all_stopped(0) and not peers.succeeded(0)
         for peers in (node0, node1):
             peers.aborted(), peers.failure(0)  # asked again: said once only
         err = capsys.readouterr().err
@@ -354,6 +355,8 @@ def test_forged_coordination_keys_neither_stop_restart_nor_finish_the_job(capsys
         assert node0.all_done(0) and node1.all_done(0)
         node0.report_stopped(0), node1.report_stopped(0)
         assert node0.all_stopped(0) and node1.all_stopped(0)
+        node0.report_succeeded(0)  # the chief's node: the serving tasks elsewhere may stop
+        assert node1.succeeded(0) and not node1.succeeded(1)
         node0.abort("node 0's launcher was stopped by SIGINT")
         assert node1.aborted() == "node 0's launcher was stopped by SIGINT"
     finally:

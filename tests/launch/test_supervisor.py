@@ -24,11 +24,12 @@ from conveyor.launch import RunOptions, Supervisor, free_ports, local_plan
 pytestmark = pytest.mark.multiprocess
 
 
-def make_plan(tmp_path: Path, body: str, *, workers: int = 2, ps: int = 0, strategy: str | None = None):
+def make_plan(tmp_path: Path, body: str, *, workers: int = 2, ps: int = 0, strategy: str | None = None,
+              chief: bool = False):
     script = tmp_path / "task.py"
     script.write_text("import os, sys, time, json\n" + textwrap.dedent(body))
     options = RunOptions(script=str(script), workers=workers, ps=ps, strategy=strategy, data_dir=str(tmp_path / "data"),
-                         output_dir=str(tmp_path / "output"), python=sys.executable)
+                         output_dir=str(tmp_path / "output"), python=sys.executable, chief=chief)
     ports = free_ports(workers + ps + 1)
     env = {**os.environ, "MARK_DIR": str(tmp_path)}
     return local_plan(options, ports[:-1], master_port=ports[-1], secret=b"s" * 32, environ=env)
@@ -173,13 +174,16 @@ class FakePeers:
 
     timeout = 5.0
 
-    def __init__(self, abort_after: float | None = None):
+    def __init__(self, abort_after: float | None = None, chief_done_after: float | None = None,
+                 fail_first: bool = True):
         self.calls: list[tuple] = []
+        self.fail_first = fail_first
         self.abort_at = None if abort_after is None else time.monotonic() + abort_after
+        self.chief_done_at = None if chief_done_after is None else time.monotonic() + chief_done_after
 
     def failure(self, attempt):
         return "worker:3 exited with status 1 on node 1\nlast 1 lines of /out/logs/worker-3.log:\n  | oops" \
-            if attempt == 0 and self.abort_at is None else None
+            if attempt == 0 and self.abort_at is None and self.fail_first else None
 
     def aborted(self):
         if self.abort_at is not None and time.monotonic() > self.abort_at:
@@ -200,6 +204,12 @@ class FakePeers:
 
     def all_stopped(self, attempt):
         return True
+
+    def report_succeeded(self, attempt):
+        self.calls.append(("succeeded", attempt))
+
+    def succeeded(self, attempt):
+        return self.chief_done_at is not None and time.monotonic() > self.chief_done_at
 
     def abort(self, description):
         self.calls.append(("abort",))
@@ -230,10 +240,32 @@ def test_an_interrupted_node_stops_this_node_for_good(tmp_path):
     assert result.message == "node 1's launcher was stopped by SIGINT"
 
 
+def test_a_node_without_the_chief_ends_when_the_chiefs_node_says_it_succeeded(tmp_path):
+    """TensorFlow 2's pattern over several machines: this node's workers only serve (server.join())."""
+    plan = make_plan(tmp_path, """
+        time.sleep(60)
+    """)
+    started = time.monotonic()
+    peers = FakePeers(chief_done_after=0.3, fail_first=False)
+    result, _, err = supervise(plan, peers=peers, linger=0.2)
+    assert result.ok and result.exit_code == 0 and time.monotonic() - started < 30
+    assert peers.calls == [("done", 0)] and "still running 0.2 s after" in err
+
+
+def test_the_node_with_the_chief_tells_the_others_it_succeeded(tmp_path):
+    plan = make_plan(tmp_path, """
+        if os.environ["CONVEYOR_TASK_TYPE"] != "chief":
+            time.sleep(60)
+    """, chief=True)
+    peers = FakePeers(fail_first=False)
+    result, _, _ = supervise(plan, peers=peers, linger=0.2)
+    assert result.ok and peers.calls[:2] == [("succeeded", 0), ("done", 0)]
+
+
 def test_segments_split_lines_and_live_updates():
     import io
 
-    from conveyor.launch.supervisor import _segments
+    from conveyor.launch.tasks import segments as _segments
 
     stream = io.BufferedReader(io.BytesIO(b"hello\r\n\rbar 1\rbar 2\rbar 3\ndone\npartial"))
     assert list(_segments(stream)) == [("hello", False), ("bar 1", True), ("bar 2", True), ("bar 3", False),
@@ -322,9 +354,9 @@ class FullDiskLog:
 
 
 def test_a_full_disk_is_reported_once_per_log_and_the_output_keeps_flowing(tmp_path, monkeypatch):
-    from conveyor.launch import supervisor as supervisor_module
+    from conveyor.launch import tasks as tasks_module  # where the task logs are opened
 
-    monkeypatch.setattr(supervisor_module, "open", FullDiskLog, raising=False)
+    monkeypatch.setattr(tasks_module, "open", FullDiskLog, raising=False)
     plan = make_plan(tmp_path, """
         import signal
         signal.alarm(30)  # a launcher that stops reading would block this task on a full pipe: end the test

@@ -5,49 +5,15 @@
     message = decode(frames, secret=key, replay_guard=guard, recipient="ps:1")   # or BadMessage(reason)
     message.tensors[0]          # a numpy array on the received buffer, no copy
 
-One message is ``2 + n`` frames (ZeroMQ multipart parts):
-
-- frame 0: a msgpack map ``{"v": 1, "kind", "sender", "seq", "ts", "tensors": [[dtype, shape, nbytes], ...],
-  "to"?, "re"?, "part"?, **header}``; ``to`` binds the message to its recipient, ``re`` is the request a
-  reply answers, ``part`` = ``[index, count, first seq]`` when the transport splits one large request or
-  reply into several messages (so that hashing one part overlaps sending the previous one);
-- frames 1..n: the tensors' bytes, C order, little-endian, handed to ZeroMQ as memoryviews (no copy);
-- frame n+1, the trailer: one 16-byte GMAC tag per tensor frame, then an HMAC-SHA256 tag under the job's
-  secret over a domain tag, the number of frames, the header, every frame's length and those GMAC tags
-  (so bytes cannot move between frames). The tensors are never concatenated.
-
-Why two MACs: HMAC-SHA256 ran at 1.7 GB/s on one core of the development machine (with SHA
-extensions), and every byte is authenticated twice per hop (sign, verify), which made it the largest
-cost of a parameter server's traffic. GMAC (AES-GCM with the tensor bytes as associated data, via
-``cryptography``/OpenSSL, AES-NI and carry-less multiply) runs at 16-19 GB/s there. Each sender has its
-own GMAC key, derived from the job's secret and its sender id, and the nonce is the message's ``seq``
-and the frame's index: never reused, as GMAC requires. HMAC-SHA256 then signs the header with the
-GMAC tags, so the header is authenticated before it is parsed, and the tensor frames right after
-(their key and nonce come from the authenticated header).
-
-Why this shape: no pickle crosses the network (docs/architecture.md), the header says everything needed to rebuild
-the arrays, and the tag is checked *before* the header is parsed, so the msgpack parser only ever sees
-bytes that someone holding the secret wrote. What ``decode`` rejects, and the ``reason`` it gives (the
-transport counts drops by it):
-
-``frame_count``  fewer than two frames, or not as many tensor frames as the header lists
-``header_size``  a header frame over ``MAX_HEADER_BYTES`` (checked before hashing anything)
-``signature``    the tag does not match: a forged, damaged, truncated or extended message, or another secret
-``header``       the header is not msgpack, not a map, lacks a field or has one of the wrong type
-``version``      a header version this code does not speak
-``dtype``        a dtype outside ``ALLOWED_DTYPES``
-``shape``        shape, ``nbytes`` and frame length disagree (a huge declared shape ends here: nothing is
-                 allocated from the header; the arrays are views on the bytes that did arrive)
-``recipient``    the message was signed for another task (a captured request replayed at another server)
-``stale``        its timestamp is further than ``max_skew`` seconds from this host's clock
-``replay``       its ``(sender, seq)`` was seen before, or is older than the replay window
-
-Replay protection needs every sender to be unique across restarts: :func:`sender_id` appends a random
-per-process nonce (new after ``fork``) to the role, and :func:`next_seq` is a per-process counter.
-
-Wire dtypes are numpy's names plus ``bfloat16`` (numpy has none: the decoded array is its ``uint16`` bit
-pattern, and :meth:`Message.torch_tensors` views it as ``torch.bfloat16``). PyTorch is imported only inside
-the two torch helpers, so this module (and the transport) work without it.
+One message is ``2 + n`` frames: a msgpack header, the tensors' raw bytes (never concatenated, never
+pickled), and a trailer of one GMAC tag per tensor frame plus an HMAC-SHA256 tag over the header, the
+frame lengths and those tags. :func:`decode` authenticates before it parses anything and rejects
+everything else with a :class:`BadMessage` whose ``reason`` (``frame_count``, ``header_size``,
+``signature``, ``header``, ``version``, ``dtype``, ``shape``, ``recipient``, ``stale``, ``replay``) the
+transport counts drops by. Senders must be unique across restarts: :func:`sender_id` adds a
+per-process nonce, :func:`next_seq` counts per process. ``bfloat16`` travels as its ``uint16`` bit
+pattern; torch is imported only by the two torch helpers. The wire format, the reasons for two MACs and
+each rejection reason: ``docs/architecture.md``, "Message framing and authentication".
 """
 
 from __future__ import annotations
@@ -457,23 +423,8 @@ def decode(frames: Sequence[Any], *, secret: bytes, replay_guard: ReplayGuard | 
     if len(frames) < 2:
         raise BadMessage("frame_count", f"{len(frames)} frame(s); a message has a header, tensors and a tag")
     views = [_buffer(f) for f in frames]
-    if views[0].nbytes > MAX_HEADER_BYTES:
-        raise BadMessage("header_size", f"header frame is {views[0].nbytes} bytes (limit {MAX_HEADER_BYTES})")
-    signed, trailer = views[:-1], views[-1]
-    claimed = trailer[: trailer.nbytes - TAG_BYTES]  # the tensor frames' GMAC tags
-    if (trailer.nbytes != TAG_BYTES + FRAME_TAG_BYTES * (len(signed) - 1)
-            or not hmac.compare_digest(_sign(secret, signed, claimed), trailer[-TAG_BYTES:])):
-        raise BadMessage("signature", "HMAC-SHA256 tag does not match: forged, damaged or signed with another "
-                                      "job's secret")
-    try:
-        meta = msgpack.unpackb(views[0], raw=False, strict_map_key=True, use_list=True)
-    except Exception as exc:  # any parse failure of signed-but-broken bytes is a drop, never a crash
-        raise BadMessage("header", f"header is not msgpack ({type(exc).__name__})") from None
-    if not isinstance(meta, dict):
-        raise BadMessage("header", f"header is a msgpack {type(meta).__name__}, not a map")
-    version = meta.get("v")
-    if type(version) is not int or version != VERSION:
-        raise BadMessage("version", f"header version {version!r}; this code speaks version {VERSION}")
+    signed, claimed = _check_signature(secret, views)
+    meta = _parse_header(views[0])
     kind = _require(meta, "kind", str)
     sender = _require(meta, "sender", str)
     seq = _require(meta, "seq", int)
@@ -484,16 +435,7 @@ def decode(frames: Sequence[Any], *, secret: bytes, replay_guard: ReplayGuard | 
                                       "holding another job's secret")
     ts = float(_require(meta, "ts", (int, float)))
     specs = _tensor_specs(meta, signed[1:])
-    to = meta.get("to")
-    reply_to = meta.get("re")
-    if (to is not None and not isinstance(to, str)) or (reply_to is not None and type(reply_to) is not int):
-        raise BadMessage("header", "field 'to' or 're' has the wrong type")
-    part = meta.get("part")
-    if part is not None:
-        if not (isinstance(part, list) and len(part) == 3 and all(type(x) is int for x in part)
-                and 0 <= part[0] < part[1] <= MAX_PARTS and (part[0] > 0 or part[2] == seq)):
-            raise BadMessage("header", "field 'part' is not [index, count, seq of part 0]")
-        part = tuple(part)
+    to, reply_to, part = _routing(meta, seq)
     if recipient is not None and to != recipient:
         raise BadMessage("recipient", f"message from {sender[:64]} was signed for {str(to)[:64]!r}, not {recipient!r}")
     if replay_guard is not None:
@@ -507,6 +449,49 @@ def decode(frames: Sequence[Any], *, secret: bytes, replay_guard: ReplayGuard | 
     header = {k: v for k, v in meta.items() if k not in RESERVED_KEYS}
     return Message(kind=kind, header=header, tensors=tensors, sender=sender, seq=seq, ts=ts,
                    dtypes=[name for name, _ in specs], recipient=to, reply_to=reply_to, part=part)
+
+
+def _check_signature(secret: bytes, views: list[memoryview]) -> tuple[list[memoryview], memoryview]:
+    """The signed frames and the tensor frames' claimed GMAC tags, once the HMAC over the header, the frame
+    lengths and those tags matches (the header size is checked first, before hashing anything)."""
+    if views[0].nbytes > MAX_HEADER_BYTES:
+        raise BadMessage("header_size", f"header frame is {views[0].nbytes} bytes (limit {MAX_HEADER_BYTES})")
+    signed, trailer = views[:-1], views[-1]
+    claimed = trailer[: trailer.nbytes - TAG_BYTES]  # the tensor frames' GMAC tags
+    if (trailer.nbytes != TAG_BYTES + FRAME_TAG_BYTES * (len(signed) - 1)
+            or not hmac.compare_digest(_sign(secret, signed, claimed), trailer[-TAG_BYTES:])):
+        raise BadMessage("signature", "HMAC-SHA256 tag does not match: forged, damaged or signed with another "
+                                      "job's secret")
+    return signed, claimed
+
+
+def _parse_header(view: memoryview) -> dict[str, Any]:
+    """The authenticated header frame as a map of this code's version."""
+    try:
+        meta = msgpack.unpackb(view, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # any parse failure of signed-but-broken bytes is a drop, never a crash
+        raise BadMessage("header", f"header is not msgpack ({type(exc).__name__})") from None
+    if not isinstance(meta, dict):
+        raise BadMessage("header", f"header is a msgpack {type(meta).__name__}, not a map")
+    version = meta.get("v")
+    if type(version) is not int or version != VERSION:
+        raise BadMessage("version", f"header version {version!r}; this code speaks version {VERSION}")
+    return meta
+
+
+def _routing(meta: dict[str, Any], seq: int) -> tuple[str | None, int | None, tuple[int, int, int] | None]:
+    """``(to, re, part)`` of a header, type-checked."""
+    to = meta.get("to")
+    reply_to = meta.get("re")
+    if (to is not None and not isinstance(to, str)) or (reply_to is not None and type(reply_to) is not int):
+        raise BadMessage("header", "field 'to' or 're' has the wrong type")
+    part = meta.get("part")
+    if part is not None:
+        if not (isinstance(part, list) and len(part) == 3 and all(type(x) is int for x in part)
+                and 0 <= part[0] < part[1] <= MAX_PARTS and (part[0] > 0 or part[2] == seq)):
+            raise BadMessage("header", "field 'part' is not [index, count, seq of part 0]")
+        part = tuple(part)
+    return to, reply_to, part
 
 
 # --------------------------------------------------------------------------------------------- torch

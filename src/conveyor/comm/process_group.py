@@ -4,33 +4,13 @@
     with collective_guard(job, "all_gather_bytes"):
         dist.all_gather(...)            # a dead peer raises PeerError naming it, not a bare gloo error
 
-Rendezvous is an explicit ``torch.distributed.TCPStore`` rather than ``init_method="env://"`` so that
-each failure can be told apart and explained: rank 0 hosts the store and waits (``wait_for_workers``)
-until every rank has connected or the timeout passes; the store then reports how many arrived
-("Timed out after N seconds waiting for clients. 1/2 clients joined."), which goes into the
-:class:`RendezvousError`. A port that is taken on rank 0 fails at once (EADDRINUSE) and is reported as
-:class:`AddressInUseError`. Under torchrun with ``TORCHELASTIC_USE_AGENT_STORE=True`` the agent
-already hosts the store on ``MASTER_PORT``; every rank is then a client (``host_store=False``).
-
-The store has no authentication: whoever reaches it can read and write it. Left to itself, ``TCPStore``
-listens on the wildcard address (``::``: every interface) whatever host it is given, so the host rank
-binds a socket to ``MASTER_ADDR`` only (a name is resolved once, to the first of its addresses that
-this machine owns) and hands it to the store (:func:`listen_only_on`, :func:`serve_store`; the
-launchers' rendezvous store is bound the same way).
-
-What gloo says when a peer goes away (measured with torch 2.13 on CPU, loopback):
-
-- the peer process died: its TCP connections close, and the next collective on any rank connected to
-  it fails at once with ``RuntimeError("[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer
-  [127.0.0.1]:21376. ...")``; the address is the peer's socket, not its TF_CONFIG address;
-- the peer is alive but does not join (hung, or doing something else): the collective fails after the
-  process group's timeout with ``"Timed out waiting 5000ms for recv operation to complete"`` (later
-  operations on the broken pair say ``"Application timeout caused pair closure"``).
-
-Neither names a rank. :func:`collective_guard` re-raises both as :class:`PeerError` naming the peer
-when it can be known: with two ranks it is the other one; otherwise the peer's IP is matched against
-the cluster spec's hosts (one training task on that host → that task). Errors that are not about a
-peer (a shape mismatch inside a guarded forward, say) pass through untouched.
+Promises: a rendezvous that times out raises :class:`RendezvousError` saying how many ranks arrived,
+a port taken on rank 0 raises :class:`AddressInUseError` at once; the store rank 0 hosts listens on
+``MASTER_ADDR`` only (:func:`listen_only_on`, :func:`serve_store`), never on every interface; under
+torchrun with ``TORCHELASTIC_USE_AGENT_STORE=True`` every rank is a client of the agent's store.
+:func:`collective_guard` re-raises gloo's "connection closed" and "timed out" errors as
+:class:`PeerError`, naming the peer when it can be known, and lets every other error through untouched.
+What gloo says and how the peer is found: docs/architecture.md, "Process groups and rendezvous".
 """
 
 from __future__ import annotations

@@ -9,50 +9,14 @@
     ids = [c.send("push", {}, grads) for c, grads in zip(clients, shards)]   # in flight at once
     replies = [c.receive(i) for c, i in zip(clients, ids)]
 
-Messages are :mod:`conveyor.comm.framing` frames. The server binds exactly the address the cluster spec
-gives it (a host name is resolved to one of this machine's addresses; the wildcard only when the spec
-says ``*`` or ``0.0.0.0``). Whatever arrives that does not decode — a message signed with another job's
-secret, a damaged one, a captured request sent again — is dropped and counted in
-``server.stats["dropped_by_reason"]``. The handler never sees them and the server never answers them (no
-oracle for forgers). A handler that raises turns into an ``"error"`` reply, raised by the client as
-:class:`RemoteError`.
-
-Connections are gated before any message: the server speaks ZeroMQ's PLAIN mechanism, and a per-process
-ZAP handler accepts only the password derived from the job secret (an HMAC of it, so the secret itself
-never crosses the network). This is not about secrecy — every message is signed anyway — but about
-libzmq: a ROUTER lets an unauthenticated peer pick its own routing id, and one that picks the id the
-ROUTER is about to generate for the next peer aborts the whole process (``Assertion failed: ok
-(socket_base.cpp)``, libzmq 4.3.5; the generated ids are predictable). The gate also refuses ZMTP 1.0
-peers, which is what random bytes on the port look like to ZeroMQ. Connections that fail the gate (port
-scanners, random bytes, another job) are counted as ``"handshake"`` drops.
-
-Zero copies: tensor frames leave as views on the caller's arrays (``copy=False``; ZeroMQ still copies
-frames under 64 KiB, which costs nothing) and arrive as numpy arrays on ZeroMQ's receive buffers.
-The price is a lifetime rule on each side:
-
-- client: the tensors given to :meth:`Client.send` must not change until :meth:`Client.receive` returns
-  that request's reply (the server has then received every byte);
-- server: by default the server waits, before calling the handler again, until ZeroMQ has released the
-  tensors of earlier replies, so a handler may update in place the parameters it returned a moment ago
-  (``wait_for_reply_buffers=False`` skips the wait for handlers that return fresh arrays).
-
-Large payloads travel in parts: a request or reply over ``part_bytes`` (8 MiB) is sent as several
-messages, each signed on its own, and put back together before the handler (or :meth:`Client.receive`)
-sees it. ZeroMQ starts writing a multipart message only once its last frame is queued, so one big message
-runs hash → send → verify one after the other; in parts, hashing part k+1 overlaps sending part k and
-verifying it at the other end. Measured on a 2-core machine (100 MB as 25 × 4 MB, push + pull over
-loopback): 0.53 GB/s as one message, 0.8–0.95 GB/s in parts, against 1.1–1.3 GB/s for unsigned ZeroMQ.
-A part out of order (only a buggy or replaying peer can cause one: parts are signed) is a ``"part"`` drop.
-
-Timeouts: every request has one. A server that does not answer within it raises
-:class:`ServerUnavailable` naming the task, its address, what the connection looked like (never
-connected / connected but silent / handshake failed) and what to check. After a timeout the client
-drops its socket, and with it queued requests, so that a late server does not apply a request the caller
-already saw fail; the next :meth:`Client.send` reconnects.
-
-One ZeroMQ context per process (``zmq.Context.instance()``); sockets use ``LINGER=0`` and are closed by
-:meth:`Server.close` / :meth:`Client.close` (both context managers). A socket belongs to one thread: use
-a client from one thread, and let the server's socket be used only by its serving thread.
+Messages are :mod:`conveyor.comm.framing` frames. What it promises: the server binds exactly the
+cluster spec's address; connections must pass a gate keyed by the job secret, and messages that do not
+decode are dropped and counted (``server.stats["dropped_by_reason"]``), never answered; a handler that
+raises becomes a :class:`RemoteError` at the client; payloads over ``part_bytes`` travel in separately
+signed parts; every request has a timeout, after which :class:`ServerUnavailable` says what the
+connection looked like. Tensors travel without copies, so keep those given to :meth:`Client.send`
+unchanged until :meth:`Client.receive` returns. A socket belongs to one thread. The reasons and the
+measurements: ``docs/architecture.md``, "The parameter-server transport".
 """
 
 from __future__ import annotations
@@ -336,6 +300,111 @@ def _reply_parts(result: Any) -> tuple[str, dict, Sequence[Any]]:
                     f"(kind, header) or None")
 
 
+def _bind_error(exc: zmq.ZMQError, name: str, address: str, ip: str, port: int) -> AddressInUseError:
+    where = f"{name} cannot listen on {address}" + (f" ({ip})" if ip != split_address(address)[0] else "")
+    if exc.errno == errno.EADDRINUSE:
+        return AddressInUseError(
+            f"{where}: port {port} is already in use (another job, or an earlier run of this one that is "
+            f"still alive). Stop the process holding it (`ss -ltnp 'sport = :{port}'` shows it) or give "
+            f"this task a free port in the cluster spec (`conveyor run` picks free ports itself)")
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return AddressInUseError(
+            f"{where}: that address is not on this machine. The cluster spec must give each ps task an "
+            f"address of the machine it runs on")
+    return AddressInUseError(f"{where}: {exc.strerror}")
+
+
+def _router(ip: str, ipv6: bool, port: int, domain: bytes, max_frame_bytes: int | None,
+            handshake_timeout: float) -> tuple[zmq.Socket, zmq.Socket]:
+    """A ROUTER socket behind the gate (``domain`` registered with :data:`_GATE`) and its monitor, before
+    binding; the caller binds it."""
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.linger = 0
+    sock.ipv6 = ipv6
+    sock.plain_server = True
+    sock.zap_domain = domain
+    sock.router_mandatory = 1  # a reply to a vanished client raises instead of vanishing silently
+    sock.sndtimeo = 10_000  # a client that stops reading cannot stall the server for longer
+    if max_frame_bytes is not None:
+        sock.maxmsgsize = int(max_frame_bytes)
+    sock.handshake_ivl = max(1, int(handshake_timeout * 1000))
+    return sock, sock.get_monitor_socket(_SERVER_EVENTS)
+
+
+def _close_router(sock: zmq.Socket, monitor: zmq.Socket, endpoint: str) -> None:
+    """Close a server's socket with the port free on return (a restarted server can bind it at once).
+
+    ZeroMQ closes sockets in its I/O thread, after zmq_close returns; so unbind first and wait for the
+    listener's CLOSED event.
+    """
+    try:
+        sock.unbind(endpoint)
+        deadline = time.monotonic() + 2.0
+        while (remaining := deadline - time.monotonic()) > 0 and monitor.poll(int(remaining * 1000) + 1):
+            if any(event & zmq.EVENT_CLOSED for event, _ in _drain_monitor(monitor)):
+                break
+    except zmq.ZMQError:
+        pass
+    sock.disable_monitor()
+    monitor.close(linger=0)
+    sock.close(linger=0)
+
+
+class _Drops:
+    """What a server dropped, counted by reason and logged sparingly (thread-safe: counted from the serving
+    thread, read by ``stats`` from any)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._lock = threading.Lock()
+        self._dropped: Counter[str] = Counter()  # grows a key per reason
+
+    def add(self, reason: str, detail: str, identity: Any) -> None:
+        with self._lock:
+            self._dropped[reason] += 1
+            count = self._dropped[reason]
+        if count == 1 or count % 1000 == 0:  # the first of each kind, then a reminder: logs cannot be flooded
+            peer = identity.get("Peer-Address") if isinstance(identity, zmq.Frame) else None
+            log.warning("%s: dropped a %s%s (%s: %s); %d dropped for this reason so far", self._name,
+                        "connection" if reason == "handshake" else "message", f" from {peer}" if peer else "",
+                        reason, detail, count)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._dropped)
+
+
+class _Handshakes:
+    """Counts connections that fail the gate as ``"handshake"`` drops, from the socket's monitor events.
+
+    ZeroMQ reports a refused password or a wrong mechanism as an event, but a peer that sends
+    something that is not a ZMTP 3 greeting (random bytes) just gets disconnected. So connections are
+    followed by file descriptor from ``ACCEPTED`` to ``DISCONNECTED``; the handshake events carry no
+    descriptor and are matched to the oldest connection still handshaking, which is exact unless
+    several peers handshake at the same moment (then only which connection is blamed may be off).
+    """
+
+    def __init__(self, drops: _Drops) -> None:
+        self._drops = drops
+        self._pending: OrderedDict[int, None] = OrderedDict()  # fds accepted, handshake not settled
+
+    def follow(self, events: list[tuple[int, int]]) -> None:
+        for event, value in events:
+            if event & zmq.EVENT_ACCEPTED:
+                self._pending[value] = None
+            elif event & (zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED):
+                if self._pending:
+                    self._pending.popitem(last=False)  # settled: its disconnect is not counted again
+                if event & _HANDSHAKE_FAILED:
+                    why = ("a wrong password (another job's secret?)" if event & zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                           else "no or another security mechanism (not a conveyor client)")
+                    self._drops.add("handshake", f"a connection failed the handshake: {why}", None)
+            elif event & zmq.EVENT_DISCONNECTED and value in self._pending:
+                del self._pending[value]
+                self._drops.add("handshake", "a connection closed before completing the ZeroMQ handshake (random "
+                                             "bytes, a port scanner, or a ZMTP 1.0 peer)", None)
+
+
 # --------------------------------------------------------------------------------------------- server
 
 
@@ -373,7 +442,7 @@ class Server:
         self._inbox = _Inbox(self._secret, name, ReplayGuard(max_skew=max_skew))
         self._stats: Counter[str] = Counter(dict.fromkeys(
             ("received", "replied", "handler_errors", "reply_failed", "internal_errors"), 0))  # fixed keys
-        self._dropped: Counter[str] = Counter()  # grows a key per reason: changed under self._lock only
+        self._drops = _Drops(name)
         self._unreleased: list[zmq.MessageTracker] = []
         self._stop = threading.Event()
         self._serving: threading.Thread | None = None  # the thread that owns the socket while serving
@@ -382,23 +451,12 @@ class Server:
         self._lock = threading.Lock()
         self._close_on_exit = False
         self._closed = False
-        self._handshaking: OrderedDict[int, None] = OrderedDict()  # fds accepted, handshake not settled
+        self._handshakes = _Handshakes(self._drops)
         self._active = time.monotonic()  # when serving began or an authenticated message was last handled
         ip, ipv6 = _resolve_bind(host, port, name, bind_address)
-        ctx = zmq.Context.instance()
         self._domain = f"conveyor/{name}/{secrets.token_hex(8)}".encode()
-        _GATE.register(ctx, self._domain, _password(self._secret))
-        sock = ctx.socket(zmq.ROUTER)
-        sock.linger = 0
-        sock.ipv6 = ipv6
-        sock.plain_server = True
-        sock.zap_domain = self._domain
-        sock.router_mandatory = 1  # a reply to a vanished client raises instead of vanishing silently
-        sock.sndtimeo = 10_000  # a client that stops reading cannot stall the server for longer
-        if max_frame_bytes is not None:
-            sock.maxmsgsize = int(max_frame_bytes)
-        sock.handshake_ivl = max(1, int(handshake_timeout * 1000))
-        self._monitor = sock.get_monitor_socket(_SERVER_EVENTS)
+        _GATE.register(zmq.Context.instance(), self._domain, _password(self._secret))
+        sock, self._monitor = _router(ip, ipv6, port, self._domain, max_frame_bytes, handshake_timeout)
         try:
             sock.bind(_tcp(ip, port))
         except zmq.ZMQError as exc:
@@ -406,23 +464,9 @@ class Server:
             self._monitor.close(linger=0)
             sock.close(linger=0)
             _GATE.unregister(self._domain)
-            raise self._bind_error(exc, ip, port) from None
+            raise _bind_error(exc, name, bind_address, ip, port) from None
         self._sock = sock
         self._endpoint = sock.last_endpoint
-
-    def _bind_error(self, exc: zmq.ZMQError, ip: str, port: int) -> AddressInUseError:
-        where = f"{self.name} cannot listen on {self.address}" + (f" ({ip})" if ip != split_address(
-            self.address)[0] else "")
-        if exc.errno == errno.EADDRINUSE:
-            return AddressInUseError(
-                f"{where}: port {port} is already in use (another job, or an earlier run of this one that is "
-                f"still alive). Stop the process holding it (`ss -ltnp 'sport = :{port}'` shows it) or give "
-                f"this task a free port in the cluster spec (`conveyor run` picks free ports itself)")
-        if exc.errno == errno.EADDRNOTAVAIL:
-            return AddressInUseError(
-                f"{where}: that address is not on this machine. The cluster spec must give each ps task an "
-                f"address of the machine it runs on")
-        return AddressInUseError(f"{where}: {exc.strerror}")
 
     # ---- serving
 
@@ -479,7 +523,7 @@ class Server:
             except zmq.ContextTerminated:
                 return True
             if self._monitor in ready:
-                self._watch_connections()
+                self._handshakes.follow(_drain_monitor(self._monitor))
             if self._sock not in ready:
                 limit = idle[0] if self.last_heard is not None else idle[1]
                 if limit is not None and time.monotonic() - self._active > limit:
@@ -501,37 +545,13 @@ class Server:
                     log.exception("%s: failed to serve a message; continuing", self.name)
         return True
 
-    def _watch_connections(self) -> None:
-        """Count connections that fail the gate, from the socket's monitor events.
-
-        ZeroMQ reports a refused password or a wrong mechanism as an event, but a peer that sends
-        something that is not a ZMTP 3 greeting (random bytes) just gets disconnected. So connections are
-        followed by file descriptor from ``ACCEPTED`` to ``DISCONNECTED``; the handshake events carry no
-        descriptor and are matched to the oldest connection still handshaking, which is exact unless
-        several peers handshake at the same moment (then only which connection is blamed may be off).
-        """
-        for event, value in _drain_monitor(self._monitor):
-            if event & zmq.EVENT_ACCEPTED:
-                self._handshaking[value] = None
-            elif event & (zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED):
-                if self._handshaking:
-                    self._handshaking.popitem(last=False)  # settled: its disconnect is not counted again
-                if event & _HANDSHAKE_FAILED:
-                    why = ("a wrong password (another job's secret?)" if event & zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                           else "no or another security mechanism (not a conveyor client)")
-                    self._drop("handshake", f"a connection failed the handshake: {why}", None)
-            elif event & zmq.EVENT_DISCONNECTED and value in self._handshaking:
-                del self._handshaking[value]
-                self._drop("handshake", "a connection closed before completing the ZeroMQ handshake (random "
-                                        "bytes, a port scanner, or a ZMTP 1.0 peer)", None)
-
     def _serve_one(self, frames: list[zmq.Frame]) -> None:
         self._stats["received"] += 1
         identity, body = frames[0], frames[1:]
         try:
             message = self._inbox.accept(body)
         except BadMessage as bad:
-            self._drop(bad.reason, bad.detail, identity)
+            self._drops.add(bad.reason, bad.detail, identity)
             return
         self._active = time.monotonic()
         if message is None:  # more parts to come
@@ -580,22 +600,11 @@ class Server:
                                 self.name)
         self._unreleased.clear()
 
-    def _drop(self, reason: str, detail: str, identity: Any) -> None:
-        with self._lock:
-            self._dropped[reason] += 1
-            count = self._dropped[reason]
-        if count == 1 or count % 1000 == 0:  # the first of each kind, then a reminder: logs cannot be flooded
-            peer = identity.get("Peer-Address") if isinstance(identity, zmq.Frame) else None
-            log.warning("%s: dropped a %s%s (%s: %s); %d dropped for this reason so far", self.name,
-                        "connection" if reason == "handshake" else "message", f" from {peer}" if peer else "",
-                        reason, detail, count)
-
     @property
     def stats(self) -> dict[str, Any]:
         """A snapshot: ``received``, ``replied``, ``dropped``, ``dropped_by_reason``, ``handler_errors``,
         ``reply_failed``, ``internal_errors``."""
-        with self._lock:
-            dropped = dict(self._dropped)
+        dropped = self._drops.snapshot()
         return {"received": self._stats["received"], "replied": self._stats["replied"],
                 "dropped": sum(dropped.values()), "dropped_by_reason": dropped,
                 "handler_errors": self._stats["handler_errors"], "reply_failed": self._stats["reply_failed"],
@@ -621,19 +630,7 @@ class Server:
         if self._closed:
             return
         self._closed = True
-        # ZeroMQ closes sockets in its I/O thread, after zmq_close returns; unbind and wait for the listener's
-        # CLOSED event so that the port is free when close() returns (a restarted server can bind it).
-        try:
-            self._sock.unbind(self._endpoint)
-            deadline = time.monotonic() + 2.0
-            while (remaining := deadline - time.monotonic()) > 0 and self._monitor.poll(int(remaining * 1000) + 1):
-                if any(event & zmq.EVENT_CLOSED for event, _ in _drain_monitor(self._monitor)):
-                    break
-        except zmq.ZMQError:
-            pass
-        self._sock.disable_monitor()
-        self._monitor.close(linger=0)
-        self._sock.close(linger=0)
+        _close_router(self._sock, self._monitor, self._endpoint)
         _GATE.unregister(self._domain)
 
     def __enter__(self) -> Server:

@@ -3,30 +3,11 @@
     summary = convert_arrays({"image": x, "label": y}, "data/", shards=8)
     summary = convert_image_folder("photos/", "data/", shards=8, splits={"train": 0.9, "test": 0.1}, seed=0)
 
-The output is what TensorFlow's converters produce: ``<prefix>-00000-of-00008.tfrecord`` files
-holding one Example per row, readable with ``TFRecordDataset`` + ``parse_single_example`` here and
-``tf.data.TFRecordDataset`` + ``tf.io.parse_single_example`` there. Next to the shards go
-``dataset.json`` (records per shard, the features and their shapes, the source) and, for image
-folders, ``classes.txt`` (one class name per line, line i = label i).
-
-How rows are laid out:
-- Rows are optionally permuted first (``seed``), then cut into consecutive splits by fraction,
-  then dealt round-robin over the split's ``shards`` files, so shard sizes differ by at most one
-  and every shard holds a mix of the whole source (an image folder is read in class order, so
-  without round-robin one shard would hold one class). Asking for splits without a seed shuffles
-  with seed 0: cutting an unshuffled class folder would put whole classes into the test split.
-- Every shard is written under a hidden temporary name and renamed only once *all* shards are
-  complete, so an interrupted or failed conversion leaves no shard under a final name (a reader's
-  ``train-*`` glob never picks up half a dataset).
-
-What a row becomes (``convert_arrays``): a numeric array row → int64_list (integers, bools) or
-float_list (floats, stored as float32 — the only float an Example holds), flattened, plus a
-``<key>/shape`` int64 feature when the row is not a scalar; a string row → bytes_list; a raw-bytes
-row (a 1-D array of dtype ``V<n>``: numpy's fixed-width ``S`` strings drop trailing zero bytes, raw
-pixels must not) → bytes_list of exactly its n bytes; an array named in ``image_keys`` (uint8, rows
-of H×W or H×W×C with C in 1, 3, 4) → PNG or JPEG bytes.
-
-The data layer stays free of torch: this module needs numpy, Pillow and tqdm only.
+The output is what TensorFlow's converters produce: ``<prefix>-00000-of-00008.tfrecord`` files of one
+Example per row, plus ``dataset.json`` (records per shard, features, source) and, for image folders,
+``classes.txt``. Rows are dealt round-robin over the shards (splits are shuffled, with seed 0 unless
+given), and no shard appears under its final name unless every shard was written. Needs numpy, Pillow
+and tqdm, never torch. Layout and encodings: ``docs/architecture.md``, "Converting data to TFRecord".
 """
 
 from __future__ import annotations
@@ -130,6 +111,29 @@ def convert_arrays(
     """
     arrays = {str(k): np.asarray(v) for k, v in arrays.items()}
     image_keys = tuple(image_keys)
+    n = _rows(arrays, image_keys)
+    fmt = _check_image_format(image_format, quality)
+    fmt = "png" if fmt == "keep" else fmt
+    features, encoders = _array_features(arrays, image_keys, fmt, quality)
+
+    def make_record(i: int) -> bytes:
+        feats: dict[str, Any] = {}
+        for key, arr, encode in encoders:
+            row = arr[i]
+            feats[key] = encode(row)
+            if key not in image_keys and np.ndim(row):
+                feats[f"{key}/shape"] = np.asarray(row.shape, dtype=np.int64)
+        return encode_example(feats)
+
+    return _convert(
+        n, make_record, out_dir, shards, prefix=prefix, compression_type=compression_type, splits=splits,
+        seed=seed, overwrite=overwrite, progress=progress,
+        info={"source": source, "source_kind": "arrays", "features": features}, extra_files=extra_files,
+    )
+
+
+def _rows(arrays: Mapping[str, np.ndarray], image_keys: Sequence[str]) -> int:
+    """The number of records: every array's first dimension, which must be the same."""
     if not arrays:
         raise ConversionError("no arrays to convert")
     for key, arr in arrays.items():
@@ -145,9 +149,13 @@ def convert_arrays(
     for key in image_keys:
         if key not in arrays:
             raise ConversionError(f"image key {key!r} is not one of the arrays ({', '.join(arrays)})")
-    fmt = _check_image_format(image_format, quality)
-    fmt = "png" if fmt == "keep" else fmt
+    return next(iter(lengths.values()))
 
+
+def _array_features(
+    arrays: Mapping[str, np.ndarray], image_keys: Sequence[str], fmt: str, quality: int
+) -> tuple[dict[str, dict[str, Any]], list[tuple[str, np.ndarray, Callable[[np.ndarray], Any]]]]:
+    """The summary's description of each feature, and ``(key, array, row encoder)`` per array."""
     features: dict[str, dict[str, Any]] = {}
     encoders: list[tuple[str, np.ndarray, Callable[[np.ndarray], Any]]] = []
     for key, arr in arrays.items():
@@ -167,22 +175,7 @@ def convert_arrays(
                     f"array {shape_key!r} clashes with the shape feature of array {key!r}; rename one of them"
                 )
             features[shape_key] = {"dtype": "int64", "shape": [len(row_shape)]}
-
-    def make_record(i: int) -> bytes:
-        feats: dict[str, Any] = {}
-        for key, arr, encode in encoders:
-            row = arr[i]
-            feats[key] = encode(row)
-            if key not in image_keys and np.ndim(row):
-                feats[f"{key}/shape"] = np.asarray(row.shape, dtype=np.int64)
-        return encode_example(feats)
-
-    n = next(iter(lengths.values()))
-    return _convert(
-        n, make_record, out_dir, shards, prefix=prefix, compression_type=compression_type, splits=splits,
-        seed=seed, overwrite=overwrite, progress=progress,
-        info={"source": source, "source_kind": "arrays", "features": features}, extra_files=extra_files,
-    )
+    return features, encoders
 
 
 def _as_is(row: Any) -> Any:
@@ -429,37 +422,14 @@ def _convert(
             f"(--overwrite) to replace them, or choose another folder or prefix"
         )
 
-    names = {split: [shard_filename(split, k, shards) for k in range(shards)] for split in plan}
-    temps: list[tuple[Path, Path]] = []
-    split_summaries: dict[str, dict[str, Any]] = {}
-    try:
-        with tqdm(total=n, disable=not progress, file=sys.stderr, unit="rec", desc="converting",
-                  dynamic_ncols=True) as bar:
-            for split, rows in plan.items():
-                counts = []
-                for k, name in enumerate(names[split]):
-                    final = out / name
-                    tmp = out / f".{name}.tmp-{os.getpid()}"
-                    temps.append((tmp, final))
-                    part = rows[k::shards]
-                    with TFRecordWriter(tmp, compression) as writer:
-                        for row in part:
-                            writer.write(make_record(int(row)))
-                            bar.update(1)
-                    counts.append(len(part))
-                split_summaries[split] = {
-                    **info, "num_records": int(len(rows)), "compression": compression, "seed": seed,
-                    "shards": [{"file": name, "records": c}
-                               for name, c in zip(names[split], counts, strict=True)],
-                }
-        for tmp, final in temps:
-            os.replace(tmp, final)
-    except BaseException:
-        for tmp, _ in temps:
-            tmp.unlink(missing_ok=True)
-        raise
-
-    written = {final.name for _, final in temps}
+    with tqdm(total=n, disable=not progress, file=sys.stderr, unit="rec", desc="converting",
+              dynamic_ncols=True) as bar:
+        written, counts = _write_shards(out, plan, shards, compression, make_record, bar.update)
+    split_summaries = {
+        split: {**info, "num_records": int(len(rows)), "compression": compression, "seed": seed,
+                "shards": [{"file": name, "records": c} for name, c in counts[split]]}
+        for split, rows in plan.items()
+    }
     for name in stale:
         if name not in written:
             (out / name).unlink(missing_ok=True)
@@ -468,6 +438,40 @@ def _convert(
         atomic_write(out / fname, text.encode("utf-8"))
     atomic_write(out / SUMMARY_FILE, (json.dumps(summary, indent=2) + "\n").encode("utf-8"))
     return summary
+
+
+def _write_shards(
+    out: Path, plan: Mapping[str, np.ndarray], shards: int, compression: str | None,
+    make_record: Callable[[int], bytes], advance: Callable[[int], Any],
+) -> tuple[set[str], dict[str, list[tuple[str, int]]]]:
+    """Write every split's rows round-robin over its ``shards`` files; return the file names written and
+    ``(file, records)`` per split.
+
+    Every shard is written under a hidden temporary name and renamed only once all are complete; on any
+    error the temporary files are removed and no shard appears under a final name.
+    """
+    temps: list[tuple[Path, Path]] = []
+    counts: dict[str, list[tuple[str, int]]] = {}
+    try:
+        for split, rows in plan.items():
+            counts[split] = []
+            for k in range(shards):
+                name = shard_filename(split, k, shards)
+                tmp = out / f".{name}.tmp-{os.getpid()}"
+                temps.append((tmp, out / name))
+                part = rows[k::shards]
+                with TFRecordWriter(tmp, compression) as writer:
+                    for row in part:
+                        writer.write(make_record(int(row)))
+                        advance(1)
+                counts[split].append((name, len(part)))
+        for tmp, final in temps:
+            os.replace(tmp, final)
+    except BaseException:
+        for tmp, _ in temps:
+            tmp.unlink(missing_ok=True)
+        raise
+    return {final.name for _, final in temps}, counts
 
 
 def _existing_shards(out: Path, plan: Mapping[str, Any]) -> list[str]:

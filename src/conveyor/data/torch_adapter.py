@@ -8,21 +8,10 @@ The only module of `conveyor.data` that imports torch; the rest of the data laye
         ...
     state = it.state_dict()                               # resumable, like iter(ds)
 
-Two ways in:
-
-- `to_torch(ds)` — the recommended one. conveyor's pipeline already parallelises `map` in worker
-  processes and prefetches, so it needs no DataLoader. Iterating converts each element to tensors
-  and, for an accelerator, starts copying batch N+1 while the model works on batch N.
-- `as_torch_dataset(ds)` — a `torch.utils.data.IterableDataset` for code built around a
-  DataLoader. Sharding across DataLoader workers is handled for you (see its docstring), but it
-  cannot resume, and a pipeline that starts its own worker processes (`map(num_parallel_calls=...)`
-  with processes) cannot run inside DataLoader workers (they are daemonic); use threads there,
-  or `to_torch`.
-
-Conversion (`to_tensors`): numpy arrays → `torch.from_numpy` (no copy: the tensor shares the
-array's memory); numpy and Python scalars → 0-d tensors (Python floats as float64, ints as int64,
-like DataLoader's collate); arrays of bytes/str (a batched string feature) → lists of bytes/str;
-`bytes`, `str` and None unchanged; tuples, lists and dicts keep their structure.
+`to_torch(ds)` is the recommended way in (no DataLoader needed); `as_torch_dataset(ds)` is an
+`IterableDataset` for DataLoader-based code, which cannot resume. `to_tensors` converts without copying
+numpy arrays and keeps the element's structure. When to use which, and the conversion rules:
+`docs/architecture.md`, "PyTorch input".
 """
 
 from __future__ import annotations

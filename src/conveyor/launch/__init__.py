@@ -4,7 +4,8 @@
   (command, whole environment, log file) per task; ``describe_plan`` is ``--dry-run``'s output;
 - :mod:`.ports`      - free TCP ports, by binding port 0;
 - :mod:`.supervisor` - starts the plan's tasks in their own process groups, prefixes and logs their
-  output, restarts the whole job when a task dies, stops every task on Ctrl-C/SIGTERM;
+  output, restarts the whole job when a task dies, stops every task on Ctrl-C/SIGTERM; one task's
+  process is :mod:`.tasks`, when to restart is :mod:`.restarts`;
 - :mod:`.rendezvous` - several machines: the launchers meet at node 0's ``torch.distributed.TCPStore``
   and agree on one cluster (torch is imported there only, when a job spans machines).
 

@@ -8,33 +8,11 @@
 
 Arguments + free ports (+ what the other machines published at the rendezvous) → a ``LaunchPlan`` of
 ``TaskLaunch(task, argv, env, log_path)``. Nothing here starts a process or opens a socket, so every
-environment can be tested by exact equality (STYLE habit 6) and printed by ``--dry-run`` (habit 10).
-
-Placement across machines: each node runs its own ``--workers`` training tasks and ``--ps`` parameter
-servers, like torchrun's ``--nproc-per-node``. The cluster lists the nodes' tasks in node-rank order -
-node 0's training tasks first, so rank 0 (the chief, which writes checkpoints) is on node 0, where the
-torch process group's store (``MASTER_ADDR:MASTER_PORT``) is too - and neighbouring ranks share a
-machine, where ring all-reduce traffic between them stays off the network.
-
-A task's environment is the caller's environment, minus the variables the launcher owns (a stale
-``RANK`` from an outer launcher must not reach a parameter server, which gets none), plus
-``conveyor.cluster.task_environment(...)`` plus ``CONVEYOR_RESTART_COUNT``, ``CONVEYOR_RESUME``,
-``CONVEYOR_TIMEOUT`` and ``PYTHONUNBUFFERED=1`` (docs/training-contracts.md, "Launcher").
-
-torchrun's own variables too, with torchrun's meaning (``torch/distributed/elastic/agent/server/
-local_elastic_agent.py``), so that a script written for torchrun runs unchanged: on training tasks
-``GROUP_RANK`` (this node's rank) and ``GROUP_WORLD_SIZE`` (``--nnodes``), ``ROLE_NAME=default`` with
-``ROLE_RANK``/``ROLE_WORLD_SIZE`` equal to ``RANK``/``WORLD_SIZE`` (one role, as torchrun's static
-rendezvous gives), ``TORCHELASTIC_RESTART_COUNT`` (the supervisor updates it per attempt),
-``TORCHELASTIC_MAX_RESTARTS``, ``TORCHELASTIC_RUN_ID`` (one id per job, the same on every node),
-``TORCHELASTIC_USE_AGENT_STORE=False`` (rank 0 hosts torch's store, not the launcher) and
-``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (the caller's, else ``1``). And, like torchrun, when several tasks
-share this machine and the caller did not set ``OMP_NUM_THREADS``, every task gets ``OMP_NUM_THREADS=1``
-(``CONVEYOR_OMP_DEFAULT=1`` marks it as the launcher's default, which ``conveyor.init()`` replaces with
-each training task's share of the cores).
-
-``tf_flags=True`` also appends TensorFlow 1's cluster flags to every task's command line, right after
-the script: ``--ps_hosts=... --worker_hosts=... --job_name=worker --task_index=1``.
+environment can be compared by equality and printed by ``--dry-run``. Rank 0 runs on node 0; every
+task gets the caller's environment minus the launcher's own variables, plus its cluster identity,
+conveyor's and torchrun's variables (docs/training-contracts.md, "Launcher"), and with
+``tf_flags=True`` TensorFlow 1's cluster flags. Placement and every variable:
+``docs/architecture.md``, "The launcher: restarts and failures".
 """
 
 from __future__ import annotations
@@ -289,25 +267,7 @@ def build_plan(
     strategy = resolve_strategy(options.strategy, spec.world_size, len(spec.ps))
     base = {k: v for k, v in environ.items() if k not in OWNED_VARS}
     node = nodes[node_rank]
-    extra = {
-        RESTART_COUNT_VAR: "0",
-        RESUME_VAR: "1" if options.resume else "0",
-        TIMEOUT_VAR: f"{options.timeout:g}",
-        "PYTHONUNBUFFERED": "1",  # lines reach the launcher (and the log) as they are printed
-    }
-    if node.workers + node.ps > 1 and not environ.get("OMP_NUM_THREADS"):
-        # torchrun's default: N processes with a full-size OpenMP pool each would overload the cores.
-        extra.update({"OMP_NUM_THREADS": "1", OMP_DEFAULT_VAR: "1"})
-    torchrun = {
-        "GROUP_RANK": str(node_rank),
-        "GROUP_WORLD_SIZE": str(len(nodes)),
-        "ROLE_NAME": "default",
-        TORCHRUN_RESTART_VAR: "0",
-        "TORCHELASTIC_MAX_RESTARTS": str(options.max_restarts),
-        "TORCHELASTIC_RUN_ID": run_id(secret),
-        "TORCHELASTIC_USE_AGENT_STORE": "False",
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-    }
+    extra, torchrun = _node_env(options, node, node_rank, len(nodes), secret, environ)
     log_dir = os.path.join(options.output_dir, "logs")
     training = spec.training_tasks
     first_rank = sum(n.workers for n in nodes[:node_rank])
@@ -331,6 +291,31 @@ def build_plan(
         ))
     return LaunchPlan(spec=spec, strategy=strategy, tasks=tuple(launches), log_dir=log_dir, node_rank=node_rank,
                       nnodes=len(nodes), inherited=len(base))
+
+
+def _node_env(options: RunOptions, node: NodeInfo, node_rank: int, nnodes: int, secret: bytes,
+              environ: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """The variables every task of this node gets, and those torchrun gives its training tasks."""
+    extra = {
+        RESTART_COUNT_VAR: "0",
+        RESUME_VAR: "1" if options.resume else "0",
+        TIMEOUT_VAR: f"{options.timeout:g}",
+        "PYTHONUNBUFFERED": "1",  # lines reach the launcher (and the log) as they are printed
+    }
+    if node.workers + node.ps > 1 and not environ.get("OMP_NUM_THREADS"):
+        # torchrun's default: N processes with a full-size OpenMP pool each would overload the cores.
+        extra.update({"OMP_NUM_THREADS": "1", OMP_DEFAULT_VAR: "1"})
+    torchrun = {
+        "GROUP_RANK": str(node_rank),
+        "GROUP_WORLD_SIZE": str(nnodes),
+        "ROLE_NAME": "default",
+        TORCHRUN_RESTART_VAR: "0",
+        "TORCHELASTIC_MAX_RESTARTS": str(options.max_restarts),
+        "TORCHELASTIC_RUN_ID": run_id(secret),
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+    }
+    return extra, torchrun
 
 
 def run_id(secret: bytes) -> str:

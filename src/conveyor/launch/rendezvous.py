@@ -4,34 +4,17 @@
     conveyor run -n 2 --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29400 --job-secret-file job.secret train.py
     conveyor run -n 2 --nnodes 2 --node-rank 1 --rdzv 10.0.0.1:29400 --job-secret-file job.secret train.py
 
-Node 0's launcher hosts a ``torch.distributed.TCPStore`` (torch's small key-value server, the one
-torchrun's c10d rendezvous uses) at the ``--rdzv`` address; every launcher connects to it and:
+Node 0's launcher hosts a ``torch.distributed.TCPStore`` at the ``--rdzv`` address; each launcher claims
+its node rank, publishes its address, task counts, ports and settings, and waits for every node.
 
-1. claims its node rank (two launchers with the same ``--node-rank`` are refused);
-2. publishes ``conveyor/node/<rank>``: the address other machines reach it at (the local address of the
-   route towards the rendezvous host), its worker and ps counts, a free port per task, and the settings
-   that must agree (``--nnodes``, ``--strategy``, ``--chief``, ``--max-restarts``...);
-3. waits for every node (``--timeout`` seconds; the error names the rendezvous address and the nodes that
-   are missing), then builds the same :class:`~conveyor.launch.plan.NodeInfo` list in node-rank order, so
-   every launcher derives the same ``ClusterSpec`` with ``cluster_from_nodes``.
-
-Node 0 also publishes ``conveyor/job``: the torch process group's ``MASTER_PORT`` (``MASTER_ADDR`` is node
-0's address: rank 0 runs there) and a random run id, which the coordination records below are signed with
-too (the secret file is usually reused from job to job: a record copied from an earlier job is refused).
-
-The store has no authentication and no encryption: anyone who reaches the port can read and write it.
-So the job secret never goes into it - every node brings the same secret from out of band
-(``--job-secret-file``, ``CONVEYOR_JOB_SECRET``) - and every record above carries an HMAC-SHA256 of its
-key and value under that secret: a node with another secret, or a program without one, cannot pass a
-record off as a node's (each node checks every record, and says to give every node the same secret).
-Node 0 binds the store to the ``--rdzv`` address only (torch's ``TCPStore`` would listen on every
-interface), by handing it a socket bound here. What stays open to whoever reaches the port: reading the
-records (addresses, ports, settings), and delaying or blocking the job by deleting or overwriting keys
-(it can neither stop it, nor restart it, nor end it early: every coordination record is signed too).
-
-The store then stays up for the whole job: :class:`StorePeers` implements the supervisor's
-:class:`~conveyor.launch.supervisor.Peers`, through which a failure on one node restarts every node.
-torch is imported here only, lazily, inside the functions that need it: it is the store's home.
+Promises: every launcher derives the same ``ClusterSpec`` (the :class:`~conveyor.launch.plan.NodeInfo`
+list in node-rank order), or fails naming the rendezvous address and the missing nodes, a duplicate node
+rank, or settings that disagree; every record is signed with the job secret (which never enters the
+store) and the job's run id, so records from another secret or an earlier job are refused; the store
+listens on the ``--rdzv`` address only and stays up for the whole job, as the supervisor's
+:class:`~conveyor.launch.supervisor.Peers` (:class:`StorePeers`). torch is imported here only, lazily.
+The records, and what the unauthenticated store still exposes: docs/architecture.md, "Process groups
+and rendezvous".
 """
 
 from __future__ import annotations
@@ -360,6 +343,12 @@ class StorePeers:
 
     def all_done(self, attempt: int) -> bool:
         return self._everyone(f"{_P}done/{attempt}")
+
+    def report_succeeded(self, attempt: int) -> None:
+        self._mark(f"{_P}succeeded/{attempt}")
+
+    def succeeded(self, attempt: int) -> bool:
+        return self._read(f"{_P}succeeded/{attempt}") is not None
 
     def report_stopped(self, attempt: int) -> None:
         self._mark(f"{_P}stopped/{attempt}/{self.node_rank}")

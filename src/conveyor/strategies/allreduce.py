@@ -5,31 +5,11 @@
     loss_fn(model(x), y).backward()                  # gradients averaged over all workers in here
     optimizer.step()
 
-What this adds to plain DDP, and why:
-
-- **Identical start.** DDP broadcasts rank 0's parameters and buffers when it is constructed, so
-  workers that initialised their models with different seeds train the same model from step 0.
-  Buffers (BatchNorm statistics) are also broadcast from rank 0 before every forward
-  (``broadcast_buffers=True``; torch 2.13 renamed it ``forward_sync_buffers``), so evaluation and
-  checkpoints see one model.
-- **Timed communication.** A DDP comm hook does exactly what DDP's default does (divide each gradient
-  bucket by the world size, all-reduce it: ``ddp_comm_hooks.default_hooks.allreduce_hook``) and
-  measures it. :meth:`AllReduceStrategy.comm_seconds` is the wall time during which at least one
-  bucket's all-reduce was in flight, from the hook's call to its future's completion, summed over the
-  run. DDP launches a bucket's all-reduce as soon as its gradients are ready, while backward keeps
-  computing the earlier layers, and gloo runs it on its own threads: much of this time **overlaps
-  backward**. It is the time communication took, not the time it added to the step; the exposed
-  part is at most this, and at most the step's backward time. Overlapping buckets are counted once
-  (the union of their intervals), so the number never exceeds wall time.
-- **Named failures.** Collectives inside the hook and in DDP's forward (buffer broadcast, the bucket
-  rebuild after the first step) run under :func:`conveyor.comm.process_group.collective_guard`: a dead
-  or silent peer becomes a ``PeerError`` naming its rank and task. From inside backward, autograd
-  re-wraps it as a RuntimeError whose text carries the PeerError's message; a guard around the step
-  (the trainer's) raises it as ``PeerError`` again.
-
-The optimizer is returned as it is: DDP averages the gradients before ``optimizer.step()`` runs, so
-any torch optimizer works unchanged (Horovod's approach of subclassing the user's optimizer is not
-needed). With one process there is nothing to average, and the model is returned unwrapped.
+What it promises beyond plain DDP: every worker starts from rank 0's parameters and buffers;
+:meth:`AllReduceStrategy.comm_seconds` is the wall time the gradient all-reduces were in flight (much
+of it overlapping backward, so not the time it added to the step); a dead or silent peer surfaces as a
+``PeerError`` naming its rank and task. Any torch optimizer works unchanged; with one process the model
+is returned unwrapped. Why and how: ``docs/architecture.md``, "Data-parallel all-reduce".
 """
 
 from __future__ import annotations

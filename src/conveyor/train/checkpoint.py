@@ -1,63 +1,18 @@
 """Checkpoints that a reader on another machine never sees half-written, in safetensors + JSON.
 
-Layout of `root` (normally `<output_dir>/checkpoints`):
-
-    latest                          text: the name of the newest complete step folder
-    step-00001000/                  one complete checkpoint (8+ digit step, so names sort)
-        COMPLETE                    manifest: format, version, step, time, every part's size + sha256
-        state.json                  step, time, format version, the caller's `extra` (JSON)
-        model.safetensors           model.state_dict(); tensor names = state_dict keys
-        model.json                  the tree around those tensors (see state_io)
-        optimizer.safetensors       optimizer.state_dict() tensors ...
-        optimizer.json              ... and its tree (int keys, param_groups)
-        rng.safetensors, rng.json   state_io.rng_state() of the chief
-        data/<task>.json            each worker's data-iterator state_dict()
-        ps-0.safetensors, ...       parts contributed by other tasks (below)
-    .tmp-step-00002000-1a2b3c4d/    being written; never read
-    .parts-step-00002000/           parts other tasks have contributed to step 2000 so far
-    .trash-step-00000500-.../       being deleted by rotation; never read
-
-Why it is safe to read at any moment: a step folder is written under a `.tmp-*` name, every file
-and the folder are fsynced, and only then is it renamed to `step-XXXXXXXX` — rename is atomic, so
-the name either does not exist or names a finished folder. The `latest` pointer is replaced (temp
-file, fsync, rename) only after that. Rotation renames a folder to `.trash-*` before deleting it,
-so no reader ever finds a step folder with files missing. A folder counts as a checkpoint only if
-its `COMPLETE` manifest parses, names the folder's step and lists parts that exist with the listed
-sizes; `load(verify=True)` also checks every sha256, so a file damaged on disk is named instead of
-resumed from.
-
-Several writers, one step. The chief owns the step folder; other tasks contribute files to it:
-
-    # on parameter server 0 (and every other task that owns state):
-    mgr.save_part(1000, "ps-0.safetensors", safetensors.torch.save(shard_tensors))
-    mgr.save_part(1000, "data/worker-1.json", json.dumps(it.state_dict()).encode())
-    # on the chief, once it knows which parts to expect:
+    mgr = CheckpointManager(output_dir / "checkpoints")
+    mgr.save_part(1000, "ps-0.safetensors", data)                  # on every other task that owns state
     mgr.save(1000, model.state_dict(), opt.state_dict(), rng=rng_state(),
-             parts=["ps-0.safetensors", "ps-1.safetensors", "data/worker-1.json"], parts_timeout=60)
+             parts=["ps-0.safetensors"], parts_timeout=60)         # on the chief
+    step = mgr.resume_step()                                       # None: start fresh
+    ckpt = mgr.load(verify=True)
 
-`save_part` writes atomically into `.parts-step-XXXXXXXX/`; `save` (or `finalize`, when the chief
-contributes nothing itself) waits up to `parts_timeout` seconds for the expected parts, moves them
-into its temporary folder and lists them in the manifest. The step becomes visible — complete, with
-every part — in one rename, or not at all. A part arriving after its step is complete is refused.
-
-Resuming: `mgr.resume_step()` is the step to resume from: the newest one that passes `check` (the
-one `latest` names first), each damaged step passed over logged as a warning with the reason; None
-when there is no step folder (start fresh), `CheckpointError` when every step folder is damaged.
-`mgr.latest_step()` is the cheap variant (manifest and sizes, no sha256, no warnings). `mgr.load()`
-returns a `Checkpoint` with everything above, `ckpt.parts["ps-0.safetensors"]` being the path of a
-contributed part; `mgr.read_part` gives a part's bytes, checked and parsed as its name says (.json,
-.safetensors). `CheckpointPolicy` decides when to save (every N steps and/or T seconds).
-
-What a reader trusts: nothing in the folder. The manifest is read only up to MANIFEST_MAX_BYTES and
-must be strict JSON of the right types; part names must be plain names inside the step folder
-(letters, digits, '.', '_', '-', at most one '/', PART_NAME_MAX characters), refused before any part
-is opened; a symlink that leads out of the step folder is refused. Every part that fails to parse
-raises `CheckpointError` naming the file, the step and the fix.
-
-The code, by concern: this module is the layout (step folders, `latest`, the parts staging folders,
-rotation, cleanup, which step to read) and the public names; `checkpoint_write` fills and seals one
-step folder; `checkpoint_files` reads one back and verifies it; `checkpoint_policy` decides when to
-save; `conveyor.fileio.atomic_write` writes `latest` and every contributed part.
+What it promises: a `step-XXXXXXXX` folder appears by one atomic rename, complete with every expected
+part and listed with sizes and sha256 in its `COMPLETE` manifest, or not at all; `latest` and rotation
+never expose a partial folder; `resume_step()` passes over damaged steps with a warning and raises
+`CheckpointError` only when every step is damaged; nothing read from the folder is trusted. This module
+is the layout and the public names; `checkpoint_write`, `checkpoint_files` and `checkpoint_policy` fill,
+read and schedule. The layout on disk and the reasons: `docs/architecture.md`, "Checkpoints on disk".
 """
 
 from __future__ import annotations

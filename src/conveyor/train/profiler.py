@@ -15,31 +15,9 @@
             ...
     prof.write_trace(out / "trace" / f"worker-{rank}.json")     # open in ui.perfetto.dev
 
-The pictures drawn from the trace and the steps are `conveyor.train.plots` (matplotlib, an extra);
-this module measures and writes the trace, and never imports matplotlib.
-
-What the numbers mean:
-
-- `input_wait`: time blocked in `next()` on the input pipeline (the pipeline's own work runs in
-  the background while the model computes; only what the loop had to *wait* for shows here).
-- `forward_backward`: wall time of forward and backward, **including** any gradient
-  communication that ran inside backward. DDP overlaps its bucketed all-reduce with backward, so
-  the two cannot be separated by subtraction without double counting: `communication` is reported
-  next to it, not subtracted from it.
-- `communication`: the strategy's own measure (`job.strategy.comm_seconds()` before and after the
-  step): total time its collectives or parameter-server exchanges took during the step, whether
-  it overlapped compute or not. In the trace it is drawn on its own track at the end of backward;
-  its placement there is approximate, its length is measured.
-- `optimizer`: `optimizer.step()` (and `zero_grad`).
-- `accelerator_idle_fraction` = input wait / step time, summed over steps: the share of the
-  training loop's time that compute sat waiting for data. (On CPU "the accelerator" is the loop's
-  own compute. On CUDA the profiler synchronizes the device at phase boundaries, so the phases
-  are real device time, at the price of the CPU not running ahead of the GPU.)
-
-The trace is Chrome trace-event JSON (`{"traceEvents": [...]}`, times in µs since the Unix epoch,
-so traces of several workers line up): one process per worker (pid = rank), tracks "steps",
-"input", "compute", "communication", "trainer" (evaluation, checkpoints, epoch ends) and counter
-tracks for the input pipeline's stages (busy fraction, elements/s) when the iterator reports them.
+`forward_backward` includes communication that overlapped backward; `communication` is reported next
+to it, never subtracted. Never imports matplotlib (the plots are `conveyor.train.plots`). What each
+number means and the trace's tracks: `docs/architecture.md`, "Profiling".
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
 """PyTorch state as files without pickle: tensors go to safetensors, everything else to JSON.
 
-`torch.save` pickles, and unpickling a file runs whatever code its author chose, so a checkpoint on
-a shared disk would be a way into every job that resumes from it (docs/architecture.md, "No pickle"). Here a
-state tree (a model's or optimizer's `state_dict()`, RNG states, ...) is split in two:
-
     tensors, meta = flatten_state(optimizer.state_dict())
     save_tensors("optimizer.safetensors", tensors)             # raw tensor bytes, no code
     Path("optimizer.json").write_text(json.dumps(meta))          # the tree, tensors as references
@@ -11,23 +7,10 @@ state tree (a model's or optimizer's `state_dict()`, RNG states, ...) is split i
     tensors, _ = load_tensors("optimizer.safetensors")
     optimizer.load_state_dict(unflatten_state(tensors, json.loads(Path("optimizer.json").read_text())))
 
-`meta` is strict JSON (no NaN): plain JSON where plain JSON round-trips exactly, and small tagged
-objects where it would not — `optimizer.state_dict()["state"]` has int keys that JSON would turn
-into strings, `betas` is a tuple JSON would turn into a list, a learning rate may be `inf`:
-
-    {"__tensor__": name}          a tensor, stored in the safetensors file under `name`
-    {"__ndarray__": name}         a numpy array, stored the same way, given back as numpy
-    {"__dict__": [[k, v], ...]}   a dict with a non-str key or a key starting with "__"
-    {"__tuple__": [...]}          a tuple
-    {"__float__": "nan"}          a non-finite float ("nan", "inf", "-inf")
-    {"__npscalar__": "float32", "value": 1.5}   a numpy scalar
-    {"__bytes__": base64}         bytes (`conveyor.fileio.bytes_to_json`)
-
-Tensor names are the tree's key path joined with "." (`state.0.exp_avg`), so for a model's
-`state_dict()` they are exactly its keys and `model.safetensors` loads with any safetensors tool.
-
-RNG states (`rng_state` / `set_rng_state`) are captured as one such tree, so a resumed job draws
-the same dropout masks and augmentations the uninterrupted one would have drawn.
+`meta` is strict JSON that round-trips exactly (int keys, tuples, non-finite floats, numpy scalars and
+bytes are tagged); tensor names are the tree's key paths, so a model's `model.safetensors` loads with
+any safetensors tool. `rng_state` / `set_rng_state` capture every RNG the same way. Why no pickle and
+the tags: `docs/architecture.md`, "State without pickle".
 """
 
 from __future__ import annotations

@@ -12,20 +12,9 @@
                                epochs=3, checkpoint_every_steps=100)
     summary = trainer.fit()             # the dict written to <output>/summary.json
 
-Run it with `python train.py` (one local worker) or `conveyor run -n 4 train.py`. A plain PyTorch
-loop over `to_torch(ds)` keeps working without any of this.
-
-`fit()` iterates `train_data` (already sharded for this rank; one pass is one epoch, and epoch `e`
-is `train_data.iterator(root_seed, iteration=e)`, so a resumed job draws the same order), runs each
-step with the strategy's `train_step`, logs every `log_every_steps`, evaluates every
-`eval_every_steps` and at the end, checkpoints every `checkpoint_every_steps` /
-`checkpoint_every_seconds` and at the end, and writes the trace, plots and `summary.json`.
-
-The loop never branches on the strategy: how workers keep together (one small all-reduce per step,
-or workers running apart on a shared step count) is the strategy's coordinator
-(`conveyor.strategies.coordination`); resuming is `conveyor.train.resume`, evaluation
-`conveyor.train.evaluation`, the end of the run `conveyor.train.summary`. `docs/architecture.md`
-describes the whole flow.
+`fit()` trains, logs, evaluates, checkpoints, resumes from the latest checkpoint and writes the trace,
+plots and `summary.json`, the same way under every strategy. What it does when:
+`docs/architecture.md`, "The training loop".
 """
 
 from __future__ import annotations

@@ -1,35 +1,14 @@
 """`cache(filename="")`: record the first complete pass over the input and replay it afterwards.
 
-tf.data semantics (docs/tfdata-semantics.md §11): the first iterator that reads the input *to its end* records
-the elements — in memory when `filename == ""`, else in a file — and every later iterator replays
-that recording without touching the input. "For the cache to be finalized, the input dataset must
-be iterated through in its entirety": an iterator closed half-way records nothing. `cache` yields
-exactly the same elements on every pass, so shuffle *after* it.
-
     ds = Dataset.from_tensor_slices(paths).map(load).cache()
     ds = ds.shuffle(1000).repeat()        # epoch 1 onwards replays from memory
 
-- Memory: the recording lives on the recipe (shared with the copies pipeline rewrites make), so
-  every iterator of the same `Dataset` — including later epochs of a `repeat` — replays it. Its
-  numpy arrays are made read-only, because the same objects are handed out on every pass: code
-  downstream that wrote into them would silently change later epochs; copy before modifying.
-- File: elements go to `<filename>.cache`, a TFRecord file of `elements.pack_bytes` records,
-  written under a temporary name and moved into place (without overwriting) only when the pass is
-  complete, so a partial pass leaves no cache behind and the first complete pass wins. As in
-  tf.data the file persists across runs and is replayed even if the upstream pipeline changed:
-  delete it to rebuild. Give every worker its own `filename` when the workers' inputs differ.
-
-State: while replaying, the position (memory) or the byte offset (file); while reading the
-input, the input's state and the context (seeds, iteration, epochs) the input was built with.
-- A resumed input pass picks up from the input's state, so resuming is cheap, but it cannot record
-  (the elements before the resume point are gone): when it completes it leaves only its context
-  behind, and the next pass rebuilds the input from that context and records — the same elements
-  an uninterrupted run would have replayed, even below a reshuffling `shuffle`.
-- A memory replay resumed in a new process, where the recording is gone, rebuilds it by re-running
-  the pass that recorded it from its saved context, recording up to the saved position.
-Both reproduce the stream exactly when the input is deterministic given its seeds, as conveyor's
-ops are (except parallel ones run with `deterministic=False`); a rebuilt pass that comes out
-shorter raises `StateMismatchError`. A file replay refuses to resume if the file changed size.
+tf.data semantics (docs/tfdata-semantics.md §11): the first iterator that reads the input *to its end*
+records the elements — in memory when `filename == ""`, else in `<filename>.cache` — and every later
+iterator replays that recording without touching the input; a pass closed half-way records nothing.
+Every pass yields the same elements, so shuffle *after* it. Replayed numpy arrays are read-only; a file
+cache persists across runs (delete it to rebuild). Resuming is exact, inside a recording pass or a
+replay, for inputs that are deterministic given their seeds (§11 says how).
 """
 
 from __future__ import annotations

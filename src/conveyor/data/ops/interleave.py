@@ -1,33 +1,17 @@
 """`interleave(map_func, cycle_length, block_length, num_parallel_calls, deterministic)`.
 
 Opens `map_func(x)` for up to `cycle_length` input elements and takes `block_length` consecutive
-elements from each in turn (docs/tfdata-semantics.md §6). The order is tf.data's sequential kernel, exactly:
-slots are opened lazily when the cycle reaches them, and a slot whose dataset ended is refilled
-only when the cycle comes back to it.
+elements from each in turn, in the order of tf.data's sequential kernel, exactly
+(docs/tfdata-semantics.md §6).
 
     Dataset.range(1, 6).interleave(lambda x: Dataset.from_tensor_slices([x] * 6),
                                    cycle_length=2, block_length=4)
     # 1,1,1,1, 2,2,2,2, 1,1, 2,2, 3,3,3,3, 4,4,4,4, 3,3, 4,4, 5,5,5,5, 5,5
 
-`cycle_length` None or AUTOTUNE means one slot per core (`base.cpu_budget()`); a resumed
-iterator keeps the cycle length it was saved with, so the order continues even on another machine.
-
-With `num_parallel_calls` (an int, or AUTOTUNE = one per core; never more than `cycle_length`)
-a pool of reader threads reads ahead from every open slot into a per-slot buffer of
-max(2 * block_length, 16) elements. The consumer still runs the sequential algorithm over those
-buffers, so the output is the same as without parallelism; with `deterministic=False` it takes
-from whichever slot has an element ready when the one whose turn it is has none, and opens empty
-slots early (nothing lost, nothing repeated). An exception raised by an inner dataset reaches the
-consumer as the same object, at the same position in the stream as without parallelism. Python
-code in inner datasets still takes turns on the GIL: the threads pay off for I/O and for C code
-that releases it (file reads, decompression).
-
-State: the input's state, the cycle position, and per open slot the input element that opened it
-(to rebuild its dataset with `map_func`), the inner iterator's state and, in the parallel version,
-the elements read ahead but not yet returned (readers are paused while the state is taken). A
-rebuilt inner iterator gets the same `Context` path (`ctx.child(1).child(n)` for the n-th input
-element opened), so random ops inside inner datasets redraw the same numbers. An error that a
-reader has met but the consumer has not yet seen is not saved: the resumed inner iterator retries.
+`cycle_length` None or AUTOTUNE means one slot per core. With `num_parallel_calls` reader threads read
+ahead into per-slot buffers and the output is unchanged (any ready slot with `deterministic=False`);
+errors reach the consumer where the sequential version raises them. The iterator's state resumes the
+same order, even on another machine (§6 lists what it holds).
 """
 
 from __future__ import annotations

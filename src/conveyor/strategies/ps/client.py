@@ -5,27 +5,15 @@
     loss.backward()                      # each parameter's gradient is pushed as soon as it is accumulated
     client.finish_step()                 # remaining pushes + commit to every server, then the pull
 
-One transport :class:`~conveyor.comm.transport.Client` per ps task, spoken to only in the typed
-messages of :mod:`.protocol`. Requests to all servers are in flight at once (``send`` to each, then
-``receive`` from each). Besides the step protocol, :class:`PSConnections` (its base) has a method for
-everything else the strategy asks the servers: checkpoint shards, state, statistics, data positions.
-Gradients leave from a ``register_post_accumulate_grad_hook`` per parameter, so a layer's gradient
-travels while backward still computes the earlier layers; the replies are collected in
-:meth:`finish_step`. Pulled pieces are joined (:meth:`Placement.join`) and copied into the model's
-parameters in place, so the user's model object, and anything holding its parameters, stays valid.
+:class:`PSConnections` (the base) holds one transport client per ps task and asks the servers
+everything outside a step (checkpoint shards, state, statistics, data positions); :class:`PSClient`
+adds the step protocol of :mod:`.protocol`.
 
-A daemon thread pings every server every quarter of ``timeout`` (at most 5 s) on connections of its own, from
-construction to :meth:`close`: a ps task stops after a timeout without hearing from any worker (so
-that it cannot outlive its job), and the pings keep it up while this worker is alive but busy elsewhere
-(evaluation, checkpoints, a slow data pipeline).
-
-A server that answers ``wait`` (the update rule does not allow the pull yet) is asked again after a
-short sleep (0.2 ms, doubling up to 5 ms): that time is the *wait-for-servers* time.
-
-Gradient accumulation over several ``backward()`` calls before one ``step()`` is supported by
-``ps-sync`` (the last push of a piece in a step replaces the earlier ones on the server, and it holds
-the accumulated sum). With ``ps-async``/``ps-ssp`` every push is applied when it arrives, so do one
-backward per step there.
+Promises: pulled values are copied into the model's parameters in place, so the model object stays
+valid; a server that answers ``wait`` is asked again until the timeout; from construction to
+:meth:`~PSConnections.close` every server is pinged every quarter of ``timeout`` (at most 5 s), so a
+busy but live worker keeps its ps tasks up. Gradient accumulation over several backward calls per step
+works with ``ps-sync`` only. How and why: docs/architecture.md, "The parameter-server strategy".
 """
 
 from __future__ import annotations
@@ -166,7 +154,10 @@ class PSConnections:
 
 
 class PSClient(PSConnections):
-    """Connections to every ps task and the per-step push/pull protocol (see the module docstring)."""
+    """Connections to every ps task and the per-step push/pull protocol.
+
+    How it overlaps backward and the next batch: docs/architecture.md, "The parameter-server strategy".
+    """
 
     def __init__(self, addresses: Sequence[str], secret: bytes, *, rank: int, num_workers: int, sender: str,
                  timeout: float = 300.0, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:

@@ -6,28 +6,11 @@
     opt.apply({key: mean_of_gradients([g_worker0, g_worker1]) for key, ...})  # one synchronous step
     opt.update_hyperparameters(group_hyperparameters(optimizer))               # after a worker-side LR scheduler
 
-Why the servers build a real ``torch.optim`` optimizer instead of re-implementing the update rules: the
-numerics are then torch's by construction — the same operations in the same order on the same
-values — and every torch fix or new option comes for free. This is exact, not approximate, because
-the supported optimizers are **elementwise**: the update of one element depends only on that
-element's parameter, gradient and state, and on per-parameter scalars (the step count). Cutting a
-tensor into pieces (:mod:`conveyor.strategies.ps.sharding`) therefore changes nothing, and the tests
-check bitwise equality with a single-process run. Optimizers that look across elements (LBFGS, or
-anything with a norm over a whole tensor, e.g. LAMB or Adafactor) would be silently wrong on pieces,
-which is why the class is checked against an allow-list rather than accepted by duck typing, and why
-a *subclass* of an allowed optimizer (which may override ``step``) is refused too.
-
-The server always uses torch's single-tensor ("for-loop") implementation (``foreach=False``, not fused,
-not capturable): it is what torch picks for CPU tensors by default, so the reference run on a CPU
-worker is matched exactly. The worker's own ``foreach``/``fused``/``capturable``/``differentiable``
-choices select an implementation of the same update, not a different one, and are not carried over.
-
-The averaged gradient (:func:`mean_of_gradients`) is computed in one fixed order: the workers'
-gradients are **summed in rank order** (not arrival order, so a run is reproducible), accumulating in
-float32 (or float64 for float64 parameters), then **divided once** by the number of workers, then cast
-to the parameter's dtype. With a power-of-two number of workers the division is exact and the result
-equals DDP's divide-then-sum bit for bit; against one process over the combined batch it differs only
-by the summation order of the batch (a few ulps), which is why end-to-end tests compare within 1e-5.
+Promises: the update is torch's own single-tensor implementation, bitwise the same as a single-process
+run on a CPU worker however the parameters are cut into pieces; only elementwise optimizers on an
+allow-list are accepted (subclasses refused too); :func:`mean_of_gradients` sums in rank order and
+divides once, so a run is reproducible. Why this is exact: docs/architecture.md, "Pieces and the
+optimizer on the servers".
 """
 
 from __future__ import annotations
@@ -45,12 +28,13 @@ from conveyor.strategies.ps.sharding import Piece, parse_piece_key, piece_key
 __all__ = ["SUPPORTED", "GroupSpec", "OptimizerSpec", "ServerOptimizer", "group_hyperparameters",
            "mean_of_gradients"]
 
-#: Optimizers the servers can run, all elementwise (see the module docstring). Their state is
+#: Optimizers the servers can run, all elementwise (why: docs/architecture.md, "Pieces and the optimizer
+#: on the servers"). Their state is
 #: per element (moments, buffers) plus a per-parameter step count.
 SUPPORTED: tuple[str, ...] = ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop")
 
 # Group keys that choose *how* torch computes the update, not *what* it computes; the server sets
-# its own (see the module docstring) and they are not part of the spec.
+# its own (torch's single-tensor one, matching a CPU worker's default) and they are not part of the spec.
 _IMPLEMENTATION = {"foreach": False, "fused": None, "capturable": False, "differentiable": False}
 # Hyperparameters whose change mid-run would need state that does not exist (amsgrad's running
 # maximum, centered RMSprop's gradient average): refused by update_hyperparameters.
@@ -162,7 +146,7 @@ def group_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, An
 
 
 def mean_of_gradients(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The average of the workers' gradients for one piece, ``grads`` in rank order (module docstring).
+    """The average of the workers' gradients for one piece, ``grads`` in rank order (docs/architecture.md).
 
     ``(g_0 + g_1 + ... + g_{n-1}) / n``: summed left to right in float32 (float64 stays float64), divided
     once, returned in the gradients' dtype. Always a new tensor.

@@ -4,39 +4,16 @@
     request = read_request(message.kind, message.header, message.torch_tensors(), num_workers=2)
     reply = read_reply(message, CommitReply, what="commit")
 
-A message travels as a signed multipart message (:mod:`conveyor.comm.framing`): its kind, a header of
-its own fields, and tensor frames. ``from_header`` refuses a header with a missing field, a field of the
-wrong type or out of range, or tensors that do not match what the header lists, with one
-:class:`ProtocolError` naming the message and the field (the server turns it into an ``error`` reply,
-raised on the worker as :class:`~conveyor.comm.transport.RemoteError`). Ranks are checked against
-the job's number of workers where the reader knows it.
+Requests go from a worker to a ps task: ``init``, ``push``, ``commit``, ``pull``, ``stats``, ``state``,
+``load_state``, ``save``, ``restore``, ``position``, ``positions``, ``ping``, ``done``; each class says
+its fields, and the table of requests, replies and their fields is in docs/architecture.md, "The
+parameter-server protocol".
 
-Requests (worker → ps task; all signed, see :mod:`.server` for what the server does with them):
-
-``init``      ``{"fingerprint", "rank", "spec"?, "keys"?}`` + the initial values of this server's pieces
-              (only worker 0 sends ``spec``, the optimizer's JSON, with ``keys`` and the values).
-              Replies ``ok`` ``{"version"}``, or ``wait`` while worker 0's values have not arrived.
-``push``      ``{"rank", "step", "read", "keys"}`` + one gradient per key. Reply ``ok``.
-``commit``    ``{"rank", "step", "read", "hyper", "plan"}``: every piece of step ``step`` is pushed;
-              ``hyper`` (or null) the optimizer's changed hyperparameters per group, ``plan`` (or null)
-              the total step count this worker announces. Reply ``ok`` ``{"version", "total", "plan"}``.
-``pull``      ``{"rank", "step"}``. Reply ``params`` ``{"version", "keys"}`` + one value per key, or
-              ``wait`` ``{"version"}`` while the update rule does not allow it.
-``stats``     ``{"rank"?}``. Reply ``stats``: the server's counters (:class:`StatsReply`).
-``state``     ``{"rank"?}``. Reply ``state`` ``{"meta", "names"}`` + one tensor per name (pieces and
-              optimizer state, safetensors-style).
-``load_state`` ``{"rank", "meta", "names"}`` + one tensor per name (what ``state`` returned). Reply ``ok``.
-``save``      ``{"rank", "step", "root"}``: write the shard into checkpoint step ``step`` under the
-              checkpoint folder ``root``. Reply ``ok`` ``{"parts"}``: the file names written.
-``restore``   ``{"rank", "step", "root"}``: load the shard back from that step. Reply ``ok``.
-``position``  ``{"rank"}`` + one 1-d uint8 tensor: the worker's newest data position. Reply ``ok``.
-``positions`` ``{"rank"}``. Reply ``positions`` ``{"ranks"}`` + one uint8 tensor per rank listed.
-``ping``      ``{}``: a heartbeat. Reply ``ok``.
-``done``      ``{"rank"}``: the worker has finished. Reply ``ok``.
-
-Any request may be answered ``wait`` ``{}`` before worker 0's ``init`` (except ``init``, ``stats``,
-``ping`` and ``done``), and ``error`` ``{"error", "request_kind"}`` when the server refused it.
-Steps, versions and ranks are whole numbers >= 0.
+Promises: ``from_header`` refuses a header with a missing field, a field of the wrong type or out of
+range, or tensors that do not match what the header lists, with one :class:`ProtocolError` naming the
+message and the field (the server answers it with an ``error`` reply, raised on the worker as
+:class:`~conveyor.comm.transport.RemoteError`). Ranks are checked against the job's number of workers
+where the reader knows it; steps, versions and ranks are whole numbers >= 0.
 """
 
 from __future__ import annotations

@@ -4,60 +4,16 @@
     server.serve()              # returns when every worker has sent "done" (conveyor.init() then exits)
 
 One ``ParameterServer`` runs in each ps task, on a transport :class:`~conveyor.comm.transport.Server`
-bound to the task's TF_CONFIG address. The transport drops (and counts) anything unauthenticated,
-malformed, replayed or addressed to another task before the handler here sees it, so garbage on the
-port cannot change the parameters. The messages are the classes of :mod:`.protocol` (its docstring lists
-them, field by field); each handler ``_on_<kind>`` takes one typed request and returns a typed reply.
-What the server does with them:
+bound to the task's TF_CONFIG address; each handler ``_on_<kind>`` takes one typed request of
+:mod:`.protocol` and returns a typed reply. :class:`ShardFiles` writes and reads its checkpoint shard.
 
-- ``init``: the first init that carries values (worker 0's) wins; a later one with the same placement
-  fingerprint is acknowledged, one with another fingerprint is refused. A worker that asks before any
-  init arrived is told ``wait`` and asks again; so is every other request but ``stats``, ``ping`` and ``done``.
-- ``push``: ``sync``: kept until the step is complete; ``async``/``ssp``: applied at once (one
-  optimizer step over those pieces).
-- ``commit``: ``sync``: when all workers committed a step, each piece's gradients are averaged with
-  :func:`~conveyor.strategies.ps.optim.mean_of_gradients` in rank order (a worker that sent none for a
-  piece counts as zeros, like DDP's unused parameters) and applied once. The reply's ``total`` (steps
-  committed by all workers together) and ``plan`` (the largest total any worker announced it will stop
-  at) are the shared step count that workers running apart (``async``/``ssp``) stop on, as
-  TensorFlow's global step.
-- ``pull``: answered ``wait`` while the update rule does not allow it (the worker asks again; its wait
-  time is measured): ``sync`` until the version (steps applied) reaches ``step``; ``ssp:K`` while
-  ``step - min(clock) > K``, where a worker's clock is the number of steps it committed; ``async`` never.
-- ``stats``: version, clocks, staleness histogram, pushes, bytes in and out, drops.
-- ``state`` / ``load_state``: the pieces and optimizer state, so a worker's checkpoint can carry them.
-- ``save`` / ``restore``: this server's shard (pieces + optimizer state) as ``ps-<i>.safetensors`` and
-  ``ps-<i>.json`` in checkpoint step ``step`` (a part the chief collects), or back from it.
-- ``position`` / ``positions``: workers that run apart (``async``/``ssp``) leave their newest data
-  position with ps:0 every checkpoint interval; ps:0 keeps the newest of each, in memory (a restarted
-  job starts with fresh ps tasks and no positions), and hands them all to the chief's checkpoint.
-- ``done``: that worker has finished; when all have, :meth:`serve` returns.
-- ``ping``: a worker's heartbeat (:class:`~conveyor.strategies.ps.client.PSClient` sends one every
-  quarter of the job's timeout from a thread of its own), so a worker busy elsewhere — a long
-  evaluation, a checkpoint, a slow first batch — still counts as alive.
-
-**Lifetime.** Besides "every worker is done", a ps task stops when it has heard nothing authenticated
-for the job's timeout (twice that before the first worker shows up: the workers may spend up to one
-timeout rendezvousing among themselves): :meth:`serve` raises :class:`IdleTimeout`, and the task exits
-non-zero. A ps started by hand or by a scheduler whose workers died therefore cannot be orphaned.
-
-**Untrusted bytes.** Before a connection authenticates, ZeroMQ buffers whatever frame size the peer
-claims; the server caps frames at :func:`max_frame_bytes` (8 MiB for the default 4 MiB pieces) and
-drops connections that have not authenticated within ``handshake_timeout`` (10 s), so an unauthenticated
-peer holds at most 8 MiB per connection, for at most 10 s.
-
-**Staleness.** Every push and commit says which version ``read`` (the server's ``min(clock)`` when the
-worker pulled the parameters it computed on) and ``step`` it is; the server records ``step - read``:
-how many steps the slowest worker's updates lagged behind the gradient's own step. ``sync`` records
-only zeros, ``ssp:K`` never more than K (the pull rule guarantees it), ``async`` whatever happens.
-
-**Checkpoints.** A ps task writes its own shard into the checkpoint folder it shares with the
-workers. ``save``/``restore`` name the checkpoint root; ``shards``, which the ps task's entry
-(:func:`~conveyor.strategies.ps.task.serve_ps_task`) hands the server, opens it as the job's
-checkpoint manager after checking it lies in the task's output folder. So the shard lands in the
-step folder in the same atomic rename as the chief's files, and is checked against the step's
-manifest when read back. A ps task that dies loses nothing written: the launcher restarts the job,
-and the restarted ps tasks are restored from the last step.
+Promises: only authenticated, well-formed requests addressed to this task reach the handlers, so
+garbage on the port cannot change the parameters; an unauthenticated peer holds at most
+:func:`max_frame_bytes` per connection, for at most ``handshake_timeout`` seconds; the update rules
+(``sync``, ``async``, ``ssp:K``) are applied as docs/architecture.md, "The parameter-server protocol",
+describes, with staleness recorded per push and commit; and :meth:`ParameterServer.serve` raises
+:class:`IdleTimeout` after the job's timeout without hearing from a worker (twice that before the
+first), so a ps task cannot outlive its job.
 """
 
 from __future__ import annotations
@@ -121,8 +77,61 @@ def _own(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).clone()
 
 
+class ShardFiles:
+    """A ps task's checkpoint shard: its pieces and optimizer state as ``ps-<i>.safetensors`` + ``ps-<i>.json``.
+
+    ``shards`` opens a checkpoint root as a :class:`ShardStore` (None: the task has no checkpoint folder,
+    and every save or restore is refused with what to do instead).
+    """
+
+    def __init__(self, index: int, shards: Callable[[str], ShardStore] | None) -> None:
+        self.index = index
+        self.name = f"ps:{index}"
+        self.shards = shards
+        self.tensors_name, self.meta_name = f"ps-{index}.safetensors", f"ps-{index}.json"
+
+    def _store(self, root: str) -> ShardStore:
+        if self.shards is None:
+            raise ValueError(f"{self.name} has no checkpoint folder to write its shard to (it was started without "
+                             f"one); save the optimizer's state_dict() from a worker instead")
+        return self.shards(root)
+
+    def save(self, root: str, step: int, tensors: dict[str, torch.Tensor], fields: dict[str, Any]) -> list[str]:
+        """Write the shard (``fields``: its fingerprint, keys and optimizer meta) into step ``step``; the names."""
+        store = self._store(root)
+        shard = {"format": SHARD_FORMAT, "version": 1, "ps": self.index, **fields}
+        store.save_part(step, self.tensors_name, save_safetensors({k: v.contiguous() for k, v in tensors.items()}))
+        store.save_part(step, self.meta_name, json.dumps(shard, sort_keys=True).encode())
+        return [self.tensors_name, self.meta_name]
+
+    def restore(self, root: str, step: int, fingerprint: str | None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The tensors and optimizer meta of this task's shard in step ``step``, refused if another placement's."""
+        store = self._store(root)
+        shard = self._read_meta(store, step)
+        if shard.get("fingerprint") != fingerprint:
+            raise ValueError(f"checkpoint step {step} holds a shard of another model or ps layout (placement "
+                             f"{shard.get('fingerprint')}, this job {fingerprint}): resume with the same model "
+                             f"and number of ps tasks, or start over with --no-resume")
+        return load_safetensors(store.read_part(step, self.tensors_name)), shard["optimizer"]
+
+    def _read_meta(self, store: ShardStore, step: int) -> dict[str, Any]:
+        """The JSON half of this server's shard in checkpoint step ``step``, checked to be this server's."""
+        meta_name = self.meta_name
+        try:
+            shard = json.loads(store.read_part(step, meta_name))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{meta_name} of checkpoint step {step} is not JSON ({exc}); the step is damaged: "
+                             f"resume from an earlier step or start over with --no-resume") from None
+        if not isinstance(shard, dict) or shard.get("format") != SHARD_FORMAT or shard.get("ps") != self.index \
+                or not isinstance(shard.get("optimizer"), dict):
+            raise ValueError(f"{meta_name} of checkpoint step {step} is not {self.name}'s shard (a JSON object of "
+                             f"format {SHARD_FORMAT!r} with its optimizer state); the step is damaged: resume from an "
+                             f"earlier step or start over with --no-resume")
+        return shard
+
+
 class ParameterServer:
-    """One ps task's state and request handler (see the module docstring)."""
+    """One ps task's state and request handler (docs/architecture.md, "The parameter-server protocol")."""
 
     def __init__(self, address: str, secret: bytes, *, index: int, num_workers: int, mode: str,
                  staleness: int = 0, max_skew: float = 300.0,
@@ -145,7 +154,7 @@ class ParameterServer:
         self.done: set[int] = set()
         self.plan: int | None = None  # the global step count the workers stop at, once one announced it
         self.positions: dict[int, bytes] = {}  # each worker's newest data position (workers running apart)
-        self.shards = shards
+        self.shard_files = ShardFiles(index, shards)
         self._grads: dict[int, dict[str, dict[int, torch.Tensor]]] = {}  # sync: step -> key -> rank -> grad
         self._commits: dict[int, set[int]] = {}
         self._finished = threading.Event()
@@ -303,48 +312,18 @@ class ParameterServer:
         self.opt.load_state_dict({n: t.clone() for n, t in load.named.items()}, load.meta)
         return wire.OkReply()
 
-    def _shard_store(self, root: str) -> tuple[ShardStore, str, str]:
-        if self.shards is None:
-            raise ValueError(f"{self.name} has no checkpoint folder to write its shard to (it was started without "
-                             f"one); save the optimizer's state_dict() from a worker instead")
-        return self.shards(root), f"ps-{self.index}.safetensors", f"ps-{self.index}.json"
-
     def _on_save(self, save: wire.Save) -> wire.SaveReply:
-        store, tensors_name, meta_name = self._shard_store(save.root)
         tensors, meta = self.opt.state_dict()
-        shard = {"format": SHARD_FORMAT, "version": 1, "ps": self.index, "fingerprint": self.fingerprint,
-                 "keys": self.keys, "optimizer": meta}
-        store.save_part(save.step, tensors_name, save_safetensors({k: v.contiguous() for k, v in tensors.items()}))
-        store.save_part(save.step, meta_name, json.dumps(shard, sort_keys=True).encode())
+        parts = self.shard_files.save(save.root, save.step, tensors, {"fingerprint": self.fingerprint,
+                                                                      "keys": self.keys, "optimizer": meta})
         self.counters["checkpoints"] += 1
-        return wire.SaveReply([tensors_name, meta_name])
+        return wire.SaveReply(parts)
 
     def _on_restore(self, restore: wire.Restore) -> wire.OkReply:
-        step = restore.step
-        store, tensors_name, meta_name = self._shard_store(restore.root)
-        shard = self._read_shard(store, step, meta_name)
-        if shard.get("fingerprint") != self.fingerprint:
-            raise ValueError(f"checkpoint step {step} holds a shard of another model or ps layout (placement "
-                             f"{shard.get('fingerprint')}, this job {self.fingerprint}): resume with the same model "
-                             f"and number of ps tasks, or start over with --no-resume")
-        tensors = load_safetensors(store.read_part(step, tensors_name))
-        self.opt.load_state_dict(tensors, shard["optimizer"])
-        log.info("%s: restored its shard from checkpoint step %d", self.name, step)
+        tensors, meta = self.shard_files.restore(restore.root, restore.step, self.fingerprint)
+        self.opt.load_state_dict(tensors, meta)
+        log.info("%s: restored its shard from checkpoint step %d", self.name, restore.step)
         return wire.OkReply()
-
-    def _read_shard(self, store: ShardStore, step: int, meta_name: str) -> dict[str, Any]:
-        """The JSON half of this server's shard in checkpoint step ``step``, checked to be this server's."""
-        try:
-            shard = json.loads(store.read_part(step, meta_name))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{meta_name} of checkpoint step {step} is not JSON ({exc}); the step is damaged: "
-                             f"resume from an earlier step or start over with --no-resume") from None
-        if not isinstance(shard, dict) or shard.get("format") != SHARD_FORMAT or shard.get("ps") != self.index \
-                or not isinstance(shard.get("optimizer"), dict):
-            raise ValueError(f"{meta_name} of checkpoint step {step} is not {self.name}'s shard (a JSON object of "
-                             f"format {SHARD_FORMAT!r} with its optimizer state); the step is damaged: resume from an "
-                             f"earlier step or start over with --no-resume")
-        return shard
 
     def _on_ping(self, ping: wire.Ping) -> wire.OkReply:
         return wire.OkReply()

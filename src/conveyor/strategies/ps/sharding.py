@@ -7,31 +7,14 @@
     flat = placement.join("embed.weight", received)  # {piece.key: tensor} -> the whole flat tensor
 
 Every parameter is flattened and cut into one or more :class:`Piece` (an element range ``[start, stop)``
-on one server). Every worker and every server computes the placement from the same list, and the same
-list always gives the same placement (no randomness, no dict-order or hash dependence); ``to_json()``
-carries a fingerprint so the two sides can check that they agree before the first byte of a gradient
-moves, instead of silently updating the wrong elements.
+on one server): tensors over ``chunk_bytes`` are split over every server in equal shares, smaller ones
+go whole to the least-loaded server.
 
-How it is built, and why:
-
-1. **Large tensors are split.** A parameter of more than ``chunk_bytes`` (4 MiB by default) is cut
-   into near-equal contiguous pieces of at most ``chunk_bytes``, and their number is rounded up to a
-   multiple of ``num_servers``; the pieces are dealt so each server gets the same number, the slightly
-   larger ones (one element more) to the least-loaded servers. So a huge embedding is spread over
-   *every* server in equal shares: no machine carries it alone, and its traffic is spread over all
-   links. Splitting costs nothing numerically: the optimizers the servers run are elementwise
-   (:mod:`conveyor.strategies.ps.optim`).
-2. **Small tensors go whole** (one message each, no reassembly) to the least-loaded server, largest
-   first (LPT, the classic greedy for balancing), ties broken by name and then by the lowest server
-   index — deterministic whatever the order of the input.
-
-The balance it guarantees: **max − min ≤ the largest piece's bytes** (≤ ``chunk_bytes``, or one element
-when ``chunk_bytes`` is smaller than an element). Proof sketch: step 1 keeps the spread within one
-element; in step 2 the last piece given to the fullest server went to the then least-loaded one, whose
-load can only have been ≤ every final load. Hence whenever the average share per server is at least
-5 × the largest piece (at the default chunk, 20 MiB per server: ResNet-50 over 4 servers, BERT-base
-over 20), **max/min ≤ 1.25**. A model smaller than that can be less balanced (a model smaller than one
-chunk per server leaves some servers idle), and then it does not matter: its traffic is small.
+Promises: the same list always gives the same placement (no randomness, no dict-order or hash
+dependence), and ``to_json()`` carries a fingerprint both sides check; the load per server differs by
+at most the largest piece's bytes, so max/min ≤ 1.25 once the average share is at least 5 × the
+largest piece. The construction and its proof: docs/architecture.md, "Pieces and the optimizer on the
+servers".
 """
 
 from __future__ import annotations
@@ -112,7 +95,7 @@ class ParamInfo:
 
 def place(named_shapes_dtypes: Iterable[tuple[str, Sequence[int], torch.dtype | str]], num_servers: int,
           chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Placement:
-    """Spread parameters ``(name, shape, dtype)`` over ``num_servers`` servers (algorithm: module docstring).
+    """Spread parameters ``(name, shape, dtype)`` over ``num_servers`` servers (algorithm: docs/architecture.md).
 
     ``dtype`` is a ``torch.dtype`` or its name (``"float32"``). Which server gets which piece depends
     only on the list's contents, not its order; the placement lists parameters (and their pieces) in

@@ -6,56 +6,17 @@
     loss_fn(model(x), y).backward()       # gradients leave for the servers as backward produces them
     optimizer.step()                      # commit the step, pull the new parameters into the model
 
-The servers (:mod:`.server`) own the parameters and the optimizer: it is rebuilt there from the
-optimizer passed to ``job.prepare`` (:class:`~conveyor.strategies.ps.optim.OptimizerSpec`), and the
-worker's own torch optimizer never updates anything. ``prepare`` returns the model unwrapped and a
-thin :class:`PSOptimizer` whose ``step()`` finishes the pushes, commits the step and pulls; it shares
-``param_groups`` with the real optimizer (an LR scheduler built on either may change them: the change
-is sent with the next commit), and ``zero_grad()`` is the real optimizer's.
+The servers own the parameters and the optimizer; ``prepare`` returns the model unwrapped and a thin
+:class:`PSOptimizer` (``step()``: finish the pushes, commit, pull; ``param_groups`` shared with the real
+optimizer, whose ``zero_grad()`` it is). :meth:`PSStrategy.comm_seconds` and :meth:`PSStrategy.stats`
+report push, pull and wait-for-servers time, bytes and the servers' counters;
+:meth:`PSStrategy.save_optimizer` has every ps task write its shard into the chief's checkpoint step.
 
-Update rules:
-
-- ``ps-sync``: the servers average the gradients of all workers for a step (in rank order) and apply
-  one update; every worker then pulls the same parameters: numerically an all-reduce.
-- ``ps-async``: each push is applied when it arrives; the pull returns the latest parameters.
-- ``ps-ssp:K``: as async, but a worker's pull waits while it is more than K steps ahead of the slowest
-  worker.
-
-Overlap: every parameter's gradient is pushed from an autograd hook as soon as backward has
-accumulated it. With ``ps-async``/``ps-ssp`` ``step()`` only *sends* the pull for the next step; a
-forward pre-hook (and a ``state_dict`` pre-hook) on the model receives it, so the round trip overlaps
-whatever the worker does before its next forward, typically fetching the next batch. Code that reads
-``param.data`` directly right after ``step()`` sees the previous values until then. ``ps-sync`` must
-wait for every worker's gradients anyway, so its ``step()`` returns with the new parameters in place.
-
-Staleness (the worker's step minus the slowest worker's committed steps in the parameters it computed
-on) is recorded by the servers; :meth:`PSStrategy.stats` gathers the histogram.
-
-Timing (:meth:`PSStrategy.comm_seconds`): push (sending from the hooks plus collecting the replies),
-pull, and wait-for-servers (pull rounds the servers answered with ``wait``). :meth:`PSStrategy.stats`
-adds bytes per server and the servers' own counters (staleness, drops).
-
-Buffers (BatchNorm statistics) are not parameters and do not go to the servers: ``prepare`` broadcasts
-rank 0's over the workers' process group, and after that each worker keeps its own (as DDP with
-``broadcast_buffers=False``); rank 0's are the ones a chief checkpoint holds.
-
-The workers keep their gloo process group for ``job.barrier``/``all_gather_bytes``/``all_reduce``
-(the trainer uses them); the ps tasks are not in it.
-
-Checkpoints. The trainer calls :meth:`PSStrategy.save_optimizer`: every ps task writes its own shard
-(pieces + optimizer state, ``ps-<i>.safetensors`` + ``ps-<i>.json``) into the step folder the chief is
-building, and the chief's ``optimizer`` entry only names them; on resume rank 0 has every ps task read
-its shard back (checked against the step's manifest) and all workers pull. Outside the trainer,
-``optimizer.state_dict()`` on the proxy fetches the servers' state *and* parameters to the worker, and
-``load_state_dict`` sends them back. Loading weights into the model alone after ``prepare`` does not
-reach the servers: the next pull overwrites them — load them before ``prepare`` (worker 0's values
-initialise the servers) or restore the optimizer state too. Out of scope for now: GPU workers.
-
-Pace. ``ps-sync`` moves in lockstep. ``ps-async`` and ``ps-ssp:K`` do not: their
-:meth:`PSStrategy.coordinator` lets each worker go at its own speed and stop when the steps committed
-by all workers together (counted by ps:0, like TensorFlow's global step) reach the total one of them
-announced, so a fast worker does more of the work instead of waiting for a straggler; ps:0 also keeps
-each worker's newest data position for the chief's checkpoints.
+Promises: ``ps-sync`` is numerically an all-reduce and returns from ``step()`` with the new parameters
+in place; ``ps-async``/``ps-ssp:K`` let workers run apart (a pull waits while more than K steps ahead
+of the slowest) and deliver the new parameters by the model's next forward or ``state_dict``. Weights
+loaded into the model after ``prepare`` are overwritten by the next pull. How and why:
+docs/architecture.md, "The parameter-server strategy".
 """
 
 from __future__ import annotations

@@ -1,0 +1,289 @@
+"""One task's process, as the supervisor runs it: start it, relay and log its output, stop its process group.
+
+    console = Console(sys.stdout, sys.stderr)
+    task = RunningTask.start(launch, attempt, console)   # its own session, PR_SET_PDEATHSIG on Linux
+    ...
+    stop_tasks([task], 5.0, impatient=lambda: False, say=console.say)   # SIGTERM, grace, SIGKILL
+
+A task leads its own process group, and stopping it signals the whole group. Its merged stdout+stderr
+is appended to its log and printed as ``[worker:1] <line>``; a log that cannot be written (a full disk)
+is reported once and given up while the console still gets every line. Why it is done this way:
+``docs/architecture.md``, "The launcher: restarts and failures".
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import errno
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import IO
+
+import psutil
+
+from conveyor.launch.plan import RESTART_COUNT_VAR, RESUME_VAR, TORCHRUN_RESTART_VAR, TTY_VAR, TaskLaunch
+
+__all__ = ["TAIL_LINES", "Console", "RunningTask", "segments", "stop_tasks"]
+
+TAIL_LINES = 20
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def segments(stream: IO[bytes]):
+    """Yield `(text, live)` for each piece of output ended by a newline (live=False) or by a
+    carriage return (live=True: it will be overwritten)."""
+    pending = b""
+    for chunk in iter(lambda: stream.read1(65536), b""):
+        pending += chunk
+        start = 0
+        for m in _LINE_END.finditer(pending):
+            piece = pending[start:m.start()]
+            start = m.end()
+            live = m.group() == b"\r"
+            if piece or not live:
+                yield piece.decode("utf-8", "replace"), live
+        pending = pending[start:]
+    if pending:
+        yield pending.decode("utf-8", "replace"), False
+
+
+def _isatty(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+def _load_prctl():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    return prctl
+
+
+_PRCTL = _load_prctl()  # looked up here, in the launcher: the child only calls it, between fork and exec
+
+
+def _die_with(launcher_pid: int):
+    """A ``preexec_fn`` that makes the child die when the launcher does (Linux); None elsewhere."""
+    prctl, sigkill = _PRCTL, int(signal.SIGKILL)
+    if prctl is None:
+        return None
+
+    def setup() -> None:
+        prctl(_PR_SET_PDEATHSIG, sigkill, 0, 0, 0)
+        if os.getppid() != launcher_pid:  # the launcher died between fork and prctl: no signal will come
+            os.kill(os.getpid(), sigkill)
+
+    return setup
+
+
+class Console:
+    """The launcher's stdout (the tasks' prefixed lines) and stderr (its own messages), shared by threads.
+
+    Tasks may draw progress bars (lines ended by a carriage return) only where someone sees them: when
+    ``out`` is a terminal.
+    """
+
+    def __init__(self, out: IO[str], err: IO[str]) -> None:
+        self.out = out
+        self.err = err
+        self.live_ok = _isatty(out)
+        self._live_shown = False
+        self._lock = threading.Lock()
+
+    def say(self, message: str) -> None:  # from any thread
+        with self._lock:
+            try:
+                self.err.write(f"[conveyor] {message}\n")
+                self.err.flush()
+            except (OSError, ValueError):
+                pass
+
+    def relay(self, prefix: str, text: str, live: bool) -> None:
+        """Print one segment of a task's output; a live one is redrawn in place on a terminal."""
+        if live and not self.live_ok:
+            return
+        with self._lock:
+            try:
+                if live:
+                    self.out.write("\r" + prefix + text + "\x1b[K")
+                    self._live_shown = True
+                else:
+                    self.out.write(("\r\x1b[K" if self._live_shown else "") + prefix + text + "\n")
+                    self._live_shown = False
+                self.out.flush()
+            except (OSError, ValueError):
+                pass  # the launcher's stdout is gone (a closed pipe); the log still gets every line
+
+
+class TaskLog:
+    """A task's log file. A write that fails (a full disk) is reported once; then the log is given up and
+    the task's output still reaches the console - a logging failure is no reason to stop a training job."""
+
+    def __init__(self, path: str, task: str, say: Callable[[str], None]) -> None:
+        self.path = path
+        self._task = task
+        self._say = say
+        self._file: IO[str] | None = None
+        try:
+            self._file = open(path, "a", encoding="utf-8")
+        except OSError as e:
+            self._fail(e)
+
+    def write(self, text: str) -> None:
+        if self._file is None:
+            return
+        try:
+            self._file.write(text)
+            self._file.flush()
+        except OSError as e:
+            self._fail(e)
+
+    def close(self) -> None:
+        f, self._file = self._file, None
+        if f is not None:
+            try:
+                f.close()
+            except OSError:
+                pass  # already reported by the write that failed, or nothing was left to write
+
+    def _fail(self, e: OSError) -> None:
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        hint = "disk full? free space or use --output-dir elsewhere" if full else "use --output-dir elsewhere"
+        self._say(f"cannot write the log {self.path}: {e.strerror or e} ({hint}); {self._task}'s output still "
+                  f"reaches this console")
+        self.close()
+
+
+def _task_env(launch: TaskLaunch, attempt: int, tty: bool) -> dict[str, str]:
+    env = dict(launch.env)
+    env[RESTART_COUNT_VAR] = str(attempt)
+    if TORCHRUN_RESTART_VAR in env:  # training tasks only, as the plan set it
+        env[TORCHRUN_RESTART_VAR] = str(attempt)
+    if tty:
+        env.setdefault(TTY_VAR, "1")
+    if attempt:
+        # A restart continues this job from its own latest checkpoint, even under --no-resume
+        # (which only means: do not pick up checkpoints that were there before the job began).
+        env[RESUME_VAR] = "1"
+    return env
+
+
+@dataclass
+class RunningTask:
+    """A started task: its process (leader of its own process group), its log, and the thread relaying
+    its output. ``tail`` holds its last output lines."""
+
+    launch: TaskLaunch
+    proc: subprocess.Popen
+    log: TaskLog
+    pump: threading.Thread
+    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
+    group_gone: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.launch.name
+
+    @classmethod
+    def start(cls, launch: TaskLaunch, attempt: int, console: Console) -> RunningTask:
+        """Start ``launch`` for ``attempt`` in a new session, dying with the launcher (Linux)."""
+        log = TaskLog(launch.log_path, launch.name, console.say)
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        log.write(f"=== restart {attempt} === {stamp}\n" if attempt else f"=== {launch.name} started === {stamp}\n")
+        try:
+            proc = subprocess.Popen(launch.argv, env=_task_env(launch, attempt, console.live_ok),
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    start_new_session=True, preexec_fn=_die_with(os.getpid()))
+        except BaseException:
+            log.close()
+            raise
+        task = cls(launch, proc, log, threading.Thread())
+        task.pump = threading.Thread(target=task._pump, args=(console,), name=f"conveyor-log-{launch.name}",
+                                     daemon=True)
+        task.pump.start()
+        return task
+
+    def _pump(self, console: Console) -> None:
+        """Copy the task's output, line by line, to its log and (prefixed) to the launcher's stdout.
+
+        A segment ended by a carriage return is a live update (a progress bar redrawing itself):
+        on a terminal it is redrawn in place, prefixed like any line; the log keeps only whole lines.
+        """
+        prefix = f"[{self.name}] "
+        try:
+            for text, live in segments(self.proc.stdout):
+                if not live:
+                    self.tail.append(text)
+                    self.log.write(text + "\n")
+                console.relay(prefix, text, live)
+        finally:
+            self.proc.stdout.close()
+            self.log.close()
+
+    def signal_group(self, signum: int) -> None:
+        if self.group_gone:
+            return
+        if self.proc.poll() is not None and not self.group_alive():
+            return
+        try:
+            os.killpg(self.proc.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            self.group_gone = True
+
+    def group_alive(self) -> bool:
+        """Whether any live (non-zombie) process is left in the task's process group.
+
+        Only asked once the group leader has exited and been reaped; until then the pid is still ours,
+        so ``proc.pid`` cannot name some other process's group. ``os.killpg(pgid, 0)`` would count
+        zombies, which stay forever where PID 1 does not reap orphans (many containers).
+        """
+        if self.group_gone:
+            return False
+        if self.proc.returncode is None:
+            return True
+        pgid = self.proc.pid
+        for proc in psutil.process_iter(["status"]):
+            try:
+                if proc.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(proc.pid) == pgid:
+                    return True
+            except (ProcessLookupError, psutil.Error):
+                continue
+        self.group_gone = True
+        return False
+
+
+def stop_tasks(running: list[RunningTask], grace: float, impatient: Callable[[], bool],
+               say: Callable[[str], None]) -> None:
+    """SIGTERM every task's process group, wait up to ``grace`` seconds (or until ``impatient()``: a second
+    Ctrl-C), SIGKILL what is left, then wait for the leaders and their relaying threads."""
+    for rt in running:
+        rt.signal_group(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and not impatient():
+        if all(rt.proc.poll() is not None for rt in running) and not any(rt.group_alive() for rt in running):
+            break
+        time.sleep(0.05)
+    for rt in running:
+        rt.signal_group(signal.SIGKILL)
+    for rt in running:
+        try:
+            rt.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:  # SIGKILL cannot be ignored; this needs a hung kernel
+            say(f"{rt.name} (pid {rt.proc.pid}) did not exit after SIGKILL")
+        rt.pump.join(timeout=2.0)
