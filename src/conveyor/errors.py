@@ -1,36 +1,22 @@
-"""conveyor's errors, in one hierarchy (stdlib only, so that every layer can import it).
+"""conveyor's errors, in one hierarchy (standard library only, so that every layer can import it).
 
-    try:
-        job = conveyor.init()
-    except conveyor.errors.RendezvousError as e:     # the processes could not meet; the message says why
-        ...
+    ConveyorError                    the base: `except ConveyorError` catches every error below
+    ├── PeerError                    another process of the job died, hung, closed or cannot be reached:
+    │   │                            a rank in a collective, or another node's launcher
+    │   └── RendezvousError          the processes (ranks, or launchers) could not meet in the first place
+    │       └── AddressInUseError    an address to listen on is taken, or not this machine's (also a
+    │                                TransportError: a ps task's port)
+    ├── TransportError               a parameter-server connection problem (ServerUnavailable and
+    │                                RemoteError in :mod:`conveyor.comm.transport`)
+    └── ClusterConfigError, CheckpointError (ResumeError), BadMessage, ProtocolError, IdleTimeout,
+                                     each in its own module
 
-::
-
-    ConveyorError                       every error below; ``except ConveyorError`` catches conveyor's own
-    ├── PeerError                       another process of the job died, hung, closed its connection or
-    │   │                               cannot be reached: a rank in a collective, or another node's launcher
-    │   └── RendezvousError             the processes (ranks, or launchers) could not meet in the first place
-    │       └── AddressInUseError       the address to meet at or serve on is taken, or not this machine's
-    ├── TransportError                  a parameter-server connection problem (:mod:`conveyor.comm.transport`)
-    │   ├── AddressInUseError           (the same class: a ps task's port is taken)
-    │   ├── ServerUnavailable, RemoteError           (in :mod:`conveyor.comm.transport`)
-    ├── ClusterConfigError (ValueError) a cluster description or task identity that cannot work
-    ├── CheckpointError (RuntimeError)  a checkpoint that cannot be written or read (``conveyor.train``)
-    └── ...                             the ps protocol's ``ProtocolError``, ``BadMessage``, ``IdleTimeout``
-
-Every error keeps the builtin base it always had (``RuntimeError``, ``ValueError``), so an ``except``
-that caught it before still does. ``RendezvousError`` is a ``PeerError`` because the launchers' peer
-checks always treated "could not meet the other nodes" as a peer failure; ``AddressInUseError`` is both
-a ``RendezvousError`` (rank 0's store port) and a ``TransportError`` (a ps task's port).
-
-The data layer keeps its own errors (:mod:`conveyor.data.errors`, TensorFlow's names: ``DataLossError``
-is an ``OSError`` as TensorFlow's is), outside this tree.
-
-Old import paths still work and give these same classes: ``conveyor.comm.process_group.PeerError``,
-``.RendezvousError``, ``.AddressInUseError``; ``conveyor.launch.PeerError``, ``.RendezvousError``
-(and ``conveyor.launch.supervisor.PeerError``, ``conveyor.launch.rendezvous.RendezvousError``);
-``conveyor.comm.transport.AddressInUseError``, ``.TransportError``.
+Every error keeps the builtin base it always had (``RuntimeError``, ``ValueError``), and every old
+relation holds (launch's RendezvousError was a PeerError; comm's AddressInUseError a RendezvousError,
+transport's a TransportError), so an ``except`` that caught an error before still does. The old paths
+re-export these classes: ``conveyor.comm.process_group``, ``conveyor.launch`` (``.supervisor``,
+``.rendezvous``) and ``conveyor.comm.transport``. The data layer keeps TensorFlow's names in
+:mod:`conveyor.data.errors`, outside this tree (``DataLossError`` is an ``OSError``, as TensorFlow's is).
 """
 
 from __future__ import annotations

@@ -1,53 +1,22 @@
 """conveyor's own environment variables: every ``CONVEYOR_*`` name, defined once, with who sets and reads it.
 
-Each module that writes or reads one imports its constant from here, so a launcher and the process
-it starts cannot drift apart about a name. (TensorFlow's ``TF_CONFIG`` and torch's/torchrun's variables
-keep their own names; see :mod:`conveyor.cluster.env` and :mod:`conveyor.launch.plan`.)
+    env[TIMEOUT_VAR]                          # every writer and reader imports the constant from here
+    for v in VARIABLES: print(v.name, v.meaning, v.set_by, v.read_by)     # the table, for users
 
-Each entry: the meaning; who sets it → who reads it.
-
-``CONVEYOR_TASK_TYPE``
-    This task's job: ``chief``, ``worker``, ``ps`` or ``evaluator``.
-    ``conveyor run``, every task → discovery (``conveyor.init()``).
-``CONVEYOR_TASK_INDEX``
-    This task's index within its job. ``conveyor run``, every task → discovery.
-``CONVEYOR_STRATEGY``
-    The strategy name (``allreduce``, ``ps-ssp:4``...; :mod:`conveyor.cluster.strategy_name`).
-    ``conveyor run`` (``--strategy``, else the default), or the user → ``conveyor.init()``, the ps task.
-``CONVEYOR_DATA_DIR``
-    The job's data folder. ``conveyor run`` (``--data-dir``), or the user → ``conveyor.init()`` (``job.data_dir``).
-``CONVEYOR_OUTPUT_DIR``
-    The job's output folder (checkpoints, logs, metrics). ``conveyor run`` (``--output-dir``), or the user →
-    ``conveyor.init()`` (``job.output_dir``), the ps task (its checkpoint shards).
-``CONVEYOR_JOB_SECRET``
-    The job's message-signing key, in hex. ``conveyor run``, every task → ``conveyor.init()``, the ps task.
-    Also read by ``conveyor run`` itself, as the job's secret, when the user sets it (e.g. from a Kubernetes Secret).
-``CONVEYOR_JOB_SECRET_FILE``
-    A file (mode 600) holding that key. The user → ``conveyor run`` (like ``--job-secret-file``).
-``CONVEYOR_RESTART_COUNT``
-    How many times the job was restarted (0 the first time). ``conveyor run``'s supervisor, per attempt →
-    ``conveyor.init()`` (``job.restart_count``).
-``CONVEYOR_RESUME``
-    ``0``: start over, ignoring existing checkpoints. ``conveyor run`` (``--no-resume``) → ``conveyor.init()``
-    (``job.resume``).
-``CONVEYOR_TIMEOUT``
-    Seconds that bound the rendezvous and every collective (default 300). ``conveyor run`` (``--timeout``),
-    or the user → ``conveyor.init()`` (``job.timeout``).
-``CONVEYOR_TTY``
-    ``1``: the launcher's own output is a terminal, so the chief may redraw a progress bar.
-    ``conveyor run``'s supervisor → the trainer's progress bar (``conveyor.train.progress``).
-``CONVEYOR_OMP_DEFAULT``
-    ``1``: ``OMP_NUM_THREADS=1`` is the launcher's default (several tasks on one machine, as torchrun does),
-    not the user's choice. ``conveyor run`` → ``conveyor.init()``, which gives each training task its
-    share of the cores instead.
+:data:`VARIABLES` is the table: each variable, what it means, who sets it and who reads it. A launcher
+and the process it starts cannot drift apart about a name. TensorFlow's ``TF_CONFIG`` and torch's and
+torchrun's variables keep their own names (:mod:`conveyor.cluster.env`, :mod:`conveyor.launch.plan`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 __all__ = [
     "DATA_DIR_VAR",
     "JOB_SECRET_FILE_VAR",
     "JOB_SECRET_VAR",
+    "NAMES",
     "OMP_DEFAULT_VAR",
     "OUTPUT_DIR_VAR",
     "RESTART_COUNT_VAR",
@@ -58,6 +27,7 @@ __all__ = [
     "TIMEOUT_VAR",
     "TTY_VAR",
     "VARIABLES",
+    "Variable",
 ]
 
 TASK_TYPE_VAR = "CONVEYOR_TASK_TYPE"
@@ -73,8 +43,47 @@ TIMEOUT_VAR = "CONVEYOR_TIMEOUT"
 TTY_VAR = "CONVEYOR_TTY"
 OMP_DEFAULT_VAR = "CONVEYOR_OMP_DEFAULT"
 
-#: Every ``CONVEYOR_*`` variable, in the table's order.
-VARIABLES: tuple[str, ...] = (
-    TASK_TYPE_VAR, TASK_INDEX_VAR, STRATEGY_VAR, DATA_DIR_VAR, OUTPUT_DIR_VAR, JOB_SECRET_VAR, JOB_SECRET_FILE_VAR,
-    RESTART_COUNT_VAR, RESUME_VAR, TIMEOUT_VAR, TTY_VAR, OMP_DEFAULT_VAR,
+
+@dataclass(frozen=True)
+class Variable:
+    """One row of the table: the variable, what it means, who sets it, who reads it."""
+
+    name: str
+    meaning: str
+    set_by: str
+    read_by: str
+
+
+_RUN = "`conveyor run`"
+_INIT = "conveyor.init()"
+
+#: Every ``CONVEYOR_*`` variable: the table users read to know what a task is told and what they may set.
+VARIABLES: tuple[Variable, ...] = (
+    Variable(TASK_TYPE_VAR, "this task's job: chief, worker, ps or evaluator", f"{_RUN}, on every task",
+             f"discovery ({_INIT})"),
+    Variable(TASK_INDEX_VAR, "this task's index within its job", f"{_RUN}, on every task", f"discovery ({_INIT})"),
+    Variable(STRATEGY_VAR, "the strategy name (allreduce, ps-ssp:4, ...; conveyor.cluster.strategy_name)",
+             f"{_RUN} (--strategy, else the default), or the user", f"{_INIT}; the ps task"),
+    Variable(DATA_DIR_VAR, "the job's data folder", f"{_RUN} (--data-dir), or the user", f"{_INIT} (job.data_dir)"),
+    Variable(OUTPUT_DIR_VAR, "the job's output folder: checkpoints, logs, metrics",
+             f"{_RUN} (--output-dir), or the user", f"{_INIT} (job.output_dir); the ps task (its checkpoint shards)"),
+    Variable(JOB_SECRET_VAR, "the job's message-signing key, in hex",
+             f"{_RUN}, on every task; the user, for {_RUN} itself (e.g. from a Kubernetes Secret)",
+             f"{_INIT}; the ps task; {_RUN} (the job's secret)"),
+    Variable(JOB_SECRET_FILE_VAR, "a file (mode 600) holding the job's secret, like --job-secret-file", "the user",
+             _RUN),
+    Variable(RESTART_COUNT_VAR, "how many times the job was restarted (0 the first time)",
+             f"{_RUN}'s supervisor, per attempt", f"{_INIT} (job.restart_count)"),
+    Variable(RESUME_VAR, "0: start over, ignoring the checkpoints already there", f"{_RUN} (--no-resume)",
+             f"{_INIT} (job.resume)"),
+    Variable(TIMEOUT_VAR, "seconds that bound the rendezvous and every collective (default 300)",
+             f"{_RUN} (--timeout), or the user", f"{_INIT} (job.timeout)"),
+    Variable(TTY_VAR, "1: the launcher's own output is a terminal, so the chief may redraw a progress bar",
+             f"{_RUN}'s supervisor", "the trainer's progress bar (conveyor.train.progress)"),
+    Variable(OMP_DEFAULT_VAR, "1: OMP_NUM_THREADS=1 is the launcher's default (several tasks on one machine, as "
+             "torchrun does), not the user's choice", _RUN,
+             f"{_INIT}, which gives each training task its share of the cores instead"),
 )
+
+#: The names alone, in the table's order.
+NAMES: tuple[str, ...] = tuple(v.name for v in VARIABLES)
