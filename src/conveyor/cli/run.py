@@ -21,7 +21,8 @@ import sys
 from collections.abc import Mapping
 
 from conveyor.cli import Command, CommandError
-from conveyor.cluster import JOB_SECRET_VAR
+from conveyor.cluster import STRATEGY_NAMES
+from conveyor.cluster.variables import JOB_SECRET_FILE_VAR, JOB_SECRET_VAR
 from conveyor.launch import (
     OMP_DEFAULT_VAR,
     PeerError,
@@ -34,11 +35,9 @@ from conveyor.launch import (
     local_plan,
 )
 
-#: A file holding the job secret, for a launcher whose secret comes from a scheduler or a Kubernetes Secret.
-SECRET_FILE_VAR = "CONVEYOR_JOB_SECRET_FILE"
 RESTART_DELAY_CAP = 30.0
 MAKE_SECRET = (f"make one with `openssl rand -hex 32 > job.secret && chmod 600 job.secret`, copy the same file to "
-               f"every node and pass --job-secret-file job.secret (or set {SECRET_FILE_VAR} to its path, or "
+               f"every node and pass --job-secret-file job.secret (or set {JOB_SECRET_FILE_VAR} to its path, or "
                f"{JOB_SECRET_VAR} to its hex digits, e.g. from a Kubernetes Secret)")
 
 EXAMPLES = """\
@@ -85,8 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     job.add_argument("--ps", type=int, default=0, metavar="M",
                      help="parameter servers on this machine (default 0)")
     job.add_argument("--strategy", default=None, metavar="NAME",
-                     help="allreduce, ps-sync, ps-async, ps-ssp:K or pipeline (default: allreduce; ps-sync with "
-                     "--ps; local for one process)")
+                     help=f"{', '.join(STRATEGY_NAMES)} (default: allreduce; ps-sync with --ps; local for one "
+                     f"process)")
     job.add_argument("--chief", action="store_true",
                      help="name the first training task chief:0 instead of worker:0 (it is rank 0 either way)")
     job.add_argument("--tf-flags", action="store_true",
@@ -113,7 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="interpreter that runs SCRIPT (default: the one running conveyor)")
     job.add_argument("--job-secret-file", default=None, metavar="FILE",
                      help="the job's message-signing secret as hex digits, in a file only you can read (chmod "
-                     f"600); default: ${SECRET_FILE_VAR}, ${JOB_SECRET_VAR}, else a fresh random one on one "
+                     f"600); default: ${JOB_SECRET_FILE_VAR}, ${JOB_SECRET_VAR}, else a fresh random one on one "
                      "machine. Required with --nnodes > 1: give every node the same file")
     job.add_argument("--dry-run", action="store_true", help="print every task's command and environment; start nothing")
     pipe = parser.add_argument_group("pipeline parallelism (--strategy pipeline)")
@@ -216,8 +215,8 @@ def _job_secret(path: str | None, environ: Mapping[str, str], nnodes: int) -> by
     (it never leaves this machine: the tasks get it in their environment). Its value is never echoed."""
     if path is not None:
         return _read_secret_file(path, "--job-secret-file")
-    if environ.get(SECRET_FILE_VAR):
-        return _read_secret_file(environ[SECRET_FILE_VAR], SECRET_FILE_VAR)
+    if environ.get(JOB_SECRET_FILE_VAR):
+        return _read_secret_file(environ[JOB_SECRET_FILE_VAR], JOB_SECRET_FILE_VAR)
     if JOB_SECRET_VAR in environ:
         return _parse_secret(environ[JOB_SECRET_VAR], JOB_SECRET_VAR)
     if nnodes > 1:

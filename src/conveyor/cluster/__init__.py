@@ -3,7 +3,9 @@
 - :mod:`.spec`     - ``ClusterSpec`` / ``TaskId`` and TensorFlow's TF_CONFIG, parsed and emitted;
 - :mod:`.flags`    - TensorFlow 1's ``--ps_hosts/--worker_hosts/--job_name/--task_index``;
 - :mod:`.env`      - hosts → task placement → each task's environment variables (for the launcher);
-- :mod:`.discover` - the reverse: this process's identity from its environment (for ``conveyor.init()``).
+- :mod:`.discover` - the reverse: this process's identity from its environment (for ``conveyor.init()``);
+- :mod:`.strategy_name` - the one parser and default for strategy names (launcher, ``init()``, ps task);
+- :mod:`.variables` - every ``CONVEYOR_*`` variable, named once, with its meaning and who sets and reads it.
 
 The launcher writes with :mod:`.env` what the trainer reads back with :mod:`.discover`; both sides
 live here so they cannot disagree about a variable's name or meaning.
@@ -18,12 +20,6 @@ from conveyor.cluster.discover import (
     slurm_port,
 )
 from conveyor.cluster.env import (
-    DATA_DIR_VAR,
-    JOB_SECRET_VAR,
-    OUTPUT_DIR_VAR,
-    STRATEGY_VAR,
-    TASK_INDEX_VAR,
-    TASK_TYPE_VAR,
     TaskSlot,
     assign_hosts,
     local_cluster,
@@ -40,6 +36,16 @@ from conveyor.cluster.spec import (
     parse_tf_config,
     split_address,
 )
+from conveyor.cluster.strategy_name import NAMES as STRATEGY_NAMES
+from conveyor.cluster.strategy_name import StrategyName, default_strategy, parse_strategy
+from conveyor.cluster.variables import (
+    DATA_DIR_VAR,
+    JOB_SECRET_VAR,
+    OUTPUT_DIR_VAR,
+    STRATEGY_VAR,
+    TASK_INDEX_VAR,
+    TASK_TYPE_VAR,
+)
 
 __all__ = [
     "CLUSTER_FLAGS",
@@ -48,6 +54,7 @@ __all__ = [
     "JOB_SECRET_VAR",
     "OUTPUT_DIR_VAR",
     "SOURCES",
+    "STRATEGY_NAMES",
     "STRATEGY_VAR",
     "TASK_INDEX_VAR",
     "TASK_TYPE_VAR",
@@ -56,14 +63,17 @@ __all__ = [
     "ClusterSpec",
     "Discovered",
     "TaskId",
+    "StrategyName",
     "TaskSlot",
     "assign_hosts",
+    "default_strategy",
     "discover",
     "expand_hostlist",
     "expand_tasks_per_node",
     "join_address",
     "local_cluster",
     "parse_cluster_flags",
+    "parse_strategy",
     "parse_tf_config",
     "slurm_port",
     "split_address",

@@ -26,14 +26,6 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from conveyor.cluster.env import (
-    DATA_DIR_VAR,
-    JOB_SECRET_VAR,
-    OUTPUT_DIR_VAR,
-    STRATEGY_VAR,
-    TASK_INDEX_VAR,
-    TASK_TYPE_VAR,
-)
 from conveyor.cluster.spec import (
     JOBS,
     MAX_HOST_CHARS,
@@ -47,6 +39,14 @@ from conveyor.cluster.spec import (
     parse_tf_config,
     show,
     split_address,
+)
+from conveyor.cluster.variables import (
+    DATA_DIR_VAR,
+    JOB_SECRET_VAR,
+    OUTPUT_DIR_VAR,
+    STRATEGY_VAR,
+    TASK_INDEX_VAR,
+    TASK_TYPE_VAR,
 )
 
 __all__ = ["SOURCES", "Discovered", "discover", "expand_hostlist", "expand_tasks_per_node", "slurm_port"]

@@ -23,6 +23,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from conveyor.cluster.spec import ClusterConfigError, ClusterSpec, TaskId, join_address
+from conveyor.cluster.variables import (  # conveyor's own variables, re-exported from their old home
+    DATA_DIR_VAR,
+    JOB_SECRET_VAR,
+    OUTPUT_DIR_VAR,
+    PIPELINE_VARS,
+    STRATEGY_VAR,
+    TASK_INDEX_VAR,
+    TASK_TYPE_VAR,
+)
 
 __all__ = [
     "DATA_DIR_VAR",
@@ -37,18 +46,6 @@ __all__ = [
     "local_cluster",
     "task_environment",
 ]
-
-# conveyor's own variables. Named once here so the launcher that writes them and discovery that reads
-# them cannot drift apart.
-TASK_TYPE_VAR = "CONVEYOR_TASK_TYPE"
-TASK_INDEX_VAR = "CONVEYOR_TASK_INDEX"
-STRATEGY_VAR = "CONVEYOR_STRATEGY"
-#: ``conveyor run --stages/--microbatches/--schedule/--split`` (read by the pipeline strategy)
-PIPELINE_VARS = {"stages": "CONVEYOR_PIPELINE_STAGES", "microbatches": "CONVEYOR_PIPELINE_MICROBATCHES",
-                 "schedule": "CONVEYOR_PIPELINE_SCHEDULE", "split": "CONVEYOR_PIPELINE_SPLIT"}
-DATA_DIR_VAR = "CONVEYOR_DATA_DIR"
-OUTPUT_DIR_VAR = "CONVEYOR_OUTPUT_DIR"
-JOB_SECRET_VAR = "CONVEYOR_JOB_SECRET"
 
 
 def task_environment(

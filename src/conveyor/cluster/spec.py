@@ -28,6 +28,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from conveyor.errors import ConveyorError
+
 __all__ = [
     "JOBS",
     "TRAINING_JOBS",
@@ -76,7 +78,7 @@ _HOST_NAME_RE = re.compile(r"\*|[A-Za-z0-9_.-]+")
 _IPV4_LIKE_RE = re.compile(r"[0-9][0-9a-fA-FxX.]*")
 
 
-class ClusterConfigError(ValueError):
+class ClusterConfigError(ConveyorError, ValueError):
     """A cluster description (TF_CONFIG, flags, environment variables) is wrong.
 
     A ``ValueError`` so that callers which treat bad input generically (the ``conveyor`` command exits

@@ -36,6 +36,8 @@ import msgpack
 import numpy as np
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from conveyor.errors import ConveyorError
+
 __all__ = [
     "ALLOWED_DTYPES",
     "MAX_HEADER_BYTES",
@@ -85,7 +87,7 @@ REASONS = ("frame_count", "header_size", "signature", "header", "version", "dtyp
            "stale", "replay")
 
 
-class BadMessage(ValueError):
+class BadMessage(ConveyorError, ValueError):
     """A message that must be dropped. ``reason`` is one of :data:`REASONS`; ``detail`` says more."""
 
     def __init__(self, reason: str, detail: str = "") -> None:

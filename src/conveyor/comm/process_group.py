@@ -32,6 +32,7 @@ from typing import Any
 import torch.distributed as dist
 
 from conveyor.cluster.spec import ClusterConfigError, ClusterSpec, TaskId, join_address, split_address
+from conveyor.errors import AddressInUseError, PeerError, RendezvousError  # re-exported: their old home
 
 __all__ = [
     "AddressInUseError",
@@ -63,30 +64,6 @@ _PEER_MARKERS = (
 _TIMEOUT_MARKERS = ("Timed out waiting", "Application timeout", "timed out", "Timeout")
 _GLOO_PEER_RE = re.compile(r"\[([^\]\s]+)\]:(\d+)")
 _CLIENTS_RE = re.compile(r"(\d+)/(\d+) clients joined")
-
-
-class RendezvousError(RuntimeError):
-    """The process group could not be formed: not every rank arrived, or rank 0's store was unreachable."""
-
-
-class AddressInUseError(RendezvousError):
-    """Rank 0 could not host the rendezvous store because its port is taken."""
-
-
-class PeerError(RuntimeError):
-    """A collective failed because another rank died, hung or closed its connection.
-
-    ``peer_rank``/``peer_task``/``peer_address`` are set when the peer could be identified (``None``
-    otherwise); ``timed_out`` tells a silent peer (timeout) from one whose connection closed.
-    """
-
-    def __init__(self, message: str, *, peer_rank: int | None = None, peer_task: TaskId | None = None,
-                 peer_address: str | None = None, timed_out: bool = False) -> None:
-        super().__init__(message)
-        self.peer_rank = peer_rank
-        self.peer_task = peer_task
-        self.peer_address = peer_address
-        self.timed_out = timed_out
 
 
 # PeerErrors raised inside DDP comm hooks reach the caller of backward() only as text (autograd re-wraps

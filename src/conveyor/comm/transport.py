@@ -51,6 +51,7 @@ from conveyor.comm.framing import (
     sender_id,
     sender_role,
 )
+from conveyor.errors import AddressInUseError, TransportError  # re-exported: their old home
 
 __all__ = [
     "AddressInUseError",
@@ -75,14 +76,6 @@ _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_
 _SERVER_EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED
                   | zmq.EVENT_CLOSED)
 _PLAIN_USER = b"conveyor"
-
-
-class TransportError(RuntimeError):
-    """A parameter-server connection problem; the message names the task, the address and the fix."""
-
-
-class AddressInUseError(TransportError):
-    """The server's port is taken, or its host is not an address of this machine."""
 
 
 class ServerUnavailable(TransportError):

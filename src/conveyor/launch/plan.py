@@ -20,21 +20,28 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import resource
 import shlex
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from conveyor.cluster import JOB_SECRET_VAR, ClusterSpec, TaskId, join_address, task_environment
-from conveyor.cluster.env import (
+from conveyor.cluster import ClusterSpec, TaskId, join_address, task_environment
+from conveyor.cluster.strategy_name import NAMES as STRATEGY_NAMES
+from conveyor.cluster.strategy_name import default_strategy, parse_strategy
+from conveyor.cluster.variables import (  # re-exported: conveyor.launch.*_VAR and the supervisor use them
     DATA_DIR_VAR,
+    JOB_SECRET_VAR,
+    OMP_DEFAULT_VAR,
     OUTPUT_DIR_VAR,
     PIPELINE_VARS,
+    RESTART_COUNT_VAR,
+    RESUME_VAR,
     STRATEGY_VAR,
     TASK_INDEX_VAR,
     TASK_TYPE_VAR,
+    TIMEOUT_VAR,
+    TTY_VAR,
 )
 
 __all__ = [
@@ -45,6 +52,7 @@ __all__ = [
     "STRATEGIES",
     "TORCHRUN_VARS",
     "TIMEOUT_VAR",
+    "TTY_VAR",
     "LaunchPlan",
     "NodeInfo",
     "RunOptions",
@@ -57,13 +65,6 @@ __all__ = [
     "resolve_strategy",
 ]
 
-RESTART_COUNT_VAR = "CONVEYOR_RESTART_COUNT"
-RESUME_VAR = "CONVEYOR_RESUME"
-# Set by the supervisor when its own output is a terminal: the chief may draw a progress bar.
-TTY_VAR = "CONVEYOR_TTY"
-TIMEOUT_VAR = "CONVEYOR_TIMEOUT"
-#: "1" where the launcher chose OMP_NUM_THREADS=1 (torchrun's default), not the caller.
-OMP_DEFAULT_VAR = "CONVEYOR_OMP_DEFAULT"
 TORCHRUN_RESTART_VAR = "TORCHELASTIC_RESTART_COUNT"
 #: Every variable torchrun's agent sets on a worker (torch 2.x ``LocalElasticAgent._start_workers``),
 #: which the launcher sets on training tasks with the same meaning.
@@ -75,8 +76,7 @@ TORCHRUN_VARS: tuple[str, ...] = (
 )
 
 #: The strategy names `--strategy` accepts (``ps-ssp:K`` with a staleness bound K >= 0).
-STRATEGIES: tuple[str, ...] = ("local", "allreduce", "ps-sync", "ps-async", "ps-ssp:K", "pipeline")
-_PS_STRATEGY = re.compile(r"ps-(sync|async|ssp:[0-9]+)")
+STRATEGIES: tuple[str, ...] = STRATEGY_NAMES
 
 #: Open files the launcher holds per task: the task's output pipe and its log for the whole job, and a
 #: socket for a moment while free ports are picked (all at once, so the kernel hands out distinct ones).
@@ -134,7 +134,7 @@ class RunOptions:
         _check_count(self.ps, "--ps", 0, "parameter servers on this machine")
         _check_count(self.max_restarts, "--max-restarts", 0, "job restarts after a task fails")
         if self.strategy is not None:
-            _check_strategy_name(self.strategy)
+            parse_strategy(self.strategy, what="--strategy")
         # inf would reach torch as a timedelta it cannot hold, and kill every task at start
         _check_seconds(self.timeout, "--timeout", False, MAX_TIMEOUT, "e.g. --timeout 300")
         _check_seconds(self.restart_delay, "--restart-delay", True, 3600.0, "e.g. --restart-delay 1, or 0: none")
@@ -168,7 +168,7 @@ class RunOptions:
                              f"stages, so -n must be a multiple of {self.stages} (e.g. -n {self.stages})")
 
     def pipeline_env(self) -> dict[str, str]:
-        """The ``CONVEYOR_PIPELINE_*`` variables of the flags given."""
+        """The pipeline variables (``PIPELINE_VARS``) of the flags given."""
         return {var: str(getattr(self, key)) for key, var in PIPELINE_VARS.items() if getattr(self, key) is not None}
 
     @property
@@ -242,24 +242,21 @@ def max_tasks_per_node() -> tuple[int, int, int]:
 
 
 def resolve_strategy(strategy: str | None, world_size: int, num_ps: int) -> str:
-    """The strategy name to run: the one given, checked against the job's shape, or the default.
-
-    Default: ``ps-sync`` when there are parameter servers, ``allreduce`` for several training tasks,
-    ``local`` for one - what ``conveyor.init()`` would pick by itself.
+    """The strategy name to run, in its canonical spelling: the one given, checked against the job's
+    shape, or the default (``conveyor.cluster.default_strategy``, which ``conveyor.init()`` uses too).
     """
     if strategy is None:
-        return "ps-sync" if num_ps else ("allreduce" if world_size > 1 else "local")
-    _check_strategy_name(strategy)
-    is_ps = _PS_STRATEGY.fullmatch(strategy) is not None
-    if is_ps and not num_ps:
-        raise ValueError(f"--strategy {strategy} needs parameter servers: add --ps M (e.g. --ps 1)")
-    if num_ps and not is_ps:
+        return default_strategy(world_size, num_ps)
+    parsed = parse_strategy(strategy, what="--strategy")
+    if parsed.uses_ps and not num_ps:
+        raise ValueError(f"--strategy {parsed.name} needs parameter servers: add --ps M (e.g. --ps 1)")
+    if num_ps and not parsed.uses_ps:
         raise ValueError(f"--ps {num_ps} starts parameter servers, which only the ps strategies use: add "
                          f"--strategy ps-sync, ps-async or ps-ssp:K, or drop --ps")
-    if strategy == "local" and world_size > 1:
+    if not parsed.distributed and world_size > 1:
         raise ValueError(f"--strategy local trains one process alone, but the job has {world_size} training "
                          f"processes: use --strategy allreduce, or -n 1")
-    return strategy
+    return parsed.name
 
 
 def cluster_from_nodes(nodes: Sequence[NodeInfo], chief: bool = False) -> ClusterSpec:
@@ -423,9 +420,3 @@ def _check_task_files(workers: int, ps: int) -> None:
                      f"launcher run at most {limit} (each task needs {FILES_PER_TASK} open files); raise it with "
                      f"`ulimit -n {need}`{above}, or run fewer tasks per machine (more machines: --nnodes)")
 
-
-def _check_strategy_name(strategy: str) -> None:
-    if strategy in ("local", "allreduce", "pipeline") or _PS_STRATEGY.fullmatch(strategy or ""):
-        return
-    hint = " (K is the staleness bound, e.g. ps-ssp:4)" if str(strategy).startswith("ps-ssp") else ""
-    raise ValueError(f"--strategy {strategy!r} is not a strategy{hint}; expected one of {', '.join(STRATEGIES)}")

@@ -33,18 +33,14 @@ from datetime import timedelta
 from typing import Any
 
 from conveyor.cluster import split_address
+from conveyor.errors import PeerError, RendezvousError  # RendezvousError re-exported: its old home
 from conveyor.launch.plan import NodeInfo
 from conveyor.launch.ports import free_ports
-from conveyor.launch.supervisor import PeerError
 
 __all__ = ["Rendezvous", "RendezvousError", "StorePeers", "join", "local_address"]
 
 _P = "conveyor/"
 _POLL = 0.1
-
-
-class RendezvousError(PeerError):
-    """The launchers could not agree on a cluster; the message names the rendezvous address and the fix."""
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO, Protocol
 
+from conveyor.errors import PeerError  # re-exported: its old home
 from conveyor.launch.plan import LaunchPlan
 from conveyor.launch.restarts import (
     FailureStreak,
@@ -38,10 +39,6 @@ from conveyor.launch.restarts import (
 from conveyor.launch.tasks import Console, RunningTask, stop_tasks
 
 __all__ = ["JobResult", "PeerError", "Peers", "Supervisor", "TaskExit"]
-
-
-class PeerError(RuntimeError):
-    """The other launchers of a multi-node job cannot be reached, or did not answer in time."""
 
 
 class Peers(Protocol):

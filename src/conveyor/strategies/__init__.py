@@ -10,6 +10,7 @@ data parallelism: :mod:`conveyor.strategies.pipeline.strategy`).
 
 from __future__ import annotations
 
+from conveyor.cluster.strategy_name import NAMES, parse_strategy
 from conveyor.strategies.allreduce import AllReduceStrategy
 from conveyor.strategies.base import Strategy, check_optimizer
 from conveyor.strategies.local import LocalStrategy
@@ -21,29 +22,12 @@ __all__ = ["NAMES", "AllReduceStrategy", "LocalStrategy", "PSStrategy", "Pipelin
 
 _IMPLEMENTED: dict[str, type[Strategy]] = {"local": LocalStrategy, "allreduce": AllReduceStrategy,
                                            "pipeline": PipelineStrategy}
-_PS = ("ps-sync", "ps-async", "ps-ssp:K")
-
-#: Every strategy name conveyor knows, as the command line spells them.
-NAMES: tuple[str, ...] = (*_IMPLEMENTED, *_PS)
 
 
 def get_strategy(name: str) -> Strategy:
-    """A new, not yet set up strategy for ``name``; ``ValueError`` naming the choices for anything else."""
-    if not isinstance(name, str):
-        raise ValueError(f"strategy = {name!r}; expected one of {_quoted(NAMES)}")
-    key = name.strip().lower()
-    if key in _IMPLEMENTED:
-        return _IMPLEMENTED[key]()
-    if key.startswith("ps-ssp"):
-        _, _, k = key.partition(":")
-        if not (k.isascii() and k.isdigit()):
-            raise ValueError(f"strategy = {name!r}: ps-ssp needs its staleness bound K, a whole number >= 0, "
-                             f"e.g. 'ps-ssp:4'")
-        return PSStrategy("ssp", int(k))
-    if key in ("ps-sync", "ps-async"):
-        return PSStrategy(key[3:])
-    raise ValueError(f"unknown strategy {name!r}; expected one of {_quoted(NAMES)}")
-
-
-def _quoted(names) -> str:
-    return ", ".join(f"'{n}'" for n in names)
+    """A new, not yet set up strategy for ``name``; ``ValueError`` naming the choices for anything else
+    (names are parsed by :func:`conveyor.cluster.strategy_name.parse_strategy`)."""
+    parsed = parse_strategy(name)
+    if parsed.uses_ps:
+        return PSStrategy(parsed.mode, parsed.staleness)
+    return _IMPLEMENTED[parsed.kind]()

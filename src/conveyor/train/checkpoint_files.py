@@ -20,6 +20,7 @@ from typing import Any
 
 from safetensors import SafetensorError, safe_open
 
+from conveyor.errors import ConveyorError
 from conveyor.train.state_io import load_tensors, unflatten_state
 
 FORMAT = "conveyor.checkpoint"
@@ -36,7 +37,7 @@ TREES = ("model", "optimizer", "rng")
 RESERVED = {MANIFEST, "state.json"} | {f"{t}.{ext}" for t in TREES for ext in ("safetensors", "json")}
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(ConveyorError, RuntimeError):
     """A checkpoint is missing, incomplete, damaged or from another format; the message says what to do."""
 
 

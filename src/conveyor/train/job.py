@@ -31,6 +31,8 @@ from torch import nn
 
 from conveyor.cluster import Discovered
 from conveyor.cluster.argv import discover_with_flags
+from conveyor.cluster.strategy_name import default_strategy
+from conveyor.cluster.variables import OMP_DEFAULT_VAR, RESTART_COUNT_VAR, RESUME_VAR, TIMEOUT_VAR
 from conveyor.comm.process_group import collective_guard, init_process_group
 from conveyor.strategies import Strategy, get_strategy
 from conveyor.strategies.ps.task import serve_ps_task
@@ -38,12 +40,7 @@ from conveyor.train.checkpoint import CheckpointManager
 
 __all__ = ["DEFAULT_TIMEOUT", "RESTART_COUNT_VAR", "RESUME_VAR", "TIMEOUT_VAR", "Job", "init", "threads_per_worker"]
 
-TIMEOUT_VAR = "CONVEYOR_TIMEOUT"
-RESTART_COUNT_VAR = "CONVEYOR_RESTART_COUNT"
-RESUME_VAR = "CONVEYOR_RESUME"
 DEFAULT_TIMEOUT = 300.0
-#: Set by `conveyor run` beside the OMP_NUM_THREADS=1 it chose (launch/plan.py writes the same name).
-OMP_DEFAULT_VAR = "CONVEYOR_OMP_DEFAULT"
 
 _OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
 
@@ -73,8 +70,8 @@ def init(strategy: str | None = None, *, timeout: float | None = None,
     if found.rank is None:
         raise NotImplementedError(f"this process is the {found.task} task, which has no training rank; only "
                                   f"chief and worker tasks can call conveyor.init() for now")
-    has_ps = found.spec is not None and found.spec.num_tasks("ps") > 0
-    name = strategy or found.strategy or ("ps-sync" if has_ps else "allreduce" if found.world_size > 1 else "local")
+    num_ps = found.spec.num_tasks("ps") if found.spec is not None else 0
+    name = strategy or found.strategy or default_strategy(found.world_size, num_ps)
     chosen = get_strategy(name)
     if found.world_size > 1 and not chosen.distributed:
         raise ValueError(f"strategy {chosen.name!r} trains in one process, but this job has {found.world_size} "

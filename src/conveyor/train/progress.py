@@ -18,6 +18,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any, TextIO
 
+from conveyor.cluster.variables import TTY_VAR
+
 __all__ = ["Progress"]
 
 
@@ -30,7 +32,7 @@ class Progress:
         self._on = bool(enabled and mode)
         self._bar = None
         self._total = total
-        launcher_tty = os.environ.get("CONVEYOR_TTY") == "1"
+        launcher_tty = os.environ.get(TTY_VAR) == "1"
         if self._on and (mode == "always" or _isatty(self._stream) or launcher_tty):
             from tqdm.auto import tqdm
 

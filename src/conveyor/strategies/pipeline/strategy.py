@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conveyor.cluster.env import PIPELINE_VARS
+from conveyor.cluster.variables import PIPELINE_VARS
 from conveyor.comm.process_group import collective_guard
 from conveyor.strategies.base import Strategy, check_optimizer
 from conveyor.strategies.pipeline.figures import pipeline_figures
@@ -44,7 +44,7 @@ ENV = PIPELINE_VARS
 
 
 class PipelineStrategy(Strategy):
-    """Pipeline × data parallelism (module docstring). Arguments left None come from ``CONVEYOR_PIPELINE_*``."""
+    """Pipeline × data parallelism (module docstring); arguments left None come from ``PIPELINE_VARS``."""
 
     name = "pipeline"
 

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 import torch
 
 from conveyor.comm.framing import Message
+from conveyor.errors import ConveyorError
 
 __all__ = [
     "REQUESTS", "CommitReply", "Commit", "Done", "Init", "InitReply", "LoadState", "OkReply", "ParamsReply",
@@ -34,7 +35,7 @@ __all__ = [
 ]
 
 
-class ProtocolError(ValueError):
+class ProtocolError(ConveyorError, ValueError):
     """A ps message whose header or tensors are not what its kind requires; names the message and the field."""
 
     def __init__(self, kind: str, field_name: str, problem: str) -> None:

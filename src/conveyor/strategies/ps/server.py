@@ -30,32 +30,19 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from conveyor.cluster.strategy_name import PS_MODES, parse_strategy
 from conveyor.comm.framing import MAX_HEADER_BYTES, MAX_TRAILER_BYTES, Message
 from conveyor.comm.transport import Server
+from conveyor.errors import ConveyorError
 from conveyor.strategies.ps import protocol as wire
 from conveyor.strategies.ps.optim import OptimizerSpec, ServerOptimizer, mean_of_gradients
 from conveyor.strategies.ps.sharding import DEFAULT_CHUNK_BYTES
 
-__all__ = ["MODES", "IdleTimeout", "ParameterServer", "ShardStore", "max_frame_bytes", "parse_mode"]
+__all__ = ["MODES", "IdleTimeout", "ParameterServer", "ShardStore", "max_frame_bytes"]
 
 log = logging.getLogger(__name__)
 
-MODES = ("sync", "async", "ssp")
-
-
-def parse_mode(strategy: str) -> tuple[str, int]:
-    """``"ps-sync"`` -> ``("sync", 0)``, ``"ps-async"`` -> ``("async", 0)``, ``"ps-ssp:3"`` -> ``("ssp", 3)``."""
-    key = strategy.strip().lower()
-    if key == "ps-sync":
-        return "sync", 0
-    if key == "ps-async":
-        return "async", 0
-    if key.startswith("ps-ssp:"):
-        k = key.partition(":")[2]
-        if k.isascii() and k.isdigit():
-            return "ssp", int(k)
-    raise ValueError(f"{strategy!r} is not a parameter-server strategy; expected ps-sync, ps-async or ps-ssp:K "
-                     f"(K a whole number, e.g. ps-ssp:2)")
+MODES = PS_MODES
 
 
 def max_frame_bytes(chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
@@ -70,7 +57,7 @@ def max_frame_bytes(chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
     return 2 * max(chunk_bytes, MAX_HEADER_BYTES, MAX_TRAILER_BYTES, 64)
 
 
-class IdleTimeout(RuntimeError):
+class IdleTimeout(ConveyorError, RuntimeError):
     """A ps task heard from no worker for longer than the job's timeout: its job is gone."""
 
 
@@ -361,9 +348,12 @@ def serve_task(address: str, secret: bytes, *, index: int, num_workers: int, str
                shards: Callable[[str], ShardStore] | None = None, idle_timeout: float | None = None) -> bool:
     """Run ps task ``index`` for ``strategy`` until the workers are done (what ``conveyor.init()`` does on a ps);
     :class:`IdleTimeout` when no worker was heard from for ``idle_timeout`` seconds (the job's timeout)."""
-    mode, staleness = parse_mode(strategy)
-    server = ParameterServer(address, secret, index=index, num_workers=num_workers, mode=mode, staleness=staleness,
-                             shards=shards)
+    parsed = parse_strategy(strategy)
+    if not parsed.uses_ps:
+        raise ValueError(f"{strategy!r} is not a parameter-server strategy; expected ps-sync, ps-async or ps-ssp:K "
+                         f"(K a whole number, e.g. ps-ssp:2)")
+    server = ParameterServer(address, secret, index=index, num_workers=num_workers, mode=parsed.mode,
+                             staleness=parsed.staleness, shards=shards)
     started = time.monotonic()
     try:
         return server.serve(idle_timeout=idle_timeout)

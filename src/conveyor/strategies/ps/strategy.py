@@ -31,12 +31,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from conveyor.cluster.strategy_name import PS_MODES, StrategyName
 from conveyor.comm.process_group import collective_guard
 from conveyor.fileio import atomic_write
 from conveyor.strategies.base import Strategy, check_optimizer
 from conveyor.strategies.coordination import Coordinator, IndependentCoordinator, LockstepCoordinator
 from conveyor.strategies.ps.client import PSClient
-from conveyor.strategies.ps.server import parse_mode
 
 __all__ = ["PSOptimizer", "PSStrategy", "staleness_summary"]
 
@@ -48,7 +48,7 @@ class PSStrategy(Strategy):
 
     def __init__(self, mode: str = "sync", staleness: int = 0) -> None:
         super().__init__()
-        if mode not in ("sync", "async", "ssp"):
+        if mode not in PS_MODES:
             raise ValueError(f"mode = {mode!r}; expected 'sync', 'async' or 'ssp'")
         self.mode = mode
         self.staleness = int(staleness)
@@ -56,13 +56,9 @@ class PSStrategy(Strategy):
         #: async/ssp: step() only sends the pull, the next forward (or state_dict()) receives it.
         self.prefetch = mode != "sync"
 
-    @classmethod
-    def from_name(cls, name: str) -> PSStrategy:
-        return cls(*parse_mode(name))
-
     @property
     def name(self) -> str:  # type: ignore[override]
-        return f"ps-ssp:{self.staleness}" if self.mode == "ssp" else f"ps-{self.mode}"
+        return StrategyName("ps", self.mode, self.staleness).name
 
     def setup(self, job: Any) -> None:
         super().setup(job)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from conveyor.cluster.strategy_name import StrategyName, default_strategy, parse_strategy
 from conveyor.strategies.ps.server import IdleTimeout, ShardStore, serve_task
 
 if TYPE_CHECKING:
@@ -50,20 +51,25 @@ def serve_ps_task(found: Discovered, strategy: str | None, timeout: float, *, ch
 
     ``ValueError`` before serving when the job is no parameter-server job or has no secret.
     """
-    name = strategy or found.strategy or "ps-sync"  # the launcher's default when there are ps tasks
-    if not name.strip().lower().startswith("ps-"):
-        raise ValueError(f"this process is the parameter server {found.task}, but the strategy is {name!r}: "
+    assert found.spec is not None  # a ps task always comes from a cluster spec
+    name = strategy or found.strategy or default_strategy(found.world_size, found.spec.num_tasks("ps"))
+    try:
+        parsed: StrategyName | None = parse_strategy(name)
+        why = ""
+    except ValueError as e:
+        parsed, why = None, f" ({e})"
+    if parsed is None or not parsed.uses_ps:
+        raise ValueError(f"this process is the parameter server {found.task}, but the strategy is {name!r}{why}: "
                          f"start the job with --strategy ps-sync, ps-async or ps-ssp:K (CONVEYOR_STRATEGY)")
     if not found.secret:
         raise ValueError(f"parameter server {found.task} needs the job secret (CONVEYOR_JOB_SECRET) that signs "
                          f"its messages; `conveyor run` sets it, and tasks started by hand each need the same "
                          f"one, e.g. CONVEYOR_JOB_SECRET=$(openssl rand -hex 32) exported once for all of them")
-    assert found.spec is not None  # a ps task always comes from a cluster spec
     address = found.spec.task_address("ps", found.task.index)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {found.task} %(levelname)s %(message)s")
-    print(f"{found.task}: serving {name} for {found.world_size} worker(s) on {address}", flush=True)
+    print(f"{found.task}: serving {parsed.name} for {found.world_size} worker(s) on {address}", flush=True)
     try:
-        serve_task(address, found.secret, index=found.task.index, num_workers=found.world_size, strategy=name,
+        serve_task(address, found.secret, index=found.task.index, num_workers=found.world_size, strategy=parsed.name,
                    shards=shard_stores(Path(found.output_dir or "output"), checkpoints), idle_timeout=timeout)
     except IdleTimeout as exc:
         print(f"{found.task}: {exc}", file=sys.stderr, flush=True)  # no traceback: the message says it all

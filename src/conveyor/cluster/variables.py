@@ -1,0 +1,108 @@
+"""conveyor's own environment variables: every ``CONVEYOR_*`` name, defined once, with who sets and reads it.
+
+    env[TIMEOUT_VAR]                          # every writer and reader imports the constant from here
+    for v in VARIABLES: print(v.name, v.meaning, v.set_by, v.read_by)     # the table, for users
+
+:data:`VARIABLES` is the table: each variable, what it means, who sets it and who reads it. A launcher
+and the process it starts cannot drift apart about a name. TensorFlow's ``TF_CONFIG`` and torch's and
+torchrun's variables keep their own names (:mod:`conveyor.cluster.env`, :mod:`conveyor.launch.plan`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "DATA_DIR_VAR",
+    "JOB_SECRET_FILE_VAR",
+    "JOB_SECRET_VAR",
+    "NAMES",
+    "OMP_DEFAULT_VAR",
+    "OUTPUT_DIR_VAR",
+    "PIPELINE_MICROBATCHES_VAR",
+    "PIPELINE_SCHEDULE_VAR",
+    "PIPELINE_SPLIT_VAR",
+    "PIPELINE_STAGES_VAR",
+    "PIPELINE_VARS",
+    "RESTART_COUNT_VAR",
+    "RESUME_VAR",
+    "STRATEGY_VAR",
+    "TASK_INDEX_VAR",
+    "TASK_TYPE_VAR",
+    "TIMEOUT_VAR",
+    "TTY_VAR",
+    "VARIABLES",
+    "Variable",
+]
+
+TASK_TYPE_VAR = "CONVEYOR_TASK_TYPE"
+TASK_INDEX_VAR = "CONVEYOR_TASK_INDEX"
+STRATEGY_VAR = "CONVEYOR_STRATEGY"
+DATA_DIR_VAR = "CONVEYOR_DATA_DIR"
+OUTPUT_DIR_VAR = "CONVEYOR_OUTPUT_DIR"
+JOB_SECRET_VAR = "CONVEYOR_JOB_SECRET"
+JOB_SECRET_FILE_VAR = "CONVEYOR_JOB_SECRET_FILE"
+RESTART_COUNT_VAR = "CONVEYOR_RESTART_COUNT"
+RESUME_VAR = "CONVEYOR_RESUME"
+TIMEOUT_VAR = "CONVEYOR_TIMEOUT"
+TTY_VAR = "CONVEYOR_TTY"
+OMP_DEFAULT_VAR = "CONVEYOR_OMP_DEFAULT"
+PIPELINE_STAGES_VAR = "CONVEYOR_PIPELINE_STAGES"
+PIPELINE_MICROBATCHES_VAR = "CONVEYOR_PIPELINE_MICROBATCHES"
+PIPELINE_SCHEDULE_VAR = "CONVEYOR_PIPELINE_SCHEDULE"
+PIPELINE_SPLIT_VAR = "CONVEYOR_PIPELINE_SPLIT"
+#: ``conveyor run --stages/--microbatches/--schedule/--split``, by flag (read by the pipeline strategy)
+PIPELINE_VARS = {"stages": PIPELINE_STAGES_VAR, "microbatches": PIPELINE_MICROBATCHES_VAR,
+                 "schedule": PIPELINE_SCHEDULE_VAR, "split": PIPELINE_SPLIT_VAR}
+
+
+@dataclass(frozen=True)
+class Variable:
+    """One row of the table: the variable, what it means, who sets it, who reads it."""
+
+    name: str
+    meaning: str
+    set_by: str
+    read_by: str
+
+
+_RUN = "`conveyor run`"
+_INIT = "conveyor.init()"
+
+#: Every ``CONVEYOR_*`` variable: the table users read to know what a task is told and what they may set.
+VARIABLES: tuple[Variable, ...] = (
+    Variable(TASK_TYPE_VAR, "this task's job: chief, worker, ps or evaluator", f"{_RUN}, on every task",
+             f"discovery ({_INIT})"),
+    Variable(TASK_INDEX_VAR, "this task's index within its job", f"{_RUN}, on every task", f"discovery ({_INIT})"),
+    Variable(STRATEGY_VAR, "the strategy name (allreduce, ps-ssp:4, ...; conveyor.cluster.strategy_name)",
+             f"{_RUN} (--strategy, else the default), or the user", f"{_INIT}; the ps task"),
+    Variable(DATA_DIR_VAR, "the job's data folder", f"{_RUN} (--data-dir), or the user", f"{_INIT} (job.data_dir)"),
+    Variable(OUTPUT_DIR_VAR, "the job's output folder: checkpoints, logs, metrics",
+             f"{_RUN} (--output-dir), or the user", f"{_INIT} (job.output_dir); the ps task (its checkpoint shards)"),
+    Variable(JOB_SECRET_VAR, "the job's message-signing key, in hex",
+             f"{_RUN}, on every task; the user, for {_RUN} itself (e.g. from a Kubernetes Secret)",
+             f"{_INIT}; the ps task; {_RUN} (the job's secret)"),
+    Variable(JOB_SECRET_FILE_VAR, "a file (mode 600) holding the job's secret, like --job-secret-file", "the user",
+             _RUN),
+    Variable(RESTART_COUNT_VAR, "how many times the job was restarted (0 the first time)",
+             f"{_RUN}'s supervisor, per attempt", f"{_INIT} (job.restart_count)"),
+    Variable(RESUME_VAR, "0: start over, ignoring the checkpoints already there", f"{_RUN} (--no-resume)",
+             f"{_INIT} (job.resume)"),
+    Variable(TIMEOUT_VAR, "seconds that bound the rendezvous and every collective (default 300)",
+             f"{_RUN} (--timeout), or the user", f"{_INIT} (job.timeout)"),
+    Variable(TTY_VAR, "1: the launcher's own output is a terminal, so the chief may redraw a progress bar",
+             f"{_RUN}'s supervisor", "the trainer's progress bar (conveyor.train.progress)"),
+    Variable(OMP_DEFAULT_VAR, "1: OMP_NUM_THREADS=1 is the launcher's default (several tasks on one machine, as "
+             "torchrun does), not the user's choice", _RUN,
+             f"{_INIT}, which gives each training task its share of the cores instead"),
+    Variable(PIPELINE_STAGES_VAR, "pipeline stages S per replica", f"{_RUN} (--stages), or the user",
+             "the pipeline strategy"),
+    Variable(PIPELINE_MICROBATCHES_VAR, "microbatches M per step (default 2 S)", f"{_RUN} (--microbatches)",
+             "the pipeline strategy"),
+    Variable(PIPELINE_SCHEDULE_VAR, "1f1b (default) or gpipe", f"{_RUN} (--schedule)", "the pipeline strategy"),
+    Variable(PIPELINE_SPLIT_VAR, "layer names to cut the model before, comma-separated", f"{_RUN} (--split)",
+             "the pipeline strategy"),
+)
+
+#: The names alone, in the table's order.
+NAMES: tuple[str, ...] = tuple(v.name for v in VARIABLES)
