@@ -1,0 +1,630 @@
+"""Pipeline-parallel benchmark: conveyor's pipeline strategy, one process, a bare torch pipelining loop.
+
+    python benchmarks/pipeline_parallel.py                 # 2048 x 16 MLP + Adam, 2 rounds, ~4-6 min on 2 cores
+    python benchmarks/pipeline_parallel.py --quick         # tiny MLP, M = 16 only, 1 round (a test runs it, ~20 s)
+    python benchmarks/pipeline_parallel.py --repeats 3 --steps 6 --four-stages --out /tmp/bench-results
+
+Workload: an ``nn.Sequential`` of ``--depth`` blocks, each ``Linear(W, W)`` + ReLU (the last a plain
+Linear), W = ``--width``; MSE against a fixed random target; Adam (lr 1e-4). Default W 2048, depth 16:
+67M parameters, whose parameters, gradients and Adam's two moments take ~1.07 GB in one process. One
+fixed batch of ``--batch`` rows (default 64, divisible by every M). Every process runs one intra-op
+thread (``OMP_NUM_THREADS=MKL_NUM_THREADS=1`` and ``torch.set_num_threads(1)``).
+
+Contenders, each a fresh set of processes started by this script (settings as a JSON argument, results
+as JSON files), all doing ``--warmup`` untimed steps then ``--steps`` timed ones; samples/s = batch x
+steps / the timed wall time (2 processes: between two barriers, on rank 0):
+
+- ``one_process``: the whole model in one process (``zero_grad``, forward, loss, backward, ``step``).
+- ``bare_pipelining``: 2 processes, ``dist.init_process_group("gloo", init_method="tcp://127.0.0.1:P")``,
+  each builds the model, keeps its half (``nn.Sequential(*blocks[a:b])``), wraps it in a static
+  ``PipelineStage`` (example tensors for one microbatch) and ``Schedule1F1B(stage, M, loss_fn,
+  scale_grads=True)``; a step is ``zero_grad``, ``schedule.step(...)``, ``optimizer.step()`` — the loop
+  torch's documentation shows.
+- ``conveyor_pipeline``: 2 processes with the environment ``conveyor run -n 2 --strategy pipeline
+  --stages 2 --microbatches M --schedule 1f1b --split D/2`` gives them (the launcher's ``local_plan``),
+  ``conveyor.init()``, ``job.prepare(model, optimizer)``, ``job.train_step(...)``.
+
+Both pipelines cut at the same block (``--split`` = the middle block) and use M = ``--microbatches``
+(default 8) for the throughput rounds, which are interleaved (order reversed every other round); medians
+and per-round paired ratios are reported.
+
+Measured besides (all from inside the processes):
+
+- **Memory**: each process's peak resident set (``resource.getrusage(RUSAGE_SELF).ru_maxrss``) at its
+  end — one_process is "1 stage", the largest conveyor_pipeline process "2 stages" (and a 4-stage
+  conveyor run with ``--four-stages``, or when the machine has >= 4 cores). The RSS right after the
+  imports (torch, conveyor: the floor every process pays) is shown next to it.
+- **Bubble**: conveyor runs for M in ``--sweep`` (default 2, 4, 8, 16) x (gpipe, 1f1b); after the warm-up
+  the stage runner's counters are zeroed, so conveyor's own ``summary_figures()`` (per-stage compute,
+  send/recv wait, measured bubble = wait / schedule wall time) covers the timed steps only; shown next
+  to (S-1)/(M+S-1).
+- **Activation memory of stage 0**, in the same sweep runs: one more step under
+  ``torch.autograd.graph.saved_tensors_hooks`` counts the bytes autograd holds for backward (each
+  saved tensor once, the stage's parameters excluded), live from pack until the graph frees them. Its peak, in
+  units of one microbatch's saved bytes (the step's total / M), is how many microbatches' activations
+  the stage holds at once: the quantity 1F1B bounds by S and GPipe does not. Chosen over RSS growth
+  because CPU RSS includes allocator caching and Adam's temporaries, and torch tracks no CPU memory.
+
+Output: an aligned table and PASS/FAIL goal lines on stdout; JSON (machine incl. load average, config,
+every sample, derived values, goals) in ``<out>/pipeline_parallel-<timestamp>.json`` and
+``<out>/pipeline_parallel-latest.json`` (default ``benchmarks/results/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by file path
+import harness as h  # noqa: E402
+
+NAME = "pipeline_parallel"
+HERE = Path(__file__).resolve()
+CONTENDERS_SPEC = (  # round order; odd rounds reversed, so the compared pair always runs back to back
+    h.Contender("one_process", "whole model, one process, one thread"),
+    h.Contender("bare_pipelining", "hand-written PipelineStage + Schedule1F1B loop, 2 processes, gloo"),
+    h.Contender("conveyor_pipeline", "conveyor --strategy pipeline --stages 2, schedule 1f1b, 2 processes"),
+)
+CONTENDERS = tuple(c.name for c in CONTENDERS_SPEC)
+SCHEDULES = ("gpipe", "1f1b")
+STAGES = 2
+GOALS = (
+    h.Goal("memory: largest process with 2 stages / one-process peak RSS", "memory_ratio_2", 0.6, "<="),
+    h.Goal("bubble: max |measured - (S-1)/(M+S-1)| over stages, schedules, M >= 4", "bubble_max_gap", 0.05, "<="),
+    h.Goal("throughput: conveyor_pipeline / bare_pipelining (ratio of medians)", "conveyor_vs_bare", 0.97),
+    h.Goal("throughput: conveyor_pipeline / (S x (1 - bubble) x one_process)", "conveyor_vs_ideal", 0.85),
+    h.Goal("activations: 1F1B stage 0 at the largest M, microbatches held (about S)", "act_1f1b", 1.25 * STAGES,
+           "<="),
+    h.Goal("activations: GPipe stage 0 at the largest M, microbatches held / M (about 1)", "act_gpipe_share", 0.9),
+)
+
+
+# ==================================================================================================
+# Worker side: runs in the processes this script starts.
+# ==================================================================================================
+
+
+def make_model(width: int, depth: int):
+    """The same deep MLP in every process (fixed seed): blocks "0".."depth-1", each Linear + ReLU but the last."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(depth - 1)]
+    return nn.Sequential(*blocks, nn.Linear(width, width))
+
+
+def make_batch(width: int, batch: int):
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)
+
+
+def make_optimizer(params):
+    import torch
+
+    return torch.optim.Adam(params, lr=1e-4)
+
+
+def rss_mb() -> float:
+    """This process's peak resident set so far, MB (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class SavedBytes:
+    """Bytes autograd saves for backward, live from pack until the graph drops them. A tensor saved twice
+    (one layer's output is the next one's input) counts once; parameters (and their views) are the model,
+    not activations. Keyed by the tensor's own bytes, not its storage: a microbatch is a view into the
+    whole batch's storage."""
+
+    def __init__(self, params) -> None:
+        self.skip = {p.untyped_storage().data_ptr() for p in params}
+        self.refs: dict[tuple[int, int], list[int]] = {}
+        self.live = self.peak = self.total = 0
+
+    def pack(self, t):
+        if t.device.type == "meta" or t.untyped_storage().data_ptr() in self.skip:
+            return t
+        size = t.numel() * t.element_size()
+        key = (t.data_ptr(), size)
+        if key not in self.refs:
+            self.refs[key] = [size, 0]
+            self.live += size
+            self.total += size
+            self.peak = max(self.peak, self.live)
+        self.refs[key][1] += 1
+        return _Held(t, self, key)
+
+    @staticmethod
+    def unpack(held):
+        return held.tensor if isinstance(held, _Held) else held
+
+    def release(self, key: tuple[int, int]) -> None:
+        entry = self.refs[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.live -= entry[0]
+            del self.refs[key]
+
+
+class _Held:
+    """A saved tensor; when autograd frees it, its storage stops counting."""
+
+    def __init__(self, tensor, owner: SavedBytes, key: tuple[int, int]) -> None:
+        self.tensor, self.owner, self.key = tensor, owner, key
+
+    def __del__(self) -> None:
+        self.owner.release(self.key)
+
+
+def saved_activations(step: Callable[[], Any], params, microbatches: int) -> dict[str, float]:
+    """One `step` under saved_tensors_hooks: the peak of live saved bytes, and in microbatches."""
+    import gc
+
+    import torch
+
+    counter = SavedBytes(params)
+    with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+        step()
+    gc.collect()
+    per_mb = counter.total / microbatches
+    return {"peak_bytes": counter.peak, "total_bytes": counter.total, "per_microbatch_bytes": per_mb,
+            "peak_microbatches": counter.peak / per_mb if per_mb else None, "left_live_bytes": counter.live}
+
+
+def timed_steps(step: Callable[[], Any], warmup: int, steps: int, barrier: Callable[[], None],
+                after_warmup: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """`warmup` untimed steps, then `steps` timed ones between two barriers."""
+    for _ in range(warmup):
+        step()
+    after_warmup()
+    barrier()
+    times, start = [], time.perf_counter()
+    for _ in range(steps):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    barrier()
+    wall = time.perf_counter() - start
+    return {"wall_s": wall, "step_ms": [1e3 * x for x in times], "step_ms_median": 1e3 * sorted(times)[len(times) // 2]}
+
+
+def run_one_process(config: dict[str, Any]) -> dict[str, Any]:
+    from torch import nn
+
+    model = make_model(config["width"], config["depth"])
+    optimizer = make_optimizer(model.parameters())
+    x, y = make_batch(config["width"], config["batch"])
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+
+    return {"rank": 0, **timed_steps(step, config["warmup"], config["steps"], lambda: None)}
+
+
+def run_bare(config: dict[str, Any]) -> dict[str, Any]:
+    """The loop a user writes from torch's pipelining docs: own half of the model, a static stage, the schedule."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    rank, width, m = config["rank"], config["width"], config["microbatches"]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{config['port']}", rank=rank, world_size=STAGES)
+    try:
+        blocks = list(make_model(width, config["depth"]))
+        cut = config["split"]
+        module = nn.Sequential(*(blocks[:cut] if rank == 0 else blocks[cut:]))
+        del blocks  # the other half is freed
+        optimizer = make_optimizer(module.parameters())
+        x, y = make_batch(width, config["batch"])
+        example = torch.empty(config["batch"] // m, width)
+        stage = PipelineStage(module, rank, STAGES, torch.device("cpu"),
+                              input_args=example.clone().requires_grad_(rank > 0),
+                              output_args=example.clone().requires_grad_())
+        schedule = Schedule1F1B(stage, m, loss_fn=nn.functional.mse_loss, scale_grads=True)
+
+        def step() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            if rank == 0:
+                schedule.step(x)
+            else:
+                schedule.step(target=y, losses=[])
+            optimizer.step()
+
+        result = {"rank": rank, **timed_steps(step, config["warmup"], config["steps"], dist.barrier)}
+        dist.barrier()  # rank 0 hosts the tcp:// store: it leaves last
+        return result
+    finally:
+        dist.destroy_process_group()
+
+
+def run_conveyor(config: dict[str, Any]) -> dict[str, Any]:
+    from torch import nn
+
+    import conveyor
+
+    job = conveyor.init()  # the environment conveyor run's launcher plan gave this process
+    try:
+        model = make_model(config["width"], config["depth"])
+        model, optimizer = job.prepare(model, make_optimizer(model.parameters()))
+        x, y = make_batch(config["width"], config["batch"])
+        runner = job.strategy.runner
+
+        def step() -> None:
+            job.train_step(model, optimizer, nn.functional.mse_loss, x, y)
+
+        def reset() -> None:  # the summary's figures then cover the timed steps only
+            runner.seconds = {k: 0 for k in runner.seconds}
+
+        result = {"rank": job.rank, "stage": job.strategy.stage,
+                  **timed_steps(step, config["warmup"], config["steps"], job.barrier, reset)}
+        result["figures"] = job.strategy.summary_figures()["pipeline"]
+        if config.get("activations"):
+            result["activations"] = saved_activations(step, list(model.parameters()), runner.microbatches)
+        return result
+    finally:
+        job.shutdown()
+
+
+def worker(config: dict[str, Any]) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    import conveyor  # noqa: F401  (every contender pays the same import floor)
+
+    base = rss_mb()
+    run = {"one_process": run_one_process, "bare_pipelining": run_bare}.get(config["contender"], run_conveyor)
+    result = run(config)
+    result.update({"peak_rss_mb": rss_mb(), "import_rss_mb": base, "threads": torch.get_num_threads(),
+                   "samples_per_s": config["batch"] * config["steps"] / result["wall_s"]})
+    (Path(config["result_dir"]) / f"rank{result['rank']}.json").write_text(json.dumps(result))
+
+
+# ==================================================================================================
+# Parent side: starts the runs, collects, reports.
+# ==================================================================================================
+
+
+def _base_env() -> dict[str, str]:
+    from conveyor.launch import OWNED_VARS
+
+    env = {k: v for k, v in os.environ.items() if k not in OWNED_VARS and not k.startswith("CONVEYOR_")}
+    return env | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _launches(config: dict[str, Any], workdir: Path) -> list[tuple[list[str], dict[str, str]]]:
+    """(argv, env) of each process of the run `config` describes."""
+    from conveyor.launch import RunOptions, free_ports, local_plan
+
+    env, kind = _base_env(), config["contender"]
+    if kind == "one_process":
+        return [([sys.executable, str(HERE), "--worker", json.dumps(config)], env)]
+    if kind == "bare_pipelining":
+        port = free_ports(1)[0]
+        return [([sys.executable, str(HERE), "--worker", json.dumps({**config, "rank": r, "port": port})], env)
+                for r in range(STAGES)]
+    stages = config["stages"]
+    options = RunOptions(script=str(HERE), script_args=("--worker", json.dumps(config)), workers=stages,
+                         strategy="pipeline", stages=stages, microbatches=config["microbatches"],
+                         schedule=config["schedule"], split=str(config["split"]) if stages == 2 else None,
+                         data_dir=str(workdir / "data"), output_dir=str(workdir / "output"), python=sys.executable)
+    ports = free_ports(stages + 1)  # as `conveyor run`: one per task, one for torch's store
+    plan = local_plan(options, ports[:-1], master_port=ports[-1], secret=secrets.token_bytes(32), environ=env)
+    return [(list(t.argv), dict(t.env)) for t in plan.tasks]
+
+
+def _tail(path: Path, lines: int = 6) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "(no log)"
+    return " | ".join(text[-lines:]) or "(empty log)"
+
+
+def run_processes(config: dict[str, Any], workdir: Path, timeout: float) -> list[dict[str, Any]]:
+    """Start the run's processes, wait for them (killing our own on failure), return every rank's result."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    config = {**config, "result_dir": str(workdir)}
+    procs: list[tuple[subprocess.Popen, Path]] = []
+    failed = None
+    try:
+        for r, (argv, env) in enumerate(_launches(config, workdir)):
+            log = workdir / f"rank{r}.log"
+            with open(log, "wb") as f:
+                procs.append((subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                               stdin=subprocess.DEVNULL, cwd=str(workdir)), log))
+        deadline = time.monotonic() + timeout
+        for proc, log in procs:
+            try:
+                code = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                failed = f"timed out after {timeout:.0f} s"
+                break
+            if code != 0:
+                failed = f"{log.stem} exited with code {code}: {_tail(log)}"
+                break
+    finally:
+        for proc, _ in procs:  # only our own children, by handle
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if failed:
+        raise h.ContenderFailed(failed)
+    paths = [workdir / f"rank{r}.json" for r in range(len(procs))]
+    missing = [p.name for p in paths if not p.exists()]
+    if missing:
+        raise h.ContenderFailed(f"no result from {', '.join(missing)}")
+    return [json.loads(p.read_text()) for p in paths]
+
+
+def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """A run as kept in the JSON: rank 0's rate and step time, every rank's peak RSS."""
+    head = ranks[0]
+    keep = {k: head[k] for k in ("samples_per_s", "wall_s", "step_ms", "step_ms_median") if k in head}
+    keep["peak_rss_mb"] = [r["peak_rss_mb"] for r in ranks]
+    keep["import_rss_mb"] = [r["import_rss_mb"] for r in ranks]
+    keep["threads"] = [r["threads"] for r in ranks]
+    for key in ("figures", "activations"):
+        found = [r[key] for r in ranks if key in r and r.get("stage", 0) == 0]
+        if found:
+            keep[key] = found[0]
+    return keep
+
+
+def run_rounds(config: dict[str, Any], repeats: int, timeout: float, tmp: Path,
+               contenders: Sequence[str] = CONTENDERS) -> dict[str, Any]:
+    """Interleaved throughput rounds (1F1B, M = --microbatches) with every process's peak RSS."""
+
+    def measure(c: str, rnd: int) -> tuple[float, dict[str, Any]]:
+        cfg = {**config, "contender": c, "stages": STAGES, "schedule": "1f1b", "activations": True}
+        run = summarize(run_processes(cfg, tmp / f"r{rnd}-{c}", timeout))
+        return run["samples_per_s"], run
+
+    def describe(sps: float, run: dict[str, Any]) -> str:
+        rss = ", ".join(f"{x:.0f}" for x in run["peak_rss_mb"])
+        return f"{sps:8.1f} samples/s  (step {run['step_ms_median']:.0f} ms, peak RSS {rss} MB)"
+
+    return h.interleaved_rounds(contenders, repeats, measure, describe=describe)
+
+
+def run_sweep(config: dict[str, Any], sweep: Sequence[int], timeout: float, tmp: Path,
+              done: dict[str, Any] | None = None) -> dict[str, Any]:
+    """conveyor for every (schedule, M): its own per-stage figures and stage 0's saved activations.
+    `done`: runs already made ({"1f1b/8": run}: the throughput rounds' last conveyor run), not repeated."""
+    out: dict[str, Any] = {}
+    for schedule in SCHEDULES:
+        for m in sweep:
+            key = f"{schedule}/{m}"
+            if done and key in done:
+                out[key] = {**done[key], "from": "throughput rounds"}
+                continue
+            cfg = {**config, "contender": "conveyor_pipeline", "stages": STAGES, "schedule": schedule,
+                   "microbatches": m, "activations": True}
+            try:
+                out[key] = summarize(run_processes(cfg, tmp / f"sweep-{schedule}-{m}", timeout))
+                fig = out[key]["figures"]
+                shown = " ".join(h.fmt(s["bubble_fraction"], ".3f") for s in fig["per_stage"])
+                print(f"  sweep {key:<8} bubble per stage {shown} (theory {fig['theoretical_bubble_fraction']:.3f}), "
+                      f"stage 0 holds {h.fmt(out[key]['activations']['peak_microbatches'], '.2f')} microbatches")
+            except h.ContenderFailed as e:
+                out[key] = {"error": str(e)}
+                print(f"  sweep {key:<8} FAILED: {e}")
+    return out
+
+
+def run_four_stages(config: dict[str, Any], timeout: float, tmp: Path) -> dict[str, Any]:
+    cfg = {**config, "contender": "conveyor_pipeline", "stages": 4, "schedule": "1f1b",
+           "microbatches": max(config["microbatches"], 4)}
+    try:
+        return summarize(run_processes(cfg, tmp / "four-stages", timeout))
+    except h.ContenderFailed as e:
+        return {"error": str(e)}
+
+
+# ------------------------------------------------------------------------------------ derived values
+
+
+def theory(stages: int, m: int) -> float:
+    return (stages - 1) / (m + stages - 1)
+
+
+def _bubble_rows(sweep: dict[str, Any]) -> tuple[list[dict[str, Any]], float]:
+    """Per (schedule, M): each stage's measured bubble and its gap to theory; the largest gap at M >= 4."""
+    rows, gaps = [], []
+    for key, run in sweep.items():
+        schedule, m = key.split("/")
+        fig = run.get("figures")
+        if fig is None:
+            rows.append({"schedule": schedule, "microbatches": int(m), "error": run.get("error")})
+            continue
+        stages = fig["per_stage"]
+        gap = max((h.gap(s["bubble_fraction"], fig["theoretical_bubble_fraction"]) for s in stages),
+                  default=float("nan"))
+        rows.append({"schedule": schedule, "microbatches": int(m), "theory": fig["theoretical_bubble_fraction"],
+                     "measured": [s["bubble_fraction"] for s in stages],
+                     "compute_ms": [1e3 * s["compute_seconds_per_step"] for s in stages],
+                     "wait_ms": [1e3 * s["send_recv_wait_seconds_per_step"] for s in stages],
+                     "max_gap": gap, "activations": run.get("activations")})
+        if int(m) >= 4:
+            gaps.append(gap)
+    # a failed (schedule, M) at M >= 4 leaves the goal unmeasured rather than passing on the rest
+    failed = any("error" in r and r["microbatches"] >= 4 for r in rows)
+    return rows, (float("nan") if failed or not gaps else max(h.finite(gaps) or [float("nan")]))
+
+
+def _activations(rows: list[dict[str, Any]], schedule: str) -> dict[str, Any] | None:
+    """Stage 0's saved activations at the largest M the sweep ran for `schedule`."""
+    mine = [r for r in rows if r["schedule"] == schedule and r.get("activations")]
+    if not mine:
+        return None
+    top = max(mine, key=lambda r: r["microbatches"])
+    return {"microbatches": top["microbatches"], **top["activations"]}
+
+
+def derive(res: dict[str, Any], sweep: dict[str, Any], four: dict[str, Any] | None, m: int) -> dict[str, Any]:
+    s = {c: list(res["samples"].get(c, [])) for c in CONTENDERS}
+    runs = {c: [r for r in res["runs"].get(c, []) if r is not None] for c in CONTENDERS}
+    med = {c: h.median(v) for c, v in s.items()}
+    peak = {c: h.median(max(r["peak_rss_mb"]) for r in runs[c]) for c in CONTENDERS}
+    floor = {c: h.median(max(r["import_rss_mb"]) for r in runs[c]) for c in CONTENDERS}
+    ideal = STAGES * (1 - theory(STAGES, m))
+    rows, max_gap = _bubble_rows(sweep)
+    act = {sch: _activations(rows, sch) for sch in SCHEDULES}
+    a1, ag = act["1f1b"], act["gpipe"]
+    four_peak = max(four["peak_rss_mb"]) if four and "peak_rss_mb" in four else None
+    return {
+        "median_samples_per_s": med, "min": {c: h.lowest(v) for c, v in s.items()},
+        "max": {c: h.highest(v) for c, v in s.items()},
+        "step_ms": {c: h.median(r["step_ms_median"] for r in runs[c]) for c in CONTENDERS},
+        "peak_rss_mb": peak, "import_rss_mb": floor,
+        "peak_rss_mb_4_stages": four_peak,
+        "memory_ratio_2": h.ratio(peak["conveyor_pipeline"], peak["one_process"]),
+        "memory_ratio_2_bare": h.ratio(peak["bare_pipelining"], peak["one_process"]),
+        "memory_ratio_4": h.ratio(four_peak, peak["one_process"]),
+        "conveyor_vs_bare": h.ratio(med["conveyor_pipeline"], med["bare_pipelining"]),
+        "conveyor_vs_bare_per_round": h.paired(s["conveyor_pipeline"], s["bare_pipelining"]),
+        "ideal_speedup": ideal,
+        "conveyor_vs_ideal": h.ratio(med["conveyor_pipeline"], ideal * med["one_process"]),
+        "conveyor_vs_ideal_per_round": h.paired(s["conveyor_pipeline"], s["one_process"], scale=ideal),
+        "bare_vs_ideal": h.ratio(med["bare_pipelining"], ideal * med["one_process"]),
+        "bubble": rows, "bubble_max_gap": max_gap, "activations_stage0": act,
+        "act_1f1b": a1["peak_microbatches"] if a1 else None,
+        "act_gpipe_share": ag["peak_microbatches"] / ag["microbatches"] if ag and ag["peak_microbatches"] else None,
+    }
+
+
+# ------------------------------------------------------------------------------------ report
+
+
+def _throughput_rows(res: dict[str, Any], d: dict[str, Any]) -> list[tuple[str, ...]]:
+    rows = [("contender", "procs", "samples/s", "min", "max", "step ms", "peak RSS MB", "import RSS MB",
+             "per round")]
+    for c in CONTENDERS:
+        procs = "1" if c == "one_process" else str(STAGES)
+        rows.append((c, procs, h.fmt(d["median_samples_per_s"][c], ".1f"), h.fmt(d["min"][c], ".1f"),
+                     h.fmt(d["max"][c], ".1f"), h.fmt(d["step_ms"][c], ".0f"), h.fmt(d["peak_rss_mb"][c], ".0f"),
+                     h.fmt(d["import_rss_mb"][c], ".0f"), h.fmt_all(res["samples"].get(c, []), ".1f") or "skipped"))
+    return rows
+
+
+def _sweep_rows(d: dict[str, Any]) -> list[tuple[str, ...]]:
+    rows = [("schedule", "M", "theory", "stage 0", "stage 1", "max gap", "compute ms/step", "wait ms/step",
+             "stage-0 act. (microbatches)")]
+    for r in d["bubble"]:
+        if "error" in r:
+            rows.append((r["schedule"], str(r["microbatches"]), f"FAILED: {r['error']}"))
+            continue
+        act = r["activations"] or {}
+        rows.append((r["schedule"], str(r["microbatches"]), h.fmt(r["theory"], ".3f"),
+                     *(h.fmt(x, ".3f") for x in r["measured"]), h.fmt(r["max_gap"], ".3f"),
+                     " / ".join(h.fmt(x, ".0f") for x in r["compute_ms"]),
+                     " / ".join(h.fmt(x, ".0f") for x in r["wait_ms"]),
+                     f"{h.fmt(act.get('peak_microbatches'), '.2f')} ({h.fmt(act.get('peak_bytes'), '.1f', 1e-6)} MB)"))
+    return rows
+
+
+def format_table(res: dict[str, Any], d: dict[str, Any], config: dict[str, Any], repeats: int) -> str:
+    m = config["microbatches"]
+    head = (f"pipeline_parallel benchmark: MLP {config['depth']} x Linear({config['width']}) + Adam "
+            f"({config['params']:,} params, {config['state_mb']:.0f} MB params+grads+Adam), batch {config['batch']}, "
+            f"{config['steps']} timed steps after {config['warmup']} warm-up, {repeats} round(s), "
+            f"1 thread/process, gloo on 127.0.0.1; pipelines: 2 stages cut before block {config['split']}, 1F1B, M={m}")
+    four = d["peak_rss_mb_4_stages"]
+    lines = [head, "", h.format_rows(_throughput_rows(res, d), left=(0, 8)), "",
+             f"conveyor_pipeline / bare_pipelining     {h.fmt(d['conveyor_vs_bare'], '.3f')}  (per round "
+             f"{h.fmt_all(d['conveyor_vs_bare_per_round'], '.3f')})",
+             f"conveyor_pipeline / (S(1-b) one_process) {h.fmt(d['conveyor_vs_ideal'], '.3f')}  (S(1-b) = "
+             f"{d['ideal_speedup']:.3f}; per round {h.fmt_all(d['conveyor_vs_ideal_per_round'], '.3f')}; bare "
+             f"{h.fmt(d['bare_vs_ideal'], '.3f')})",
+             f"peak RSS, largest process: 1 stage {h.fmt(d['peak_rss_mb']['one_process'], '.0f')} MB, 2 stages "
+             f"{h.fmt(d['peak_rss_mb']['conveyor_pipeline'], '.0f')} MB (x{h.fmt(d['memory_ratio_2'], '.3f')}; bare "
+             f"x{h.fmt(d['memory_ratio_2_bare'], '.3f')}), 4 stages "
+             + (f"{four:.0f} MB (x{h.fmt(d['memory_ratio_4'], '.3f')})" if four else "not run (--four-stages)"),
+             "", "bubble (conveyor's summary figures over the timed steps; wait = send/recv wait) and stage 0's "
+             "saved activations (saved_tensors_hooks, one extra step):", "",
+             h.format_rows(_sweep_rows(d), left=(0,))]
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = h.parser(__doc__, "tiny MLP (256 wide, 4 blocks), batch 32, M 16 only, 1 round, 2 steps")
+    p.add_argument("--width", type=int, default=None, help="Linear width (default 2048; --quick 256)")
+    p.add_argument("--depth", type=int, default=None, help="blocks (default 16; --quick 4)")
+    p.add_argument("--batch", type=int, default=None, help="rows per step (default 64; --quick 32)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 4; --quick 2)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 1; --quick 1)")
+    p.add_argument("--microbatches", type=int, default=None, help="M of the throughput rounds (default 8; --quick 16)")
+    p.add_argument("--sweep", type=lambda t: tuple(int(x) for x in t.split(",")), default=None,
+                   help="M of the bubble sweep, comma-separated (default 2,4,8,16; --quick 16)")
+    p.add_argument("--four-stages", action="store_true", help="also a 4-stage run (memory), even on < 4 cores")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per run before it is stopped (default 300)")
+    p.add_argument("--contenders", type=h.contender_names(CONTENDERS), default=CONTENDERS,
+                   help=f"comma-separated subset of {','.join(CONTENDERS)}")
+    p.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)
+    args = h.settle(p, p.parse_args(argv), {"width": (2048, 256), "depth": (16, 4), "batch": (64, 32),
+                                            "steps": (4, 2), "warmup": (1, 1), "microbatches": (8, 16),
+                                            "sweep": ((2, 4, 8, 16), (16,)), "repeats": (2, 1), "timeout": (300, 60)},
+                    positive=("width", "depth", "batch", "steps", "microbatches", "repeats", "timeout"),
+                    non_negative=("warmup",))
+    for m in (args.microbatches, *args.sweep):
+        if m < 1 or args.batch % m:
+            p.error(f"--batch {args.batch} must be divisible by every M (got M = {m})")
+    if args.depth < 2 * STAGES:
+        p.error(f"--depth {args.depth}: at least {2 * STAGES} blocks for the 4-stage run")
+    args.contenders = list(args.contenders)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker is not None:
+        worker(json.loads(args.worker))
+        return 0
+    started = time.perf_counter()
+    params = args.depth * (args.width * args.width + args.width)
+    config = {"width": args.width, "depth": args.depth, "batch": args.batch, "steps": args.steps,
+              "warmup": args.warmup, "microbatches": args.microbatches, "split": args.depth // 2,
+              "params": params, "state_mb": 16 * params / 1e6}
+    machine = h.machine_start(("torch",))
+    four_wanted = args.four_stages or machine["cores"] >= 4
+    print(f"MLP {args.depth} x {args.width}: {params:,} params ({config['state_mb']:.0f} MB with grads and Adam), "
+          f"batch {args.batch}, {args.repeats} round(s), {machine['cores']} cores, load {machine['loadavg_start']}")
+    with tempfile.TemporaryDirectory(prefix="conveyor-pipeline-bench-") as tmp:
+        res = run_rounds(config, args.repeats, args.timeout, Path(tmp), args.contenders)
+        last = [r for r in res["runs"].get("conveyor_pipeline", []) if r is not None and "figures" in r]
+        sweep = run_sweep(config, args.sweep, args.timeout, Path(tmp),
+                          {f"1f1b/{args.microbatches}": last[-1]} if last else None)
+        four = run_four_stages(config, args.timeout, Path(tmp)) if four_wanted else None
+    d = derive(res, sweep, four, args.microbatches)
+    gs = h.evaluate_goals(GOALS, d)
+    table = format_table(res, d, config, args.repeats)
+    report = {
+        "benchmark": NAME, "command": h.command_line(NAME, argv), "machine": h.machine_end(machine),
+        "config": {**config, "repeats": args.repeats, "quick": args.quick, "sweep": list(args.sweep),
+                   "timeout": args.timeout, "threads_per_process": 1, "optimizer": "Adam(lr=1e-4)",
+                   "stages": STAGES, "schedule_throughput": "1f1b", "four_stages": four_wanted,
+                   "contenders": {c.name: c.label for c in CONTENDERS_SPEC}, "order": res["order"],
+                   "activation_method": "saved_tensors_hooks: live saved bytes (each tensor once, "
+                                        "parameters excluded), peak / (step total / M)"},
+        "sweep": sweep, "four_stages": four,
+    }
+    h.publish_run(NAME, report, res, d, gs, table, started, h.format_goals(gs), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Smoke test of benchmarks/pipeline_parallel.py: `--quick` runs real pipeline processes and writes a sane JSON.
+
+Not a performance assertion: rates are checked to be positive and finite, the bubble and activation
+figures to be in range. To stay within ~30 s on a loaded 2-core machine it runs conveyor's contender
+only (the other two are then "not measured", which the goals must report as FAIL, not PASS).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from numbers_check import finite_positive
+
+BENCHMARK = "pipeline_parallel"
+
+
+def test_parse_args(bench):
+    args = bench.parse_args([])
+    assert (args.width, args.depth, args.batch, args.microbatches, args.sweep) == (2048, 16, 64, 8, (2, 4, 8, 16))
+    quick = bench.parse_args(["--quick"])
+    assert (quick.width, quick.depth, quick.repeats, quick.sweep) == (256, 4, 1, (16,))
+    for bad in (["--batch", "30"], ["--sweep", "2,7"], ["--depth", "3"], ["--steps", "0"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+
+
+def test_saved_bytes_counts_each_saved_tensor_once_and_frees_it(bench):
+    import torch
+
+    layer = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+
+    def step():
+        torch.relu(layer(x)).sum().backward()
+
+    got = bench.saved_activations(step, list(layer.parameters()), microbatches=1)
+    # Linear saves its input (4x8 floats; the weight is a parameter), relu its output (4x8): 256 bytes
+    assert got["total_bytes"] == 256 and got["peak_bytes"] == 256
+    assert got["left_live_bytes"] == 0 and got["peak_microbatches"] == 1.0
+
+
+def test_theory_and_goals_are_data(bench):
+    assert bench.theory(2, 2) == pytest.approx(1 / 3) and bench.theory(2, 16) == pytest.approx(1 / 17)
+    assert {g.key for g in bench.GOALS} == {"memory_ratio_2", "bubble_max_gap", "conveyor_vs_bare",
+                                            "conveyor_vs_ideal", "act_1f1b", "act_gpipe_share"}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_quick_run_writes_json(bench, tmp_path, capsys):
+    assert bench.main(["--quick", "--contenders", "conveyor_pipeline", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    latest = tmp_path / "pipeline_parallel-latest.json"
+    report = json.loads(latest.read_text())
+    assert report["benchmark"] == "pipeline_parallel" and report["errors"] == []
+    assert report["machine"]["cores"] >= 1 and report["machine"]["loadavg_start"] is not None
+    assert report["config"]["quick"] is True and report["config"]["order"] == ["conveyor_pipeline"]
+
+    d = report["derived"]
+    run = report["runs"]["conveyor_pipeline"][0]
+    assert finite_positive(report["samples"]["conveyor_pipeline"][0]) and run["threads"] == [1, 1]
+    assert len(run["peak_rss_mb"]) == 2 and all(finite_positive(x) for x in run["peak_rss_mb"])
+    rows = {(r["schedule"], r["microbatches"]): r for r in d["bubble"]}
+    assert set(rows) == {("gpipe", 16), ("1f1b", 16)}
+    for r in rows.values():
+        assert r["theory"] == pytest.approx(1 / 17) and all(0 <= b < 1 for b in r["measured"])
+    # the schedules' defining difference, measured: 1F1B's first stage holds S microbatches, GPipe's all M
+    assert d["act_1f1b"] == pytest.approx(2.0, abs=0.05) and d["act_gpipe_share"] == pytest.approx(1.0, abs=0.01)
+
+    goals = {g["name"]: g for g in report["goals"]}
+    assert len(goals) == 6 and report["all_pass"] == all(g["pass"] for g in goals.values())
+    for g in goals.values():
+        measured = g["value"] is not None and math.isfinite(g["value"])
+        assert measured or not g["pass"], g  # a contender left out never passes a goal
+        assert ("PASS " if g["pass"] else "FAIL ") + g["name"] in printed
+    assert not goals["throughput: conveyor_pipeline / bare_pipelining (ratio of medians)"]["pass"]
+    assert report["table"] in printed and "1f1b" in report["table"]
