@@ -117,3 +117,10 @@ def test_elements_keep_their_json_form():
     assert from_json({"b": "AP8="}) == b"\x00\xff"
     back = from_json({"nd": "AQACAA==", "dtype": "<u2", "shape": [2]})
     assert back.tolist() == [1, 2] and back.dtype == np.dtype("<u2")
+
+
+def test_format_bytes_for_people():
+    from conveyor.fileio import format_bytes
+
+    assert [format_bytes(n) for n in (0, 1023, 1024, 1536, 5 * 2**20, 3 * 2**40)] == [
+        "0 B", "1023 B", "1.0 KiB", "1.5 KiB", "5.0 MiB", "3072.0 GiB"]

@@ -27,7 +27,8 @@ import os
 import secrets
 from pathlib import Path
 
-__all__ = ["atomic_write", "bytes_from_json", "bytes_to_json", "sync_dir", "umask_mode", "write_file"]
+__all__ = ["atomic_write", "bytes_from_json", "bytes_to_json", "format_bytes", "sync_dir", "umask_mode",
+           "write_file"]
 
 
 def umask_mode(base: int = 0o666) -> int:
@@ -108,3 +109,12 @@ def bytes_from_json(text: str) -> bytes:
     """The bytes `bytes_to_json` wrote. A damaged file raises: `ValueError` (`binascii.Error`) where `text`
     is not base64 — stray characters are refused, not skipped — and `TypeError` where it is not a string."""
     return base64.b64decode(text, validate=True)
+
+
+def format_bytes(n: float) -> str:
+    """A size for people: ``512 B``, ``1.5 KiB``, ``3.2 MiB``, ``1.0 GiB`` (GiB is the largest unit)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable: GiB ends the loop")

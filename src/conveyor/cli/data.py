@@ -25,6 +25,7 @@ from conveyor.data.cifar import IMAGE_ENCODINGS, LAYOUTS, TAR_ENDINGS, convert_c
 from conveyor.data.convert import IMAGE_FORMATS, convert_arrays, convert_image_folder, load_npz
 from conveyor.data.errors import DataLossError
 from conveyor.data.records import TFRecordReader, decode_example, detect_compression
+from conveyor.fileio import format_bytes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -240,10 +241,10 @@ def run_inspect(args: argparse.Namespace) -> int:
         size = os.path.getsize(path)
         kind = compression or "uncompressed"
         if error is None:
-            print(f"{path}: {count} records, {_size(size)}, {kind}, all CRCs OK")
+            print(f"{path}: {count} records, {format_bytes(size)}, {kind}, all CRCs OK")
         else:
             damaged += 1
-            print(f"{path}: DAMAGED after {count} good records, {_size(size)}, {kind}")
+            print(f"{path}: DAMAGED after {count} good records, {format_bytes(size)}, {kind}")
             print(f"conveyor data inspect: {error}", file=sys.stderr)
         for i, record in enumerate(first):
             print(f"  record {i}:")
@@ -297,9 +298,3 @@ def _bytes_preview(b: bytes) -> str:
     return f"<{len(b)} bytes>"
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"

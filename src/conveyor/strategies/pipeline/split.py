@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from conveyor.fileio import format_bytes
+
 __all__ = ["SplitError", "SplitPlan", "StageModule", "check_microbatches", "meta_copy", "plan_split"]
 
 
@@ -60,8 +62,8 @@ class SplitPlan:
         rows = [("stage", "layers", "parameters", "activations / microbatch")]
         for i, names in enumerate(self.stages):
             size = sum(_param_bytes(modules[n]) for n in names)
-            act = "?" if activation_bytes is None else _human(activation_bytes[i])
-            rows.append((str(i), _layer_list(names), _human(size), act))
+            act = "?" if activation_bytes is None else format_bytes(activation_bytes[i])
+            rows.append((str(i), _layer_list(names), format_bytes(size), act))
         widths = [max(len(r[c]) for r in rows) for c in range(4)]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
         return "pipeline split:\n" + "\n".join("  " + line for line in lines)
@@ -228,9 +230,3 @@ def _layer_list(names: Sequence[str], limit: int = 6) -> str:
     return ", ".join(names[:3]) + f", … ({len(names) - 5} more), " + ", ".join(names[-2:])
 
 
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
