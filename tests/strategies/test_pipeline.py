@@ -215,9 +215,9 @@ if __name__ == "__main__":
 # -- checkpoints and recovery under `conveyor run` ------------------------------------------------------------------
 
 
-def conveyor_run(data: Path, out: Path, *flags: str, epochs: int = 3) -> subprocess.Popen:
+def conveyor_run(data: Path, out: Path, *flags: str, epochs: int = 3, max_restarts: int = 2) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "conveyor.cli.main", "run", "-n", "2", "--strategy", "pipeline", *flags,
-           "--data-dir", str(data), "--output-dir", str(out), "--max-restarts", "2", "--timeout", "60",
+           "--data-dir", str(data), "--output-dir", str(out), "--max-restarts", str(max_restarts), "--timeout", "60",
            str(DIGITS), "--epochs", str(epochs), "--checkpoint-every", "20"]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -291,7 +291,8 @@ def test_kill_9_of_a_stage_restarts_from_the_checkpoint_and_matches_the_uninterr
 def test_a_checkpoint_of_another_split_is_refused_naming_both(tmp_path, uninterrupted):
     out = tmp_path / "other-split"
     shutil.copytree(uninterrupted / "checkpoints", out / "checkpoints")
-    run = conveyor_run(uninterrupted.parent / "data", out, "--split", "features.3", epochs=4)
+    # the refusal is the same every time: no restarts, so the test waits for one attempt only
+    run = conveyor_run(uninterrupted.parent / "data", out, "--split", "features.3", epochs=4, max_restarts=0)
     log, _ = run.communicate(timeout=180)
     assert run.returncode != 0
     assert "written with the split [features | head] (2 stages) and this job splits " \
