@@ -1,13 +1,36 @@
-"""Shared by the multi-process tests: wait for the task processes a test started, never forever."""
+"""Shared by the multi-process tests: the environments of a local job's tasks, and waiting for the task
+processes a test started, never forever."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import IO
 
 import pytest
+
+from conveyor.cluster import local_cluster, task_environment
+from conveyor.launch.ports import free_ports
+
+# Variables that would make the tasks discover something other than what the test gives them.
+_FOREIGN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG",
+            "OMP_NUM_THREADS")
+
+
+def local_job_envs(out: Path, world: int, strategy: str) -> list[dict[str, str]]:
+    """Each training task's environment for a one-machine job of ``world`` tasks, as `conveyor run` gives it:
+    this process's environment without any launcher's variables, plus the task's own."""
+    ports = free_ports(world + 1)
+    spec = local_cluster(num_workers=world, num_ps=0, ports=ports[:world])
+    base = {k: v for k, v in os.environ.items()
+            if k not in _FOREIGN and not k.startswith(("CONVEYOR_", "SLURM_", "TORCHELASTIC_"))}
+    return [base | task_environment(spec, task, secret=b"test-secret", data_dir=out / "data",
+                                    output_dir=out / "output", master_addr="127.0.0.1", master_port=ports[world],
+                                    strategy=strategy, local_rank=rank, local_world_size=world)
+            for rank, task in enumerate(spec.training_tasks)]
 
 
 def wait_all(procs: Sequence[tuple[subprocess.Popen, IO]], deadline: float, what: str,

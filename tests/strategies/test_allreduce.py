@@ -22,9 +22,7 @@ import torch
 from torch import nn
 
 import conveyor
-from conveyor.cluster import local_cluster, task_environment
 from conveyor.comm.process_group import PeerError, collective_guard
-from conveyor.launch.ports import free_ports
 
 pytestmark = pytest.mark.multiprocess
 
@@ -35,9 +33,6 @@ LR = 0.1
 DEAD_TIMEOUT = 5.0  # CONVEYOR_TIMEOUT in the failure launches: the bound a failing collective must respect
 SILENT_TIMEOUT = 3.0
 
-# Variables that would make the workers discover something other than what the test gives them.
-_FOREIGN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG",
-            "OMP_NUM_THREADS")
 
 
 # -- shared by the workers and the reference ----------------------------------------------------------------------
@@ -78,21 +73,14 @@ def launch(scenario: str, out: Path, timeout: float, deadline: float = 60.0,
 
     ``only_rank0``: stop waiting once rank 0 has finished and kill the others (a failure scenario's peer)."""
     out.mkdir(parents=True, exist_ok=True)
-    ports = free_ports(WORLD + 1)
-    spec = local_cluster(num_workers=WORLD, num_ps=0, ports=ports[:WORLD])
-    base = {k: v for k, v in os.environ.items()
-            if k not in _FOREIGN and not k.startswith(("CONVEYOR_", "SLURM_", "TORCHELASTIC_"))}
+    from taskrun import local_job_envs, wait_all  # here: this file also runs as the workers' script, outside pytest
+
     procs = []
-    for rank, task in enumerate(spec.training_tasks):
-        env = base | task_environment(spec, task, secret=b"test-secret", data_dir=out / "data",
-                                      output_dir=out / "output", master_addr="127.0.0.1", master_port=ports[WORLD],
-                                      strategy="allreduce", local_rank=rank, local_world_size=WORLD)
+    for rank, env in enumerate(local_job_envs(out, WORLD, "allreduce")):
         env["CONVEYOR_TIMEOUT"] = str(timeout)
         log = open(out / f"rank{rank}.log", "wb")  # closed below, after the process ends
         procs.append((subprocess.Popen([sys.executable, __file__, scenario, str(out)], env=env, stdout=log,
                                        stderr=subprocess.STDOUT), log))
-    from taskrun import wait_all  # here: this file also runs as the workers' script, outside pytest
-
     wait_all(procs[:1] if only_rank0 else procs, deadline, f"{scenario}: workers", lambda: logs(out))
     for proc, log in procs:  # with only_rank0 the others were not waited for: stop them too
         if proc.poll() is None:

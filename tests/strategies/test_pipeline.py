@@ -24,8 +24,6 @@ import torch
 from torch import nn
 
 import conveyor
-from conveyor.cluster import local_cluster, task_environment
-from conveyor.launch.ports import free_ports
 
 pytestmark = pytest.mark.multiprocess
 
@@ -35,8 +33,6 @@ MICROBATCHES = 4
 
 DIGITS = Path(__file__).resolve().parents[2] / "examples" / "digits" / "train.py"
 
-_FOREIGN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG",
-            "OMP_NUM_THREADS")
 
 
 # -- shared by the workers and the reference ----------------------------------------------------------------------
@@ -91,15 +87,10 @@ def launch(scenario: str, out: Path, *, world: int, stages: int, schedule: str, 
 
     ``command``: another script to run instead (its JSON, if any, is not read)."""
     out.mkdir(parents=True, exist_ok=True)
-    ports = free_ports(world + 1)
-    spec = local_cluster(num_workers=world, num_ps=0, ports=ports[:world])
-    base = {k: v for k, v in os.environ.items()
-            if k not in _FOREIGN and not k.startswith(("CONVEYOR_", "SLURM_", "TORCHELASTIC_"))}
+    from taskrun import local_job_envs, wait_all  # here: this file also runs as the workers' script, outside pytest
+
     procs = []
-    for rank, task in enumerate(spec.training_tasks):
-        env = base | task_environment(spec, task, secret=b"test-secret", data_dir=out / "data",
-                                      output_dir=out / "output", master_addr="127.0.0.1", master_port=ports[world],
-                                      strategy="pipeline", local_rank=rank, local_world_size=world)
+    for rank, env in enumerate(local_job_envs(out, world, "pipeline")):
         env |= {"CONVEYOR_TIMEOUT": "60", "CONVEYOR_PIPELINE_STAGES": str(stages),
                 "CONVEYOR_PIPELINE_MICROBATCHES": str(MICROBATCHES), "CONVEYOR_PIPELINE_SCHEDULE": schedule,
                 **(extra_env or {})}
@@ -107,8 +98,6 @@ def launch(scenario: str, out: Path, *, world: int, stages: int, schedule: str, 
         argv = command or [__file__, scenario, str(out)]
         procs.append((subprocess.Popen([sys.executable, *argv], env=env, stdout=log,
                                        stderr=subprocess.STDOUT), log))
-    from taskrun import wait_all  # here: this file also runs as the workers' script, outside pytest
-
     wait_all(procs, deadline, f"{scenario}: pipeline processes", lambda: logs(out, world))
     results = []
     for rank in range(world):
