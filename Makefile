@@ -39,6 +39,7 @@ bench: setup
 	$(PY) benchmarks/ps_training.py
 	$(PY) benchmarks/data_state.py
 	$(PY) benchmarks/pipeline_parallel.py
+	$(PY) benchmarks/hosts.py
 
 # One JSON report per target in runs/fuzz/; stops at the first target with a finding.
 fuzz: setup
