@@ -8,7 +8,8 @@ Needs root (it makes network namespaces); without it, it says so and exits with 
 from ``conveyor.testing.hosts.Hosts(3)`` (host0, host1: workers; host2: the parameter server), every
 host link capped by ``Hosts.cap(mbit)`` (``tc tbf``, both directions) at each of ``--caps`` in turn
 (``none``: no cap, the veth pair's own speed, bounded by this machine's 2 cores). Rounds interleave the
-caps and the contenders (odd rounds reversed); medians over rounds, every sample kept in the JSON.
+runs (odd rounds reversed): transports cap by cap (a cap's contenders back to back), training strategy
+by strategy (a strategy's caps back to back); medians over rounds, every sample kept in the JSON.
 
 Transport (``--size-mb`` B bytes of float32, one untimed then ``--iters`` timed iterations per run; the
 run's median time t is its sample). Payload bytes only are counted (no TCP/IP/Ethernet headers, no
@@ -23,10 +24,20 @@ ZeroMQ or conveyor framing); a link direction carries at most the cap C:
   hosts sends 2(N-1)/N x B from each host while receiving as much: counted B for N = 2, ideal B / C.
 - ``raw_tcp``: one TCP connection host0 -> host2, B sent and echoed back: the ps accounting, no framing.
 
-GB/s = counted / t (Gbit/s = 8 x that), "/ cap" = GB/s / C = ideal / t. Goals (same run): ps_push_pull
-and gloo_allreduce >= 0.9 x the 1 Gbit/s cap. Training: examples/digits/train.py as one
-``conveyor run --nnodes K --node-rank i --rdzv host0:PORT --job-secret-file F`` per host (ps-*: a third
-node ``-n 0 --ps 1`` on host2), 1 thread per task, the chief's summary.json; see ``TRAINING_NOTE``.
+GB/s = counted / t (Gbit/s = 8 x that), "/ cap" = GB/s / C = ideal / t; raw TCP through the same link
+shows what TCP itself gets of C (MTU-sized frames carry about 96 % payload). Goals (same run):
+ps_push_pull and gloo_allreduce >= 0.9 x the 1 Gbit/s cap.
+
+Training (``--epochs`` of examples/digits/train.py, batch 32 per worker, one thread per task, no
+checkpoint before the last): every job is real multi-host: one ``conveyor run --nnodes K --node-rank i
+--rdzv host0:PORT --job-secret-file F`` per host (allreduce: host0, host1; ps-sync and ps-async: a third
+node ``-n 0 --ps 1`` on host2, where a ``conveyor run`` that refuses ``-n 0`` is worked around by
+starting each task on its host with the environment ``conveyor.launch.build_plan`` gives it; the
+table says which). Figures from the chief's summary.json: samples/s = every worker's samples / the
+chief's training wall seconds; step and comm ms = medians of the chief's step total and communication
+(allreduce: DDP hook in-flight time, much of it overlapping backward; ps-*: push + pull + wait); "/ ref"
+= samples/s over the same strategy's at the reference cap (uncapped, else the fastest) in the same
+round. A strategy is link-bound at a cap when "/ ref" < 0.9; the table says from which cap on it is not.
 """
 
 from __future__ import annotations
@@ -262,6 +273,7 @@ def run_transport(bench: Bench, name: str, settings: dict[str, Any], timeout: fl
     counted = counted_bytes(transport, result["bytes"])
     gbps = counted / result["median_s"] / 1e9
     return {**result, "gbps": gbps, "gbit_per_s": 8 * gbps, "counted_bytes": counted, "cap_mbit": cap,
+            "ideal_seconds": None if cap is None else ideal_seconds(transport, result["bytes"], cap),
             "vs_cap": vs_cap(gbps, cap), "gbps_per_iter": [counted / t / 1e9 for t in result["times_s"]]}
 
 
@@ -425,7 +437,8 @@ def run_training(bench: Bench, name: str, settings: dict[str, Any], data_dir: Pa
 
 def training_rounds(bench: Bench, caps: Sequence[float | None], strategies: Sequence[str], settings: dict[str, Any],
                     repeats: int, timeout: float) -> dict[str, Any]:
-    names = [contender(s, cap) for cap in caps for s in strategies]
+    # A strategy's caps back to back: "/ ref" compares neighbours, which this machine's drift hits alike.
+    names = [contender(s, cap) for s in strategies for cap in caps]
     data_dir = bench.tmp / "data"  # shared by every job: the first chief writes the digits' TFRecord shards
     secret_file = bench.tmp / "job.secret"  # every node's launcher reads the same one, as on real hosts
     secret_file.write_text(secrets.token_hex(32))
@@ -507,6 +520,11 @@ def format_transport(d: dict[str, Any], caps: Sequence[float | None], settings: 
                          h.fmt(r["min_gbps"], ".3f"), h.fmt(r["max_gbps"], ".3f"),
                          h.fmt_all(r["per_round_gbps"], ".3f")))
     lines = [head, "", h.format_rows(rows, left=(0, 1, 8))]
+    for cap in caps:
+        tcp = d["by_cap"][cap_key(cap)]["raw_tcp"]["vs_cap"]
+        if math.isfinite(tcp) and tcp < 0.9:
+            lines.append(f"at {cap_label(cap)} raw TCP itself gets {tcp:.2f} of the cap: the machine (2 cores, "
+                         f"shared), not the link, limits every transport there")
     lines += ["", *(f"{t}: {TRANSPORT_LABELS[t]}" for t in TRANSPORTS), f"data intact (pulled == pushed, "
               f"echo == sent, all-reduce sums right): {d['data_intact']}"]
     return "\n".join(lines)
@@ -541,8 +559,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "(default 1000,10000,none)")
     p.add_argument("--size-mb", type=float, default=None, help="transport payload B in MB of 10^6 bytes "
                                                                 "(default 100; --quick 16)")
-    p.add_argument("--iters", type=int, default=None, help="timed transport iterations per run (default 2; --quick 1)")
-    p.add_argument("--epochs", type=int, default=None, help="digits epochs per training job (default 4; --quick 1)")
+    p.add_argument("--iters", type=int, default=None, help="timed transport iterations per run (default 3; --quick 1)")
+    p.add_argument("--epochs", type=int, default=None, help="digits epochs per training job (default 6; --quick 1)")
     p.add_argument("--batch-size", type=int, default=32, help="digits batch per worker (default 32)")
     p.add_argument("--strategies", type=h.contender_names(STRATEGIES), default=STRATEGIES,
                    help=f"training strategies, comma-separated subset of {','.join(STRATEGIES)} (default all)")
@@ -551,8 +569,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per run or job before it is stopped "
                                                                 "(default 180)")
     p.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)
-    return h.settle(p, p.parse_args(argv), {"size_mb": (100.0, 16.0), "repeats": (2, 1), "iters": (2, 1),
-                                            "epochs": (4, 1)},
+    return h.settle(p, p.parse_args(argv), {"size_mb": (100.0, 16.0), "repeats": (2, 1), "iters": (3, 1),
+                                            "epochs": (6, 1)},
                     positive=("size_mb", "repeats", "iters", "epochs", "batch_size", "timeout"))
 
 
