@@ -2,7 +2,8 @@
 
     kubelet = Kubelet(docs, images={"img:1": image_env}, claims={"digits-data": folder, ...}, root=tmp_path)
     hosts = make_hosts(len(kubelet.pods), names=kubelet.host_names(), private_hostnames=True)
-    kubelet.start(hosts, logs=tmp_path / "logs"); kubelet.wait(deadline=120)
+    kubelet.start(hosts, logs=tmp_path / "logs")
+    failed = kubelet.wait(deadline=120)       # [] when every pod exited 0; else kubelet.restart(), as JobSet does
 
 It plays the Job and JobSet controllers (Indexed Jobs: one pod per completion index, all at once, with
 the ``batch.kubernetes.io/job-completion-index`` annotation and ``JOB_COMPLETION_INDEX``; JobSet's Job
@@ -11,7 +12,7 @@ the container's env with secretKeyRef and fieldRef resolved; hostname ``<job>-<i
 hostname in its /etc/hosts and every pod's ``<hostname>.<subdomain>`` as cluster DNS would answer;
 PersistentVolumeClaims bind-mounted at their mount paths, read-only where asked). It knows exactly the
 fields those manifests use: any other field fails the test, so a manifest cannot pass by carrying
-something this model ignores. It runs one attempt: a failed pod is where a JobSet would restart.
+something this model ignores. ``restart`` recreates every pod as JobSet does after a failure.
 """
 
 from __future__ import annotations
@@ -116,6 +117,7 @@ class Kubelet:
         self.secrets: dict[str, dict[str, str]] = {}
         self.services: list[dict] = []
         self.pods: list[Pod] = []
+        self.hosts = None  # the test hosts the pods run on, once started
         for doc in docs:
             kind = doc.get("kind")
             if kind not in KINDS or set(doc) - {"apiVersion", "kind", "metadata", *KINDS[kind]}:
@@ -220,13 +222,33 @@ class Kubelet:
 
     def start(self, hosts, logs: Path) -> None:
         """Start every pod on its host (``hosts[i]`` for ``pods[i]``), its output in ``logs/<hostname>.log``."""
+        self.hosts = hosts
         logs.mkdir(parents=True, exist_ok=True)
         for pod, host in zip(self.pods, hosts, strict=True):
             assert host.name == pod.hostname
             pod.log = logs / f"{pod.hostname}.log"
-            with open(pod.log, "wb") as out:
+            with open(pod.log, "ab") as out:
                 pod.proc = hosts.popen(host, self.argv(pod), env=self.environment(pod), stdout=out,
                                        stderr=subprocess.STDOUT)
+
+    def restart(self) -> None:
+        """What JobSet does when a Job failed: delete every pod (SIGTERM, a grace period, SIGKILL), then create
+        them all again with ``restart-attempt`` + 1 (a JobSet's pods only: plain Jobs are not restarted)."""
+        assert all(RESTART_ANNOTATION in pod.annotations for pod in self.pods), "only a JobSet restarts its pods"
+        for pod in self.pods:
+            if pod.proc.poll() is None:
+                pod.proc.terminate()
+        for pod, host in zip(self.pods, self.hosts, strict=True):
+            try:
+                pod.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+            self.hosts.kill_host(host)  # whatever the pod left (data-loader workers) goes with it
+            pod.proc.wait(timeout=10)
+            pod.annotations[RESTART_ANNOTATION] = str(int(pod.annotations[RESTART_ANNOTATION]) + 1)
+            with open(pod.log, "ab") as out:
+                out.write(f"=== JobSet restart attempt {pod.annotations[RESTART_ANNOTATION]} ===\n".encode())
+        self.start(self.hosts, self.pods[0].log.parent)
 
     def exec(self, hosts, pod: Pod, argv: list[str]) -> subprocess.CompletedProcess:
         """``kubectl exec``: ``argv`` in a fresh container of ``pod`` (same mounts, env and host)."""
@@ -234,17 +256,16 @@ class Kubelet:
         wrapped = self.argv(pod)[:4] + argv
         return hosts.run(host, wrapped, env=self.environment(pod), capture_output=True, text=True, timeout=30)
 
-    def wait(self, deadline: float) -> None:
-        """Wait until every pod has exited 0 (the ps pods too: they end when the workers are done), or fail:
-        a pod failed (where a JobSet would restart every pod), or ``deadline`` seconds passed."""
+    def wait(self, deadline: float) -> list[Pod]:
+        """The pods that failed, as soon as one has (where a JobSet restarts every pod); ``[]`` once every pod
+        has exited 0 (the ps pods too: they end when the workers are done). Fails after ``deadline`` s."""
         end = time.monotonic() + deadline
         while time.monotonic() < end:
-            codes = {p.hostname: p.proc.poll() for p in self.pods}
-            failed = [p for p in self.pods if codes[p.hostname] not in (None, 0)]
-            assert not failed, f"pod {failed[0].hostname} failed ({codes[failed[0].hostname]}):\n{self.logs()}"
-            if all(code == 0 for code in codes.values()):
-                return
-            time.sleep(0.2)
+            codes = [p.proc.poll() for p in self.pods]
+            failed = [p for p, code in zip(self.pods, codes, strict=True) if code not in (None, 0)]
+            if failed or all(code == 0 for code in codes):
+                return failed
+            time.sleep(0.1)
         raise AssertionError(f"pods still running after {deadline:g} s:\n{self.logs()}")
 
     def logs(self, tail: int = 3000) -> str:

@@ -90,7 +90,7 @@ def pod_launch(environ: Mapping[str, str], *, role: str, cluster: str, master_po
 
 
 def wait_for_hosts(hosts: Sequence[str], timeout: float, *, note: Callable[[str], None] | None = None,
-                   resolve: Callable[[str], object] = socket.gethostbyname,
+                   resolve: Callable[[str], object] = lambda host: socket.getaddrinfo(host, None),
                    clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
     """Return once every name in ``hosts`` resolves; :class:`RendezvousError` naming those that do not
     after ``timeout`` seconds. ``note`` hears, once, which names are still awaited after 10 s."""
