@@ -61,10 +61,10 @@ JOBSET_SCHEMA = {**_OBJECT, "required": ["apiVersion", "kind", "metadata", "spec
 }}
 
 VARIANTS = {
-    "ps": dict(workers=2, ps=1, strategy="ps-sync", data_claim="digits-data"),
+    "ps": dict(workers=2, ps=1, strategy="ps-sync", data_claim="digits-data", tf_flags=True),
     "chief-gpus": dict(workers=3, ps=2, chief=True, strategy="ps-async", gpus=1, namespace="ml", output_size="20Gi",
                        storage_class="nfs-client", secret_name="shared-secret", tf_flags=False, resume=False),
-    "allreduce": dict(workers=4, data_claim="digits-data", timeout=60, max_restarts=0),
+    "allreduce": dict(workers=4, data_claim="digits-data", timeout=60, max_restarts=0, network_policy=False),
 }
 
 
@@ -192,6 +192,7 @@ def test_a_pod_waits_for_every_name_and_gives_up_naming_those_missing():
     (dict(ps=1, strategy="allreduce"), "--ps 1 starts parameter servers"),
     (dict(kind="deployment"), "--kind 'deployment'"),
     (dict(data_dir="data"), "--data-dir 'data': expected an absolute folder"),
+    (dict(data_dir="/output/"), "two volumes need two folders"),
     (dict(output_size="lots"), "--output-size 'lots'"),
     (dict(data_claim="Data_1"), "--data-claim 'Data_1'"),
     (dict(namespace="a.b"), "--namespace 'a.b'"),
@@ -249,7 +250,7 @@ def test_the_pods_train_the_digits_job_on_hosts_of_their_own_and_restart_togethe
         folder.mkdir(parents=True)
     _write_digits(volumes["digits-data"])  # the claim arrives filled: the pods see it read-only
     docs = generated(tmp_path, "--name", "digits", "--image", IMAGE, "-n", "2", "--ps", "1", "--strategy", "ps-sync",
-                     "--data-claim", "digits-data", "--output-claim", "digits-output", "--timeout", "60",
+                     "--data-claim", "digits-data", "--output-claim", "digits-output", "--timeout", "120",
                      "--data-dir", str(tmp_path / "pod" / "data"), "--output-dir", str(tmp_path / "pod" / "output"),
                      str(SCRIPT), "--epochs", "2", "--lr", "0.2", "--checkpoint-every", "10")
     image = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "PYTHONPATH": str(ROOT / "src"),

@@ -79,6 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--storage-class", default=None, metavar="NAME", help="the new output claim's class")
     cluster.add_argument("--secret-name", default=None, metavar="NAME",
                          help="use this existing Secret (key `secret`: 64 hex digits) instead of writing one")
+    cluster.add_argument("--no-network-policy", dest="network_policy", action="store_false",
+                         help="write no NetworkPolicy (by default one admits traffic to the pods from the job's pods "
+                         "only)")
     cluster.add_argument("--port", type=int, default=2222, help="each task's port in TF_CONFIG (default 2222)")
     cluster.add_argument("--master-port", type=int, default=29500,
                          help="rank 0's port for torch's store, MASTER_PORT (default 29500)")
@@ -95,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         output_dir=args.output_dir, output_size=args.output_size, storage_class=args.storage_class,
         secret_name=args.secret_name, namespace=args.namespace, kind=args.kind, max_restarts=args.max_restarts,
         timeout=args.timeout, resume=args.resume, port=args.port, master_port=args.master_port,
-        tf_flags=args.tf_flags,
+        tf_flags=args.tf_flags, network_policy=args.network_policy,
     )
     secret = None if options.secret_name else secrets.token_hex(32)
     try:

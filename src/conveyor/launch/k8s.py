@@ -21,7 +21,7 @@ Kubernetes gives it (``JOB_COMPLETION_INDEX``; :mod:`conveyor.launch.pod`). Two 
 
 Every pod mounts the data claim read-only at the data folder and the output claim (ReadWriteMany: the
 chief's checkpoints and the ps tasks' shards meet there) at the output folder, and gets the job secret
-from a Secret. A NetworkPolicy admits only the job's own pods (README, "Security").
+from a Secret. A NetworkPolicy admits only the job's own pods (``network_policy=False``: none).
 """
 
 from __future__ import annotations
@@ -86,6 +86,7 @@ class K8sOptions:
     port: int = 2222
     master_port: int = 29500
     tf_flags: bool = False
+    network_policy: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "script_args", tuple(self.script_args))
@@ -109,6 +110,8 @@ class K8sOptions:
         for flag, path in (("--data-dir", self.data_dir), ("--output-dir", self.output_dir)):
             if not path.startswith("/") or path.rstrip("/") == "":
                 raise ValueError(f"{flag} {path!r}: expected an absolute folder inside the pods, such as /data")
+        if self.data_dir.rstrip("/") == self.output_dir.rstrip("/"):
+            raise ValueError(f"--data-dir and --output-dir are both {self.data_dir}: two volumes need two folders")
         if self.output_size is not None and not _QUANTITY.fullmatch(self.output_size):
             raise ValueError(f"--output-size {self.output_size!r}: expected a Kubernetes quantity such as 50Gi")
         self._check_names()
@@ -175,9 +178,10 @@ def manifests(options: K8sOptions, secret: str | None) -> list[dict]:
         if options.storage_class:
             spec["storageClassName"] = options.storage_class
         docs.append(_object("v1", "PersistentVolumeClaim", options.output_claim, options, {"spec": spec}))
-    own = {"podSelector": {"matchLabels": _labels(options)}}
-    docs.append(_object("networking.k8s.io/v1", "NetworkPolicy", options.name, options, {"spec": {
-        **own, "policyTypes": ["Ingress"], "ingress": [{"from": [own]}]}}))
+    if options.network_policy:
+        own = {"podSelector": {"matchLabels": _labels(options)}}
+        docs.append(_object("networking.k8s.io/v1", "NetworkPolicy", options.name, options, {"spec": {
+            **own, "policyTypes": ["Ingress"], "ingress": [{"from": [own]}]}}))
     if options.kind == "jobset":
         docs.append(_jobset(options))
         return docs
