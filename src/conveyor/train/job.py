@@ -1,7 +1,7 @@
 """The job handle: who this process is, which strategy it trains with, and a few byte-level collectives.
 
     import conveyor
-    with conveyor.init() as job:                      # python train.py, conveyor run, torchrun, srun, TF_CONFIG
+    with conveyor.init() as job:              # python train.py, conveyor run, torchrun, mpirun, srun, TF_CONFIG
         model, optimizer = job.prepare(model, optimizer)
         states = job.all_gather_bytes(json.dumps(state).encode())   # one entry per rank, no pickle
 
@@ -33,6 +33,7 @@ from conveyor.cluster import Discovered
 from conveyor.cluster.argv import discover_with_flags
 from conveyor.cluster.strategy_name import default_strategy
 from conveyor.cluster.variables import OMP_DEFAULT_VAR, RESTART_COUNT_VAR, RESUME_VAR, TIMEOUT_VAR
+from conveyor.comm.mpi_rendezvous import agree_rendezvous
 from conveyor.comm.process_group import collective_guard, init_process_group
 from conveyor.strategies import Strategy, get_strategy
 from conveyor.strategies.ps.task import serve_ps_task
@@ -331,14 +332,17 @@ def _join_group(found: Discovered, backend: str, timeout: float, env: Mapping[st
                                f"{dist.get_world_size()}, but the environment says rank {found.rank} of "
                                f"{found.world_size}; let conveyor.init() create the group")
         return False
-    if found.master_addr is None or found.master_port is None:  # discovery guarantees both for world > 1
+    addr, port, listener = found.master_addr, found.master_port, None
+    if found.source == "mpi" and (addr is None or port is None):  # mpirun names no meeting point: agree on one
+        addr, port, listener = agree_rendezvous(found, timeout)
+    if addr is None or port is None:  # discovery guarantees both for world > 1 under every other source
         raise RuntimeError(f"no rendezvous address for a job of {found.world_size}: set MASTER_ADDR and MASTER_PORT")
     # torchrun's agent may host the store itself on MASTER_PORT; the workers are then all clients, and
     # the keys of one restart attempt are kept apart from the previous attempt's.
     agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     prefix = f"conveyor/attempt-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}" if agent_store else None
-    init_process_group(backend, found.master_addr, found.master_port, found.rank, found.world_size, timeout,
-                       host_store=False if agent_store else None, store_prefix=prefix)
+    init_process_group(backend, addr, port, found.rank, found.world_size, timeout,
+                       host_store=False if agent_store else None, store_prefix=prefix, listener=listener)
     return True
 
 
