@@ -2,8 +2,10 @@
 parameters as `conveyor run -n 2` of the same job, whether the rendezvous address comes from
 MASTER_ADDR/MASTER_PORT or is agreed through mpi4py; with neither, every rank names both fixes.
 
-The runs start together when the module's first test asks for them (each takes ~15 s on two busy
-cores, mostly importing torch), and each test waits for its own.
+Through mpi4py the two ranks run on two hosts (network namespaces, conveyor.testing.hosts) where they
+can be made, reached by an rsh agent that enters the host's namespace instead of ssh: rank 0 must
+then find an address the other host reaches. The runs start together when the module's first test
+asks for them (each takes ~10 s of CPU, mostly importing torch), and each test waits for its own.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from safetensors.numpy import load_file
 
 from conveyor.cluster.variables import DATA_DIR_VAR, OUTPUT_DIR_VAR
 from conveyor.launch.ports import free_ports
+from conveyor.testing.hosts import Hosts, unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "digits" / "train.py"
@@ -68,6 +71,24 @@ def mpirun(*exports: str) -> list[str]:
     return argv
 
 
+def across_hosts(hosts: Hosts, folder: Path) -> list[str]:
+    """mpirun's options to start one rank on each of ``hosts``: a host file, and an rsh agent that runs
+    the daemon's command in the host's namespace, where ssh would log in to the host."""
+    agent = folder / "netns-rsh"
+    cases = "".join(f"    {host.name}) ns={host.netns} ;;\n" for host in hosts)
+    agent.write_text(f"""#!/bin/sh
+host=$1; shift
+case $host in
+{cases}    *) echo "netns-rsh: no host $host" >&2; exit 1 ;;
+esac
+exec ip netns exec "$ns" unshare --uts -- sh -c 'hostname "$0" && exec sh -c "$1"' "$host" "$*"
+""")
+    agent.chmod(0o755)
+    hostfile = folder / "hostfile"
+    hostfile.write_text("".join(f"{host.name} slots=1\n" for host in hosts))
+    return ["--hostfile", str(hostfile), "--mca", "plm_rsh_agent", str(agent), "--display-map"]
+
+
 class Runs:
     """The module's runs, started together on first use; ``result(name)`` waits for one: (status, output)."""
 
@@ -75,6 +96,7 @@ class Runs:
         self.base = base
         self.procs: dict[str, subprocess.Popen] = {}
         self.results: dict[str, tuple[int, str]] = {}
+        self.hosts: Hosts | None = None
 
     def start(self) -> None:
         env = base_env()
@@ -85,7 +107,13 @@ class Runs:
         self._popen("master", [*mpirun("MASTER_ADDR=127.0.0.1", f"MASTER_PORT={port}"), sys.executable,
                                str(SCRIPT), *JOB], self._job_env(env, "master"))
         if HAVE_MPI4PY:
-            self._popen("mpi4py", [*mpirun(), sys.executable, str(SCRIPT), *JOB], self._job_env(env, "mpi4py"))
+            train = [sys.executable, str(SCRIPT), *JOB]
+            if unavailable() is None:
+                self.hosts = Hosts(2)
+                argv = self.hosts.command(self.hosts[0], [*mpirun(), *across_hosts(self.hosts, self.base), *train])
+            else:
+                argv = [*mpirun(), *train]
+            self._popen("mpi4py", argv, self._job_env(env, "mpi4py"))
         hidden = self.base / "no-mpi4py"  # an mpi4py that cannot be imported, first on the path
         (hidden / "mpi4py").mkdir(parents=True)
         (hidden / "mpi4py" / "__init__.py").write_text('raise ImportError("hidden by the test")\n')
@@ -110,6 +138,8 @@ class Runs:
         return self.base / name / "out"
 
     def stop(self) -> None:
+        if self.hosts is not None:
+            self.hosts.close()  # kills whatever still runs on the hosts
         for proc in self.procs.values():
             if proc.poll() is None:
                 try:
@@ -162,6 +192,8 @@ def test_master_variables_from_mpirun_x(runs):
 @pytest.mark.skipif(not HAVE_MPI4PY, reason=NO_MPI4PY)
 def test_rendezvous_agreed_through_mpi4py(runs):
     assert_same_as_conveyor_run(runs, "mpi4py")
+    if runs.hosts is not None:  # mpirun's job map: rank 1 ran on the other host
+        assert "Data for node: host1" in runs.result("mpi4py")[1]
 
 
 def test_without_master_variables_or_mpi4py_every_rank_says_what_to_set(runs):
