@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from conveyor.cli.main import main
 from conveyor.launch import RunOptions, describe_plan, local_plan
 from conveyor.launch.binding import Cpu, CpuTopology, bind_cpus, format_cpus, parse_cpu_list
 
@@ -143,3 +144,15 @@ def test_conveyor_run_bind_core_gives_each_task_its_own_core(tmp_path: Path):
     cores = len(CpuTopology.read().cores()) // 2  # this machine's whole cores, halved
     assert [threads for *_, threads, _ in placed] == [cores, cores]  # OMP_NUM_THREADS from the binding
     assert [budget for *_, budget in placed] == [len(c) for c in cpus]  # the input pipeline's AUTOTUNE
+
+
+def test_an_impossible_binding_is_refused_before_anything_starts(tmp_path: Path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "task.py").write_text("print('never')\n")
+    too_many = len(CpuTopology.read().cores()) + 1
+    assert main(["run", "-n", str(too_many), "--bind", "core", "task.py"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"--bind core: {too_many} tasks" in err, err
+    assert not (tmp_path / "output").exists()
+    assert main(["run", "--bind", "cores", "task.py"]) == 2
+    assert "invalid choice: 'cores'" in capsys.readouterr().err

@@ -12,7 +12,8 @@ and no process group, so a script runs unchanged under ``python train.py``.
 
 Variables read here besides discovery's: ``CONVEYOR_TIMEOUT`` (seconds, default 300: bounds the
 rendezvous and every collective), ``CONVEYOR_RESTART_COUNT`` (default 0), ``CONVEYOR_RESUME``
-(``"0"`` disables resuming), and under torchrun ``TORCHELASTIC_USE_AGENT_STORE`` /
+(``"0"`` disables resuming), ``CONVEYOR_SHARE_GPUS`` (``"1"``: tasks may share GPUs, see
+:mod:`conveyor.train.devices`), and under torchrun ``TORCHELASTIC_USE_AGENT_STORE`` /
 ``TORCHELASTIC_RESTART_COUNT`` (the agent then hosts the rendezvous store).
 """
 
