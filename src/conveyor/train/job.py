@@ -12,7 +12,8 @@ and no process group, so a script runs unchanged under ``python train.py``.
 
 Variables read here besides discovery's: ``CONVEYOR_TIMEOUT`` (seconds, default 300: bounds the
 rendezvous and every collective), ``CONVEYOR_RESTART_COUNT`` (default 0), ``CONVEYOR_RESUME``
-(``"0"`` disables resuming), and under torchrun ``TORCHELASTIC_USE_AGENT_STORE`` /
+(``"0"`` disables resuming), ``CONVEYOR_SHARE_GPUS`` (``"1"``: tasks may share GPUs, see
+:mod:`conveyor.train.devices`), and under torchrun ``TORCHELASTIC_USE_AGENT_STORE`` /
 ``TORCHELASTIC_RESTART_COUNT`` (the agent then hosts the rendezvous store).
 """
 
@@ -38,6 +39,7 @@ from conveyor.comm.process_group import collective_guard, init_process_group
 from conveyor.strategies import Strategy, get_strategy
 from conveyor.strategies.ps.task import serve_ps_task
 from conveyor.train.checkpoint import CheckpointManager
+from conveyor.train.devices import share_gpus_from, task_device
 
 __all__ = ["DEFAULT_TIMEOUT", "RESTART_COUNT_VAR", "RESUME_VAR", "TIMEOUT_VAR", "Job", "init", "threads_per_worker"]
 
@@ -46,13 +48,16 @@ DEFAULT_TIMEOUT = 300.0
 _OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
 
 
-def init(strategy: str | None = None, *, timeout: float | None = None,
+def init(strategy: str | None = None, *, timeout: float | None = None, share_gpus: bool | None = None,
          environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None) -> Job:
     """This process's :class:`Job`, its process group joined and its strategy set up.
 
     ``strategy``: the argument, else ``CONVEYOR_STRATEGY``, else ``"ps-sync"`` when the cluster has ps
     tasks, ``"allreduce"`` with several training processes and ``"local"`` with one. ``timeout``
-    (seconds): the argument, else ``CONVEYOR_TIMEOUT``, else 300. ``environ`` replaces ``os.environ``
+    (seconds): the argument, else ``CONVEYOR_TIMEOUT``, else 300. The device: GPU ``local_rank`` of the
+    visible ones, or the CPU without any (:mod:`conveyor.train.devices`); more training tasks on this
+    machine than visible GPUs is an error unless ``share_gpus`` (the argument, else
+    ``CONVEYOR_SHARE_GPUS=1``), which also makes the job's collectives use gloo. ``environ`` replaces ``os.environ``
     (tests, tools); nothing is written to it. ``argv`` (default ``sys.argv[1:]``) may hold TensorFlow 1's
     ``--ps_hosts/--worker_hosts/--job_name/--task_index``: where no launcher's variables describe this
     process, they do (``conveyor.cluster.argv``); they are read, not removed.
@@ -84,10 +89,12 @@ def init(strategy: str | None = None, *, timeout: float | None = None,
     data_dir = Path(found.data_dir or "data")
     output_dir = Path(found.output_dir or "output")
     output_dir.mkdir(parents=True, exist_ok=True)
-    device = _device(found.local_rank)
+    share = share_gpus_from(share_gpus, env)
+    device = task_device(found.local_rank, found.local_world_size, share, env)
     _limit_threads(found.local_world_size, env)
 
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    # NCCL refuses two ranks on one GPU; sharing is allowed per job, so every rank picks the same backend
+    backend = "nccl" if device.type == "cuda" and not share else "gloo"
     owns_group = found.world_size > 1 and _join_group(found, backend, seconds, env)
     job = Job(found, chosen, timeout=seconds, device=device, backend=backend, data_dir=data_dir,
               output_dir=output_dir, restart_count=restart_count, resume=resume, owns_group=owns_group)
@@ -311,17 +318,6 @@ def _limit_threads(local_world_size: int, env: Mapping[str, str]) -> None:
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     torch.set_num_threads(threads_per_worker(local_world_size, cores))
-
-
-def _device(local_rank: int) -> torch.device:
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    count = torch.cuda.device_count()
-    if local_rank >= count:
-        raise ValueError(f"LOCAL_RANK={local_rank} but this machine has {count} CUDA device(s): start at most "
-                         f"{count} training processes per machine (one per GPU)")
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
 
 
 def _join_group(found: Discovered, backend: str, timeout: float, env: Mapping[str, str]) -> bool:
