@@ -65,13 +65,14 @@ def _import_mpi(found: Discovered) -> tuple[Any, bool]:
             mpi4py.rc.finalize = False
             mpi4py.rc.thread_level = "single"  # only this thread calls MPI, and only here
         from mpi4py import MPI
-    except ImportError as e:
+    except (ImportError, RuntimeError) as e:  # RuntimeError: mpi4py's wheels found no MPI library to load
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         missing = " and ".join(name for name, value in (("MASTER_ADDR", found.master_addr),
                                                         ("MASTER_PORT", found.master_port)) if value is None)
         raise ClusterConfigError(
             f"this process is rank {found.rank} of {found.world_size} of an MPI job, but {missing} "
             f"{'is' if ' and ' not in missing else 'are'} not set and mpi4py, which would agree on the "
-            f"rendezvous address, cannot be imported ({e}). Set both for every rank, e.g. `mpirun -x "
+            f"rendezvous address, cannot be imported ({reason}). Set both for every rank, e.g. `mpirun -x "
             f"MASTER_ADDR=<rank 0's host> -x MASTER_PORT=29500 ...` (Hydra's mpiexec: `-genv MASTER_ADDR "
             f"<host> -genv MASTER_PORT 29500`), or pip install 'conveyor[mpi]'") from None
     return MPI, not already
