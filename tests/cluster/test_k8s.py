@@ -197,6 +197,7 @@ def test_a_pod_waits_for_every_name_and_gives_up_naming_those_missing():
     (dict(data_claim="Data_1"), "--data-claim 'Data_1'"),
     (dict(namespace="a.b"), "--namespace 'a.b'"),
     (dict(gpus=-1), "--gpus -1"),
+    (dict(gpus=2), "--gpus 2: a pod runs one training process"),
 ])
 def test_bad_options_name_the_flag(changes, message):
     with pytest.raises(ValueError, match=message):

@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help=f"{', '.join(s for s in STRATEGY_NAMES if s != 'pipeline')} (default: allreduce; ps-sync "
                      f"with --ps)")
     job.add_argument("--gpus", type=int, default=0, metavar="G",
-                     help="GPUs (nvidia.com/gpu) per training pod, which runs one process (default 0)")
+                     help="1: each training pod asks for a GPU (nvidia.com/gpu) and trains on it (default 0)")
     job.add_argument("--max-restarts", type=int, default=3, metavar="R",
                      help="restart the whole job at most R times after a pod fails (JobSet; default 3)")
     job.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",

@@ -96,6 +96,10 @@ class K8sOptions:
                                  ("--max-restarts", self.max_restarts, 0)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{flag} {value!r}: expected a whole number >= {low}")
+        if self.gpus > 1:
+            raise ValueError(f"--gpus {self.gpus}: a pod runs one training process, which trains on one GPU "
+                             f"(conveyor.init() takes the GPU of its local rank); for more GPUs run more pods "
+                             f"(-n), which the scheduler places {self.gpus} or more to a machine")
         for flag, port in (("--port", self.port), ("--master-port", self.master_port)):
             if not 1 <= port <= 65535:
                 raise ValueError(f"{flag} {port}: expected a port number 1-65535")
