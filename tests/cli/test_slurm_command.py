@@ -87,6 +87,15 @@ def test_ps_tasks_go_on_the_first_nodes_and_each_node_picks_its_own_line(tmp_pat
          "--job-secret-file", str(tmp_path / ".conveyor-job-77.secret"), "train.py")}
 
 
+def test_ps_nodes_of_their_own_are_the_last_ones_and_run_no_worker(tmp_path):
+    spec = job(tmp_path, nodes=4, workers=2, ps=3, ps_nodes=2, strategy="ps-async")
+    assert node_layout(spec) == [(2, 0), (2, 0), (0, 2), (0, 1)]
+    assert "nodes 0-1: 2 workers; node 2: 2 ps; node 3: 1 ps" in sbatch_script(spec)
+    records = run_script(tmp_path, sbatch_script(spec), nodes=4)
+    tasks = [r["args"][3:r["args"].index("--strategy")] for r in records]
+    assert tasks == [["-n", "2"], ["-n", "2"], ["-n", "0", "--ps", "2"], ["-n", "0", "--ps", "1"]]
+
+
 def test_gpus_set_the_workers_per_node(tmp_path, capsys):
     assert main(["slurm", "--nodes", "2", "--gpus-per-node", "4", "--python", sys.executable, "train.py"]) == 0
     text = capsys.readouterr().out
@@ -99,6 +108,8 @@ def test_gpus_set_the_workers_per_node(tmp_path, capsys):
     (["--time", "an hour"], "--time 'an hour': expected Slurm's form"),
     (["--partition", "gpu; rm -rf /"], "an #SBATCH value may hold"),
     (["--strategy", "ring"], "--strategy"),
+    (["--nodes", "2", "--ps", "2", "--ps-nodes", "2"], "node 0 runs rank 0, the chief"),
+    (["--nodes", "3", "--ps", "1", "--ps-nodes", "2"], "each node of parameter servers runs one at least"),
 ])
 def test_bad_settings_are_refused_naming_the_flag(argv, message, capsys):
     assert main(["slurm", *argv, "train.py"]) == 2

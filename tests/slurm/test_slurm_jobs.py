@@ -17,6 +17,8 @@ import psutil
 import pytest
 from safetensors.numpy import load_file
 
+from conveyor.launch import RunOptions
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "digits" / "train.py"
 TRAIN_ARGS = ("--epochs", "1", "--checkpoint-every", "20")
@@ -53,27 +55,44 @@ def job_log(folder: Path, job: str) -> str:
     return (folder / f"slurm-{job}.out").read_text(errors="replace")
 
 
-#: name -> (each Slurm node's tasks, the same job on one machine)
+def ps_only_nodes() -> str | None:
+    """Why a node of parameter servers only (`conveyor run -n 0 --ps M`) cannot run in this tree, or None."""
+    try:
+        RunOptions(script="train.py", data_dir="/data", output_dir="/out", workers=0, ps=1)
+    except ValueError as e:
+        return f"conveyor run -n 0 (a node of parameter servers only) is not supported here: {e}"
+    return None
+
+
+PS_SYNC = ("--ps", "1", "--strategy", "ps-sync")
+#: name -> (the Slurm job's node flags, the same job on one machine)
 JOBS = {
     "allreduce": (("-n", "1"), ("-n", "2")),
-    "ps-sync": (("-n", "1", "--ps", "1", "--strategy", "ps-sync"), ("-n", "2", "--ps", "1", "--strategy", "ps-sync")),
+    "ps-sync": (("-n", "1", *PS_SYNC), ("-n", "2", *PS_SYNC)),  # node 0: a worker and the ps; node 1: a worker
+    "ps-sync-own-node": (("-n", "2", "--ps-nodes", "1", *PS_SYNC), ("-n", "2", *PS_SYNC)),  # node 1: the ps alone
 }
 
 
 @pytest.fixture(scope="module")
 def digits_runs(slurm_cluster, tmp_path_factory):
     """Every run of the comparison, started at once: the two cores are shared either way, and the runs' waits
-    (start-up, rendezvous) overlap. Both Slurm jobs share the two nodes (a CPU each, not whole nodes)."""
+    (start-up, rendezvous) overlap. The Slurm jobs share the two nodes (a CPU each, not whole nodes); jobs
+    with the same one-machine equivalent share its run."""
     base = tmp_path_factory.mktemp("digits")
-    started: dict[str, tuple[Path, str, subprocess.Popen]] = {}
+    locals_: dict[tuple[str, ...], tuple[Path, subprocess.Popen]] = {}
+    started: dict[str, tuple[Path, str, Path, subprocess.Popen]] = {}
     try:
         for name, (slurm_job, local_job) in JOBS.items():
-            local = reference(base / name / "local", *local_job)
-            job = submit(slurm_cluster, base / name / "slurm", "--nodes", "2", "--cpus-per-node", "1", *slurm_job)
-            started[name] = (base / name, job, local)
+            if name.endswith("own-node") and ps_only_nodes():
+                continue
+            if local_job not in locals_:
+                folder = base / f"local-{len(locals_)}"
+                locals_[local_job] = (folder, reference(folder, *local_job))
+            job = submit(slurm_cluster, base / name, "--nodes", "2", "--cpus-per-node", "1", *slurm_job)
+            started[name] = (base / name, job, *locals_[local_job])
         yield started
     finally:
-        for _, _, local in started.values():
+        for _, local in locals_.values():
             if local.poll() is None:
                 local.kill()
             local.wait()
@@ -81,9 +100,11 @@ def digits_runs(slurm_cluster, tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(JOBS))
 def test_digits_over_two_slurm_nodes_match_one_node(slurm_cluster, digits_runs, name):
-    folder, job, local = digits_runs[name]
+    if name not in digits_runs:
+        pytest.skip(ps_only_nodes())
+    folder, job, local_folder, local = digits_runs[name]
     state = slurm_cluster.wait(job, timeout=240)
-    log = job_log(folder / "slurm", job)
+    log = job_log(folder, job)
     assert state == "COMPLETED", log[-4000:]
     local_log, _ = local.communicate(timeout=240)
     assert local.returncode == 0, local_log[-3000:]
@@ -91,27 +112,28 @@ def test_digits_over_two_slurm_nodes_match_one_node(slurm_cluster, digits_runs, 
     # every launcher found its place from Slurm: node 1 is host1, the rendezvous is host0's own address
     assert f"Slurm job {job}: node 1 of 2 (host1); the rendezvous at 10.77.0.1:" in log
     assert f"Slurm job {job}: node 0 of 2 (host0)" in log
-    got, want = final_parameters(folder / "slurm" / "out"), final_parameters(folder / "local" / "out")
+    got, want = final_parameters(folder / "out"), final_parameters(local_folder / "out")
     assert got.keys() == want.keys()
     for key in want:
         assert (got[key] == want[key]).all(), f"{key} differs from the one-node run"
-    assert not list((folder / "slurm").glob(".conveyor-job-*.secret"))  # the batch script removed the secret
+    assert not list(folder.glob(".conveyor-job-*.secret"))  # the batch script removed the secret
 
 
-def job_processes(job: str) -> list[psutil.Process]:
+def job_processes(job: str, folder: Path) -> list[psutil.Process]:
+    """Every process of the job: Slurm's variables in its environment, or the job's folder on its command line."""
     found = []
-    for proc in psutil.process_iter():
+    for proc in psutil.process_iter(["cmdline"]):
         try:
-            if proc.environ().get("SLURM_JOB_ID") == job:
+            if proc.environ().get("SLURM_JOB_ID") == job or str(folder) in " ".join(proc.info["cmdline"] or ()):
                 found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return found
 
 
-def training_tasks(job: str) -> list[psutil.Process]:
+def training_tasks(job: str, folder: Path) -> list[psutil.Process]:
     tasks = []
-    for proc in job_processes(job):
+    for proc in job_processes(job, folder):
         try:
             if "train.py" in " ".join(proc.cmdline()) and "conveyor" not in " ".join(proc.cmdline()):
                 tasks.append(proc)
@@ -123,14 +145,14 @@ def training_tasks(job: str) -> list[psutil.Process]:
 def test_scancel_leaves_no_process_of_the_job(slurm_cluster, tmp_path):
     job = submit(slurm_cluster, tmp_path, "--nodes", "2", "-n", "1", train_args=("--epochs", "100"))
     deadline = time.monotonic() + 120
-    while len(training_tasks(job)) < 2:  # a training task on each node
+    while len(tasks := training_tasks(job, tmp_path)) < 2:  # a training task on each node
         assert time.monotonic() < deadline, f"the job never started training: {slurm_cluster.state(job)}"
         time.sleep(0.2)
-    assert {p.environ().get("SLURMD_NODENAME") for p in training_tasks(job)} == {"host0", "host1"}
+    assert {p.environ().get("SLURMD_NODENAME") for p in tasks} == {"host0", "host1"}
     slurm_cluster.run(["scancel", job])
     deadline = time.monotonic() + 60  # KillWait is 5 s: then SIGKILL for whatever ignored SIGTERM
-    while left := job_processes(job):
-        assert time.monotonic() < deadline, f"still running after scancel: {[p.cmdline() for p in left]}"
+    while left := job_processes(job, tmp_path):
+        assert time.monotonic() < deadline, f"still running after scancel: {[p.info['cmdline'] for p in left]}"
         time.sleep(0.2)
     assert slurm_cluster.wait(job, timeout=30) == "CANCELLED"
 

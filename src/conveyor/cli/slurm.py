@@ -27,12 +27,14 @@ examples:
   conveyor slurm --nodes 2 -n 4 train.py --epochs 5
   conveyor slurm --nodes 4 --gpus-per-node 8 --time 2:00:00 --partition gpu -o job.sbatch train.py
   conveyor slurm --nodes 2 -n 2 --ps 2 --strategy ps-sync --submit train.py
+  conveyor slurm --nodes 3 -n 2 --ps 2 --ps-nodes 1 --strategy ps-async train.py   # ps tasks on node 2
 
 The script runs `srun --ntasks-per-node=1 python -m conveyor run -n N ... SCRIPT ARGS` on every node:
 each launcher reads its node rank, the node count and the rendezvous host (the first node) from Slurm.
 This folder (the script's), the data folder and the output folder must be on a file system every node
 sees; the script writes a fresh job secret (mode 600) here and removes it when the job ends. Parameter
-servers go on the first nodes, beside the workers: one more per node from node 0 until all are placed.
+servers go beside the workers, one more per node from node 0 until all are placed, or with --ps-nodes P
+alone on the last P nodes.
 """
 
 
@@ -45,7 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="training processes per node (default: --gpus-per-node, else 1)")
     job.add_argument("--gpus-per-node", type=int, default=None, metavar="G", help="GPUs per node: one process each")
     job.add_argument("--ps", type=int, default=0, metavar="M",
-                     help="parameter servers in the whole job, on the first nodes (default 0)")
+                     help="parameter servers in the whole job (default 0): beside the workers, one more per node "
+                     "from node 0, or on --ps-nodes of their own")
+    job.add_argument("--ps-nodes", type=int, default=0, metavar="P",
+                     help="run the ps tasks alone on the last P of the --nodes (conveyor run -n 0 there)")
     job.add_argument("--strategy", default=None, metavar="NAME", help="as conveyor run --strategy")
     job.add_argument("--data-dir", default="data", metavar="D", help="the job's input folder, shared (default ./data)")
     job.add_argument("--output-dir", default="output", metavar="O",
@@ -74,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     workers = args.workers if args.workers is not None else (args.gpus_per_node or 1)
     job = SbatchJob(
         script=args.script, script_args=tuple(args.script_args), nodes=args.nodes, workers=workers,
-        gpus_per_node=args.gpus_per_node, ps=args.ps, strategy=args.strategy,
+        gpus_per_node=args.gpus_per_node, ps=args.ps, ps_nodes=args.ps_nodes, strategy=args.strategy,
         data_dir=os.path.abspath(args.data_dir), output_dir=os.path.abspath(args.output_dir), workdir=os.getcwd(),
         python=os.path.abspath(args.python), job_name=args.job_name, time=args.time, partition=args.partition,
         account=args.account, cpus_per_node=args.cpus_per_node, run_args=tuple(args.run_option),

@@ -7,9 +7,10 @@
 The script asks for whole nodes (or ``cpus_per_node``), writes a fresh job secret into the shared working
 folder (mode 600, removed when the script ends) and runs one launcher per node with ``srun
 --ntasks-per-node=1``; each launcher derives its node rank, the node count and the rendezvous host
-from Slurm (:mod:`conveyor.launch.slurm`). Parameter servers go on the first nodes, one more per node
-from node 0 until all are placed; when nodes differ, a ``case`` on ``$SLURM_NODEID`` - single-quoted, so
-each node's own shell expands it - picks the node's ``-n``/``--ps``. Every value from the user is
+from Slurm (:mod:`conveyor.launch.slurm`). Parameter servers go beside the workers, one more per node
+from node 0 until all are placed, or on nodes of their own, the last ones (``ps_nodes``; ``conveyor run
+-n 0`` there); when nodes differ, a ``case`` on ``$SLURM_NODEID`` - single-quoted, so each node's own
+shell expands it - picks the node's ``-n``/``--ps``. Every value from the user is
 shell-quoted; values that go on ``#SBATCH`` lines are refused if they hold spaces or quotes.
 """
 
@@ -43,6 +44,7 @@ class SbatchJob:
     workers: int = 1
     gpus_per_node: int | None = None
     ps: int = 0
+    ps_nodes: int = 0  # nodes of parameter servers only, the last ones; 0: the ps tasks go beside the workers
     strategy: str | None = None
     job_name: str | None = None
     time: str | None = None
@@ -57,10 +59,17 @@ class SbatchJob:
         object.__setattr__(self, "run_args", tuple(self.run_args))
         object.__setattr__(self, "sbatch_args", tuple(self.sbatch_args))
         counts = (("--nodes", self.nodes, 1), ("-n", self.workers, 1), ("--ps", self.ps, 0),
-                  ("--gpus-per-node", self.gpus_per_node, 1), ("--cpus-per-node", self.cpus_per_node, 1))
+                  ("--ps-nodes", self.ps_nodes, 0), ("--gpus-per-node", self.gpus_per_node, 1),
+                  ("--cpus-per-node", self.cpus_per_node, 1))
         for flag, value, low in counts:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
                 raise ValueError(f"{flag} {value!r}: expected a whole number >= {low}")
+        if self.ps_nodes and self.ps_nodes >= self.nodes:
+            raise ValueError(f"--ps-nodes {self.ps_nodes} of --nodes {self.nodes}: node 0 runs rank 0, the chief; "
+                             f"leave at least one node for the workers")
+        if self.ps_nodes > self.ps:
+            raise ValueError(f"--ps-nodes {self.ps_nodes} with --ps {self.ps}: each node of parameter servers runs one "
+                             f"at least")
         if self.gpus_per_node is not None and self.workers > self.gpus_per_node:
             raise ValueError(f"-n {self.workers} with --gpus-per-node {self.gpus_per_node}: two training processes "
                              f"would share a GPU; one process per GPU is -n {self.gpus_per_node}")
@@ -81,9 +90,17 @@ class SbatchJob:
 
 
 def node_layout(job: SbatchJob) -> list[tuple[int, int]]:
-    """``(workers, ps)`` per node: every node runs ``job.workers``; the ps tasks go one per node from node 0,
-    round and round, so the first nodes carry one more when they do not divide evenly."""
-    return [(job.workers, job.ps // job.nodes + (1 if i < job.ps % job.nodes else 0)) for i in range(job.nodes)]
+    """``(workers, ps)`` per node. Without ``ps_nodes`` every node runs ``job.workers`` and the ps tasks go one
+    per node from node 0, round and round (the first nodes carry one more when they do not divide evenly);
+    with it, the last ``ps_nodes`` nodes run the ps tasks alone (``-n 0``), spread the same way."""
+    workers = job.nodes - job.ps_nodes
+    if not job.ps_nodes:
+        return [(job.workers, _share(job.ps, job.nodes, i)) for i in range(job.nodes)]
+    return [(job.workers, 0)] * workers + [(0, _share(job.ps, job.ps_nodes, i)) for i in range(job.ps_nodes)]
+
+
+def _share(total: int, parts: int, i: int) -> int:
+    return total // parts + (1 if i < total % parts else 0)
 
 
 def _groups(layout: list[tuple[int, int]]) -> list[tuple[int, int, tuple[int, int]]]:
@@ -104,8 +121,8 @@ def _tasks_flags(tasks: tuple[int, int]) -> str:
 
 def _describe(tasks: tuple[int, int]) -> str:
     workers, ps = tasks
-    text = f"{workers} worker{'s' if workers != 1 else ''}"
-    return text + (f" + {ps} ps" if ps else "")
+    text = [f"{workers} worker{'s' if workers != 1 else ''}"] if workers else []
+    return " + ".join(text + ([f"{ps} ps"] if ps else []))
 
 
 def _nodes_text(first: int, last: int) -> str:
