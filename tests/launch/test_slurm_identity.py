@@ -53,6 +53,7 @@ def test_outside_a_step_or_on_one_node_there_is_nothing_to_derive():
     assert slurm_node({}, resolver=resolver) is None
     one = step(0, nodelist="gpu01", count=1)
     assert slurm_node(one, resolver=resolver) is None
+    assert slurm_node(step(3), nnodes=1, resolver=resolver) is None  # --nnodes 1: a job of its own on each node
 
 
 def test_an_unresolvable_first_node_fails_naming_it_never_localhost():

@@ -76,12 +76,13 @@ def allocation_note(environ: Mapping[str, str]) -> str | None:
 
 def slurm_node(environ: Mapping[str, str], *, nnodes: int | None = None, node_rank: int | None = None,
                rdzv: str | None = None, resolver: Resolver = resolve) -> SlurmNode | None:
-    """This launcher's node in its srun step, checked; ``None`` outside a step or in a step of one node.
+    """This launcher's node in its srun step, checked; ``None`` outside a step, in a step of one node, or with
+    ``nnodes=1`` (one job per node, on purpose).
 
     ``nnodes``/``node_rank``/``rdzv`` are the flags the user gave (``None``: not given): given ones must
     agree with Slurm, and a given ``rdzv`` replaces the derived endpoint. Raises :class:`ClusterConfigError`.
     """
-    if not in_step(environ):
+    if not in_step(environ) or nnodes == 1:
         return None
     nodes = _step_nodes(environ)
     if len(nodes) < 2:
