@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -38,6 +37,7 @@ _SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/usr/l
 FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
                           "DEADLINE", "PREEMPTED"})
 _COMMAND_TIMEOUT = 30.0
+_FOLDER_PREFIX = "conveyor-slurm-"
 
 
 class SlurmError(RuntimeError):
@@ -70,6 +70,15 @@ def unavailable(*, install: bool = True) -> str | None:
         return (f"Slurm is not installed ({', '.join(missing)} missing); Debian: apt-get install "
                 f"{' '.join(PACKAGES)}")
     return None
+
+
+def _remove_stale_folders() -> None:
+    """Remove the folders of clusters whose process no longer runs (a test runner killed with SIGKILL: its
+    namespaces, and so its daemons, are removed by the next :class:`Hosts`)."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{_FOLDER_PREFIX}*-*"):
+        owner = folder.name[len(_FOLDER_PREFIX):].split("-")[0]
+        if owner.isdigit() and not Path(f"/proc/{owner}").exists():
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _conf(folder: Path, hosts: Hosts, cpus: int) -> str:
@@ -115,7 +124,8 @@ class SlurmCluster:
         missing = _missing()
         if missing:
             raise SlurmError(f"Slurm is not installed ({', '.join(missing)} missing)")
-        self.folder = Path(tempfile.mkdtemp(prefix="conveyor-slurm-"))
+        _remove_stale_folders()
+        self.folder = Path(tempfile.mkdtemp(prefix=f"{_FOLDER_PREFIX}{os.getpid()}-"))
         self.folder.chmod(0o711)  # munged wants its socket's folder searchable by every user (clients run as any)
         self.hosts: Hosts | None = None
         self._daemons: list[subprocess.Popen] = []
@@ -214,18 +224,15 @@ class SlurmCluster:
                            "jobs still queued")
             except (SlurmError, subprocess.TimeoutExpired):
                 pass  # the namespaces' processes are killed below either way
-        for proc in reversed(self._daemons):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+        if self.hosts is not None:
+            # SIGKILL for the daemons too: slurmctld takes seconds to save a state nobody will read
+            self.hosts.close()  # every process still in the namespaces: daemons and job tasks alike
         for proc in self._daemons:
             try:
                 proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-        if self.hosts is not None:
-            self.hosts.close()  # SIGKILLs every process still in the namespaces: daemons and job tasks alike
-        for proc in self._daemons:
-            proc.wait()
+            except subprocess.TimeoutExpired:  # not in a namespace any more? then it is ours to kill
+                proc.kill()
+                proc.wait(timeout=10)
         shutil.rmtree(self.folder, ignore_errors=True)
 
     def __enter__(self) -> SlurmCluster:
