@@ -50,6 +50,7 @@ def test_outside_a_step_or_on_one_node_there_is_nothing_to_derive():
     batch = step(0)
     del batch["SLURM_STEP_ID"]  # the batch script itself: the allocation, not a step
     assert slurm_node(batch, resolver=resolver) is None
+    assert slurm_node({**batch, "SLURM_STEP_ID": "batch"}, resolver=resolver) is None
     assert slurm_node({}, resolver=resolver) is None
     one = step(0, nodelist="gpu01", count=1)
     assert slurm_node(one, resolver=resolver) is None

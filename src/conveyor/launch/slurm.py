@@ -61,8 +61,10 @@ def resolve(name: str, port: int) -> str:
 
 
 def in_step(environ: Mapping[str, str]) -> bool:
-    """Whether this process was started by srun as a task of a job step (not the batch script itself)."""
-    return bool(environ.get("SLURM_STEP_ID")) and bool(environ.get("SLURM_JOB_ID")) and "SLURM_NODEID" in environ
+    """Whether this process was started by srun as a task of a job step (not the batch script itself, which has
+    no step id, or a special one that is not a number)."""
+    step = environ.get("SLURM_STEP_ID", "").strip()
+    return step.isascii() and step.isdigit() and bool(environ.get("SLURM_JOB_ID")) and "SLURM_NODEID" in environ
 
 
 def allocation_note(environ: Mapping[str, str]) -> str | None:
