@@ -36,6 +36,7 @@ from conveyor.launch import (
     local_plan,
 )
 from conveyor.launch.binding import BIND_MODES
+from conveyor.launch.slurm import allocation_note, slurm_node
 
 RESTART_DELAY_CAP = 30.0
 MAKE_SECRET = (f"make one with `openssl rand -hex 32 > job.secret && chmod 600 job.secret`, copy the same file to "
@@ -133,7 +134,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pipe.add_argument("--split", default=None, metavar="NAME,NAME",
                       help="the layers to cut before (named_modules names), instead of a balanced --stages")
     nodes = parser.add_argument_group("several machines")
-    nodes.add_argument("--nnodes", type=int, default=1, metavar="K", help="machines in the job (default 1)")
+    nodes.add_argument("--nnodes", type=int, default=None, metavar="K",
+                       help="machines in the job (default 1; in an srun step: the step's nodes)")
     nodes.add_argument("--node-rank", type=int, default=None, metavar="I", help="this machine's rank, 0..K-1")
     nodes.add_argument("--rdzv", default=None, metavar="HOST:PORT",
                        help="where node 0's launcher hosts the rendezvous (an address of node 0, a free port)")
@@ -161,8 +163,9 @@ def run(args: argparse.Namespace) -> int:
         linger=args.linger, stages=args.stages, microbatches=args.microbatches, schedule=args.schedule,
         split=args.split, bind=args.bind, share_gpus=args.share_gpus,
     )
-    _check_node_flags(args)
     environ = dict(os.environ)  # before anything here touches os.environ: this is what the tasks inherit
+    _from_slurm(args, environ)
+    _check_node_flags(args)
     secret = _job_secret(args.job_secret_file, environ, args.nnodes)
     if args.dry_run:
         plan = local_plan(options, free_ports(options.tasks_per_node), master_port=free_ports(1)[0],
@@ -208,6 +211,18 @@ def _run_node(args: argparse.Namespace, options: RunOptions, environ: dict[str, 
     finally:
         rdzv.peers.close()
     return _report(result)
+
+
+def _from_slurm(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
+    """Inside an srun step of several nodes, --nnodes/--node-rank/--rdzv come from Slurm (launch/slurm.py)."""
+    node = None if args.dry_run else slurm_node(environ, nnodes=args.nnodes, node_rank=args.node_rank, rdzv=args.rdzv)
+    if node is not None:
+        args.nnodes, args.node_rank, args.rdzv = node.nnodes, node.node_rank, node.rdzv
+        print(f"[conveyor] {node.describe()}", file=sys.stderr)
+    elif allocation_note(environ) and args.nnodes is None:
+        print(f"[conveyor] note: {allocation_note(environ)}", file=sys.stderr)
+    if args.nnodes is None:
+        args.nnodes = 1
 
 
 def _check_node_flags(args: argparse.Namespace) -> None:
