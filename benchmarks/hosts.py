@@ -262,7 +262,7 @@ def run_transport(bench: Bench, name: str, settings: dict[str, Any], timeout: fl
     folder = bench.next_dir(name)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     result_path = folder / "result.json"
-    base = {**settings, "tensors": settings["tensors"], "result": str(result_path), "timeout": timeout}
+    base = {**settings, "result": str(result_path), "timeout": timeout}
     procs = [bench.hosts.popen(bench.hosts[hi], [sys.executable, str(HERE), "--worker", json.dumps(config)], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
              for hi, config in transport_configs(transport, base, env)]
