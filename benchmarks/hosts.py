@@ -84,6 +84,8 @@ TRAINING_NOTE = (
     "training: samples/s = every worker's samples / the chief's training wall seconds (summary.json); comm % = "
     "median communication / median step total of the chief's steps (summary.json step_breakdown: allreduce: "
     "DDP hook in-flight time, much of it overlapping backward; ps-*: push + pull + wait-for-server time); "
+    "link ms = the least time per step the busiest link needs at the cap (payload: allreduce 2(N-1)/N x P on each "
+    "worker's link, ps-* N x P each way on the ps host's; P = the model's bytes, N = 2 workers); "
     f"/ ref = samples/s over the reference cap's (uncapped, else the fastest) in the same round; link-bound = "
     f"/ ref < {BUSY_FRACTION}")
 
@@ -141,6 +143,23 @@ def ideal_seconds(transport: str, nbytes: int, cap_mbit: float, hosts: int = 2) 
 def vs_cap(gbps: float | None, cap: float | None) -> float:
     """GB/s over the cap (Mbit/s); NaN uncapped or unmeasured."""
     return math.nan if cap is None else h.ratio(gbps, cap * 1e6 / 8 / 1e9)
+
+
+def link_bytes_per_step(strategy: str, model_bytes: int, workers: int = 2) -> float:
+    """Payload bytes the busiest link carries each way per step of every worker: a worker's for a ring all-reduce
+    of the gradients (2(N-1)/N x P), the ps host's for parameter servers (N pushes in, N pulls out)."""
+    if strategy == "allreduce":
+        return 2.0 * (workers - 1) / workers * model_bytes
+    if strategy.startswith("ps-"):
+        return float(workers * model_bytes)
+    raise ValueError(f"unknown strategy {strategy!r}")
+
+
+def link_ms(strategy: str, model_bytes: int | None, cap: float | None, workers: int = 2) -> float:
+    """The least time per step the busiest link needs at ``cap`` (NaN uncapped or unknown model size)."""
+    if cap is None or not model_bytes:
+        return math.nan
+    return 1e3 * link_bytes_per_step(strategy, model_bytes, workers) * 8 / (cap * 1e6)
 
 
 def reference_cap(caps: Sequence[float | None]) -> float | None:
@@ -481,9 +500,11 @@ def derive_transport(res: dict[str, Any], caps: Sequence[float | None]) -> dict[
     return d
 
 
-def derive_training(res: dict[str, Any], caps: Sequence[float | None], strategies: Sequence[str]) -> dict[str, Any]:
+def derive_training(res: dict[str, Any], caps: Sequence[float | None], strategies: Sequence[str],
+                    model_bytes: int | None = None) -> dict[str, Any]:
     ref = reference_cap(caps)
-    d: dict[str, Any] = {"reference_cap": cap_key(ref), "by_strategy": {}, "link_bound_below": {}, "launched_by": {}}
+    d: dict[str, Any] = {"reference_cap": cap_key(ref), "model_bytes": model_bytes, "by_strategy": {},
+                         "link_bound_below": {}, "launched_by": {}}
     for strategy in strategies:
         ref_samples = res["samples"].get(contender(strategy, ref), [])
         rows = d["by_strategy"][strategy] = {}
@@ -497,6 +518,7 @@ def derive_training(res: dict[str, Any], caps: Sequence[float | None], strategie
                 "comm_share": h.median(r.get("comm_share") for r in runs),
                 "step_ms": h.median(r.get("step_ms") for r in runs),
                 "comm_ms": h.median(r.get("comm_ms") for r in runs),
+                "link_ms": link_ms(strategy, model_bytes, cap, len(WORKER_HOSTS)),
             }
         d["launched_by"][strategy] = sorted({r["launched_by"] for c in caps for r in res["runs"].get(
             contender(strategy, c), []) if r and "launched_by" in r})
@@ -532,8 +554,10 @@ def format_transport(d: dict[str, Any], caps: Sequence[float | None], settings: 
 
 def format_training(d: dict[str, Any], caps: Sequence[float | None], settings: dict[str, Any], repeats: int) -> str:
     head = (f"training: examples/digits/train.py, {len(WORKER_HOSTS)} worker hosts (+1 ps host for ps-*), "
-            f"{settings['epochs']} epoch(s), batch {settings['batch_size']}/worker, {repeats} round(s); medians")
-    rows = [("strategy", "cap", "samples/s", "/ ref", "step ms", "comm ms", "comm %", "link-bound", "per round")]
+            f"{settings['epochs']} epoch(s), batch {settings['batch_size']}/worker, model P = "
+            f"{h.fmt(d.get('model_bytes'), ',.0f')} bytes of parameters, {repeats} round(s); medians")
+    rows = [("strategy", "cap", "samples/s", "/ ref", "step ms", "comm ms", "comm %", "link ms", "link-bound",
+             "per round")]
     for strategy in d["by_strategy"]:
         for cap in caps:
             r = d["by_strategy"][strategy][cap_key(cap)]
@@ -542,14 +566,24 @@ def format_training(d: dict[str, Any], caps: Sequence[float | None], settings: d
                 "-" if not math.isfinite(ratio) else ("yes" if ratio < BUSY_FRACTION else "no"))
             rows.append((strategy, cap_label(cap), h.fmt(r["median_samples_per_second"], ".0f"), h.fmt(ratio, ".3f"),
                          h.fmt(r["step_ms"], ".1f"), h.fmt(r["comm_ms"], ".1f"), h.fmt(r["comm_share"], ".0f", 100),
-                         bound, h.fmt_all(r["per_round"], ".0f")))
-    lines = [head, "", h.format_rows(rows, left=(0, 1, 7, 8)), ""]
+                         h.fmt(r["link_ms"], ".2f"), bound, h.fmt_all(r["per_round"], ".0f")))
+    lines = [head, "", h.format_rows(rows, left=(0, 1, 8, 9)), ""]
     for strategy, key in d["link_bound_below"].items():
         lines.append(f"{strategy:<10} {verdict(key, caps, d['reference_cap'])}")
     for strategy, how in d["launched_by"].items():
         lines.append(f"{strategy:<10} started as: {'; '.join(how) or '-'}")
     lines.append(TRAINING_NOTE)
     return "\n".join(lines)
+
+
+def model_bytes() -> int:
+    """The digits example's parameter bytes (its own ``Net``, loaded by file path)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("conveyor_example_digits", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return sum(p.numel() * p.element_size() for p in module.Net().parameters())
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -626,7 +660,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tables.append(format_transport(derived["transport"], args.caps, transport, args.repeats))
         errors += [f"transport {e}" for e in res["transport"]["errors"]]
     if "training" in res:
-        derived["training"] = derive_training(res["training"], args.caps, args.strategies)
+        derived["training"] = derive_training(res["training"], args.caps, args.strategies, model_bytes())
         tables.append(format_training(derived["training"], args.caps, training, args.repeats))
         errors += [f"training {e}" for e in res["training"]["errors"]]
     gs = h.evaluate_goals(GOALS, derived) if "transport" in res else []

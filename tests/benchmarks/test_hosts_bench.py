@@ -48,6 +48,18 @@ def test_byte_accounting(bench):
         bench.counted_bytes("carrier_pigeon", b)
 
 
+def test_link_time_per_step(bench):
+    p = 605_224  # the digits Net's parameter bytes
+    assert bench.link_bytes_per_step("allreduce", p) == p  # 2(N-1)/N x P on each worker's link, N = 2
+    assert bench.link_bytes_per_step("ps-sync", p) == bench.link_bytes_per_step("ps-async", p) == 2 * p
+    assert bench.link_bytes_per_step("allreduce", p, workers=4) == 1.5 * p
+    assert bench.link_ms("ps-sync", p, 1000) == pytest.approx(9.68, abs=0.01)  # 1.21 MB at 1 Gbit/s
+    assert bench.link_ms("allreduce", p, 10000) == pytest.approx(0.484, abs=0.001)
+    assert math.isnan(bench.link_ms("allreduce", p, None)) and math.isnan(bench.link_ms("ps-sync", None, 1000))
+    with pytest.raises(ValueError):
+        bench.link_bytes_per_step("pipeline", p)
+
+
 def test_where_a_strategy_stops_being_link_bound(bench):
     caps = (1000.0, 10000.0, None)
     assert bench.unbound_from({"1000": 0.5, "10000": 0.95}, caps, "none") == "10000"
@@ -95,13 +107,13 @@ def test_training_table(bench):
             samples[bench.contender(strategy, cap)] = [rate]
             runs[bench.contender(strategy, cap)] = [{"comm_share": 0.5, "step_ms": 40.0, "comm_ms": 20.0,
                                                       "launched_by": "conveyor run per host"}]
-    d = bench.derive_training({"samples": samples, "runs": runs, "errors": []}, caps, bench.STRATEGIES)
+    d = bench.derive_training({"samples": samples, "runs": runs, "errors": []}, caps, bench.STRATEGIES, 605_224)
     assert d["link_bound_below"] == {"allreduce": "10000", "ps-sync": None, "ps-async": "1000"}
     assert d["by_strategy"]["ps-sync"]["10000"]["vs_reference"] == pytest.approx(0.6)
     table = bench.format_training(d, caps, {"epochs": 3, "batch_size": 32}, 1)
     assert "allreduce  link-bound up to 1 Gbit/s; stops being link-bound at 10 Gbit/s" in table
     row = next(line.split() for line in table.splitlines() if line.startswith("ps-sync") and "10 Gbit/s" in line)
-    assert row[3:7] == ["600", "0.600", "40.0", "20.0"] and row[8] == "yes"
+    assert row[3:10] == ["600", "0.600", "40.0", "20.0", "50", "0.97", "yes"]
 
 
 def test_without_root_it_says_so_and_fails(bench, monkeypatch, capsys):
