@@ -600,8 +600,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help=f"training strategies, comma-separated subset of {','.join(STRATEGIES)} (default all)")
     p.add_argument("--part", choices=("all", "transport", "training"), default="all",
                    help="what to measure (default all)")
-    p.add_argument("--timeout", type=float, default=180.0, help="seconds per run or job before it is stopped "
-                                                                "(default 180)")
+    p.add_argument("--timeout", type=float, default=240.0, help="seconds per run or job before it is stopped "
+                                                                "(default 240)")
     p.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)
     return h.settle(p, p.parse_args(argv), {"size_mb": (100.0, 16.0), "repeats": (2, 1), "iters": (3, 1),
                                             "epochs": (6, 1)},
