@@ -195,6 +195,19 @@ def verdict(key: str | None, caps: Sequence[float | None], reference: str) -> st
             f"(>= {BUSY_FRACTION} x {ref} from there up)")
 
 
+def busy_note(runs: Sequence[dict[str, Any] | None], cores: int) -> str | None:
+    """A warning when the machine's 1-minute load exceeded twice its cores around some run (others' work
+    then shows in every figure), else None."""
+    loads = h.finite(r.get("loadavg_1min") for r in runs if r)
+    worst = max(loads, default=0.0)
+    if worst <= 2 * cores:
+        return None
+    busy = sum(load > 2 * cores for load in loads)
+    return (f"WARNING: the machine was busy: 1-minute load up to {worst:.1f} on {cores} cores ({busy} of "
+            f"{len(loads)} runs above {2 * cores}); other processes' work is in these figures: run again on a "
+            f"quiet machine")
+
+
 def contender(kind: str, cap: float | None) -> str:
     return f"{kind}@{cap_key(cap)}"
 
@@ -302,6 +315,7 @@ def transport_rounds(bench: Bench, caps: Sequence[float | None], settings: dict[
 
     def measure(name: str, rnd: int) -> tuple[float, dict[str, Any]]:
         res = run_transport(bench, name, settings, timeout)
+        res["loadavg_1min"] = os.getloadavg()[0]
         if "error" in res:
             raise h.ContenderFailed(res["error"], res)
         return res["gbps"], res
@@ -465,6 +479,7 @@ def training_rounds(bench: Bench, caps: Sequence[float | None], strategies: Sequ
 
     def measure(name: str, rnd: int) -> tuple[float, dict[str, Any]]:
         res = run_training(bench, name, settings, data_dir, secret_file, timeout)
+        res["loadavg_1min"] = os.getloadavg()[0]
         if "error" in res:
             raise h.ContenderFailed(res["error"], res)
         return res["samples_per_second"], res
@@ -664,6 +679,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         tables.append(format_training(derived["training"], args.caps, training, args.repeats))
         errors += [f"training {e}" for e in res["training"]["errors"]]
     gs = h.evaluate_goals(GOALS, derived) if "transport" in res else []
+    note = busy_note([r for part in res.values() for rs in part["runs"].values() for r in rs], machine["cores"])
+    if note:
+        tables.append(note)
     report = {
         "benchmark": "hosts", "command": h.command_line("hosts", argv), "machine": h.machine_end(machine),
         "config": {"caps_mbit": [cap_key(c) for c in args.caps], "strategies": list(args.strategies),

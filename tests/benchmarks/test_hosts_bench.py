@@ -122,3 +122,9 @@ def test_without_root_it_says_so_and_fails(bench, monkeypatch, capsys):
     monkeypatch.setattr(conveyor.testing.hosts, "unavailable", lambda: "network namespaces need root")
     assert bench.main(["--quick"]) == 2
     assert "need root" in capsys.readouterr().err
+
+
+def test_a_busy_machine_is_called_out(bench):
+    assert bench.busy_note([{"loadavg_1min": 3.0}, None, {"error": "x"}], cores=2) is None
+    note = bench.busy_note([{"loadavg_1min": 3.0}, {"loadavg_1min": 14.5}, {"loadavg_1min": 5.0}], cores=2)
+    assert note.startswith("WARNING") and "up to 14.5 on 2 cores (2 of 3 runs above 4)" in note
