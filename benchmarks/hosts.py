@@ -408,7 +408,8 @@ def _wait_launches(bench: Bench, procs: list[tuple[Launch, subprocess.Popen]], t
         elif not running:
             return None
         elif time.monotonic() > deadline:
-            error = f"timed out after {timeout:.0f} s"
+            alive = ", ".join(f"{launch.name} on host{launch.host}" for launch, p in procs if p.poll() is None)
+            error = f"timed out after {timeout:.0f} s ({alive} still running)"
         else:
             time.sleep(0.05)
     for hi in sorted({launch.host for launch, _ in procs}):  # the others would wait at a rendezvous or collective
