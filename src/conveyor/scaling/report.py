@@ -41,7 +41,8 @@ def _num(x: float) -> str:
 
 def _aligned(rows: Sequence[Sequence[str]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  ".join(v.ljust(w) if i == len(r) - 1 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths, strict=True)))
+    last = len(widths) - 1  # the bound's name: flush left
+    return ["  ".join(v.ljust(w) if i == last else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths, strict=True)))
             .rstrip() for r in rows]
 
 
