@@ -54,7 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         if field == "compute_shares_cores":
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=meaning)
         elif field != "name":
-            group.add_argument(flag, dest=field, type=_NUMBERS.get(field, str), default=None, help=meaning)
+            metavar = "BW" if "bandwidth" in field else "LAT" if "latency" in field else "N"
+            group.add_argument(flag, dest=field, type=_NUMBERS.get(field, str), default=None, metavar=metavar,
+                               help=meaning)
     model = p.add_argument_group("the model")
     model.add_argument("--workers", type=_counts, default=DEFAULT_WORKERS, metavar="N,...",
                        help="worker counts to predict (default 1,2,4,...,1024)")
@@ -73,8 +75,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     model.add_argument("--activation-bytes", type=float, default=defaults.activation_bytes,
                        help="bytes per sample one pipeline stage sends the next (default 0: not measured)")
     run = p.add_argument_group("the measured run (override or supply summary.json's scaling block)")
-    for key in OVERRIDABLE:
-        run.add_argument("--" + key.replace("_", "-").replace("-per-batch", ""), dest=key, type=float, default=None)
+    for key, meaning in zip(OVERRIDABLE, ("samples per step per worker", "bytes all-reduced per step",
+                                          "bytes of the model's parameters", "input pipeline seconds per batch on "
+                                          "one core"), strict=True):
+        run.add_argument("--" + key.replace("_", "-").replace("-per-batch", ""), dest=key, type=float, default=None,
+                         metavar="X", help=meaning)
     p.add_argument("--out", type=Path, default=None, help="folder for prediction.json/.png (default <run>/prediction)")
     p.add_argument("--no-plot", action="store_true", help="skip prediction.png")
 
