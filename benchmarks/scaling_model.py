@@ -75,7 +75,10 @@ def published_inputs(case: dict[str, Any], data: dict[str, Any]):
     from conveyor.scaling import Measured, Options, cluster_from_mapping
 
     batch = float(_value(case["batch_size"]))
-    compute = _value(case["compute_seconds"]) if "compute_seconds" in case else batch / _value(case["images_per_second"])
+    if "compute_seconds" in case:
+        compute = _value(case["compute_seconds"])
+    else:  # a throughput of one GPU: its whole step is forward + backward
+        compute = batch / _value(case["images_per_second"])
     grad_bytes = 4.0 * _value(case["parameters"])  # fp32
     measured = Measured(batch_size=batch, compute=float(compute), optimizer=0.0,
                         overhead=float(_value(case.get("overhead_seconds", 0.0))), gradient_bytes=grad_bytes,
@@ -259,10 +262,9 @@ def run_rounds(settings: dict[str, Any], repeats: int, timeout: float, cluster) 
                     f"{summary['samples_per_second']:.1f} over the wall")
 
         res = h.interleaved_rounds(CONTENDERS, repeats, measure, describe=describe)
-    for rnd, summary in enumerate(res["runs"]["1-worker"]):
-        one = summary if isinstance(summary, dict) and "error" not in summary else None
-        res.setdefault("predicted", []).append(predict_two(one, cluster) if one else None)
-        del rnd
+    # each round's 1-worker run predicts that round's 2-worker runs
+    res["predicted"] = [predict_two(one, cluster) if isinstance(one, dict) and "error" not in one else None
+                        for one in res["runs"]["1-worker"]]
     return res
 
 
