@@ -80,7 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EXAMPLES
     job = parser.add_argument_group("the job")
     job.add_argument("-n", "--workers", type=int, default=1, metavar="N",
-                     help="training processes on this machine (default 1)")
+                     help="training processes on this machine (default 1; 0 with --ps on a node of parameter servers "
+                     "only, not node 0)")
     job.add_argument("--ps", type=int, default=0, metavar="M",
                      help="parameter servers on this machine (default 0)")
     job.add_argument("--strategy", default=None, metavar="NAME",
@@ -197,6 +198,9 @@ def _check_node_flags(args: argparse.Namespace) -> None:
     if args.nnodes == 1:
         if args.node_rank not in (None, 0) or args.rdzv is not None:
             raise CommandError("--node-rank and --rdzv belong to a job on several machines: add --nnodes K")
+        if args.workers == 0:
+            raise CommandError("-n 0 starts no training process: a machine of parameter servers only (-n 0 --ps M) "
+                               "is one node of a job on several machines (--nnodes K --node-rank I, I > 0)")
         return
     if args.node_rank is None or args.rdzv is None:
         raise CommandError(f"--nnodes {args.nnodes} needs --node-rank I (0..{args.nnodes - 1}) and --rdzv HOST:PORT "
@@ -204,6 +208,10 @@ def _check_node_flags(args: argparse.Namespace) -> None:
     if not 0 <= args.node_rank < args.nnodes:
         raise CommandError(f"--node-rank {args.node_rank} is out of range for --nnodes {args.nnodes} "
                            f"(0..{args.nnodes - 1})")
+    if args.node_rank == 0 and args.workers == 0:
+        raise CommandError("-n 0 on node 0: node 0 runs rank 0, the chief, which hosts the process group's store and "
+                           "writes the checkpoints; give node 0 -n 1 or more, and the node of parameter servers only "
+                           "(-n 0 --ps M) another --node-rank")
     if args.dry_run:
         raise CommandError("--dry-run shows one machine's plan and cannot know the other machines' addresses; "
                            "drop --nnodes/--node-rank/--rdzv to check the command and environment")
