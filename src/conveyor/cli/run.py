@@ -68,10 +68,12 @@ whatever they do then, also when one of them failed in the same instant. A task 
 --ps_hosts/--worker_hosts/--job_name/--task_index get them with --tf-flags; torchrun scripts find
 every variable torchrun sets (GROUP_RANK, ROLE_RANK, TORCHELASTIC_RESTART_COUNT...) and, when several
 tasks share the machine and OMP_NUM_THREADS is unset, OMP_NUM_THREADS=1, as torchrun gives.
-With --nnodes, -n and --ps count this machine's tasks (like torchrun's --nproc-per-node); node 0's
-tasks come first in the cluster, so rank 0 runs on node 0. A job on several machines needs the same
-job secret on every node (--job-secret-file, CONVEYOR_JOB_SECRET_FILE or CONVEYOR_JOB_SECRET): it
-signs the parameter-server messages and never crosses the network.
+With --nnodes, -n and --ps count this machine's tasks (like torchrun's --nproc-per-node; -n 0 --ps M
+is a machine of parameter servers only, not node 0); node 0's tasks come first in the cluster, so
+rank 0 runs on node 0. A machine silent for --timeout seconds ends the job on every node, naming
+it. A job on several machines needs the same job secret on every node (--job-secret-file,
+CONVEYOR_JOB_SECRET_FILE or CONVEYOR_JOB_SECRET): it signs the parameter-server messages and never
+crosses the network.
 """
 
 

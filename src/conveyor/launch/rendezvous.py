@@ -12,7 +12,9 @@ list in node-rank order), or fails naming the rendezvous address and the missing
 rank, or settings that disagree; every record is signed with the job secret (which never enters the
 store) and the job's run id, so records from another secret or an earlier job are refused; the store
 listens on the ``--rdzv`` address only and stays up for the whole job, as the supervisor's
-:class:`~conveyor.launch.supervisor.Peers` (:class:`StorePeers`). torch is imported here only, lazily.
+:class:`~conveyor.launch.supervisor.Peers` (:class:`StorePeers`), through which the launchers' heartbeats
+end the job naming a lost node (``launch/liveness.py``); on node 0 an ``--rdzv`` name that resolves to
+loopback is refused. torch is imported here only, lazily.
 The records, and what the unauthenticated store still exposes: docs/architecture.md, "Process groups
 and rendezvous".
 """
@@ -174,7 +176,9 @@ def _agree(store: Any, peers: StorePeers, endpoint: str, nnodes: int, node_rank:
     deadline = time.monotonic() + timeout
     if _call(store.add, endpoint, f"{_P}claim/{node_rank}", 1) > 1:
         raise RendezvousError(f"node rank {node_rank} is taken at the rendezvous {endpoint}: another launcher "
-                              f"joined with --node-rank {node_rank}; give each node its own rank 0..{nnodes - 1}")
+                              f"joined with --node-rank {node_rank}; give each node its own rank 0..{nnodes - 1} "
+                              f"(a job whose node was lost cannot take it back: start the job again on every node)")
+    peers.joined = True
     settings = {"nnodes": nnodes, **settings}
     mine = {"host": address, "workers": workers, "ps": ps, "ports": ports[:workers + ps], "settings": settings,
             "hostname": socket.gethostname()}
@@ -292,7 +296,9 @@ def _call(method: Any, endpoint: str, *args: Any) -> Any:
     try:
         return method(*args)
     except RuntimeError as e:
-        raise PeerError(f"lost the rendezvous at {endpoint} (node 0's launcher): {_first_line(e)}") from None
+        raise PeerError(f"lost node 0, whose launcher hosts the rendezvous at {endpoint}: {_first_line(e)}; its "
+                        f"machine is down or cut off, or its launcher was killed, and the job cannot go on without "
+                        f"it") from None
 
 
 def _first_line(e: BaseException) -> str:
@@ -328,6 +334,7 @@ class StorePeers:
         self._forged: set[str] = set()
         self._closed = False
         self._heart: Heartbeat | None = None
+        self.joined = False  # claimed its node rank: only then does it say when it leaves
 
     @property
     def timeout(self) -> float:
@@ -442,7 +449,8 @@ class StorePeers:
         lost = self._heart.lost if self._heart is not None else set()
         try:
             if self.node_rank != 0:
-                self._mark(f"{_P}left/{self.node_rank}")  # first: node 0 must not count a node that left as lost
+                if self.joined:  # a launcher refused its rank must not speak for the node that holds it
+                    self._mark(f"{_P}left/{self.node_rank}")  # first: node 0 must not count a node that left as lost
             elif wait:
                 deadline = time.monotonic() + linger
                 while not self._everyone(f"{_P}left", [r for r in range(1, self.nnodes) if r not in lost]):
