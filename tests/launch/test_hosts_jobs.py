@@ -177,55 +177,65 @@ def debian_hosts_file(hosts, host) -> None:
     path.write_text(f"127.0.1.1\t{host.name}\n" + path.read_text())
 
 
-@pytest.mark.parametrize("strategy", ["allreduce", "ps-sync"])
-def test_three_hosts_train_to_the_parameters_of_one_machine(make_hosts, tmp_path, data, one_machine, strategy):
-    hosts = make_hosts(3, subnet=SUBNET)
-    debian_hosts_file(hosts, hosts[1])
-    job = Job(hosts, tmp_path, data, strategy)
-    job.start()
-    job.first_checkpoint()
-    listeners = {h.name: listening(hosts, h) for h in hosts}  # while every task runs
-    assert set(job.wait().values()) == {0}, job.logs()
-
+def check_addresses(job: Job, hosts, listeners: dict) -> None:
+    """Every launcher derived the same cluster of the hosts' addresses; every server listens on its host's."""
     cluster = job.cluster(0)
     assert job.cluster(1) == job.cluster(2) == cluster
     a0, a1, a2 = (h.address for h in hosts)
-    if strategy == "allreduce":
-        assert [w.rsplit(":", 1)[0] for w in cluster["worker"]] == [a0, a0, a1, a2]
-    else:
+    if "ps" in cluster:
         assert [w.rsplit(":", 1)[0] for w in cluster["worker"]] == [a0, a1]
         assert [p.rsplit(":", 1)[0] for p in cluster["ps"]] == [a2]
         assert (a2, int(cluster["ps"][0].rsplit(":", 1)[1])) in listeners["host2"]
+    else:
+        assert [w.rsplit(":", 1)[0] for w in cluster["worker"]] == [a0, a0, a1, a2]
     assert (a0, PORT) in listeners["host0"]
     for host in hosts:  # the rendezvous store, rank 0's store, gloo's pairs, the ps: on the host's address only
         assert listeners[host.name] and {a for a, _ in listeners[host.name]} == {host.address}, listeners
 
-    got, want = final_parameters(job.out), one_machine(strategy)
+
+def assert_same_parameters(got: dict, want: dict, than: str) -> None:
     assert got.keys() == want.keys()
     for name in want:  # the same sums in the same order: bit for bit, whatever the transport
-        assert (got[name] == want[name]).all(), f"{name} differs from the one-machine run"
+        assert (got[name] == want[name]).all(), f"{name} differs from {than}"
 
 
-def test_killing_one_hosts_tasks_restarts_every_host_from_the_checkpoint(make_hosts, tmp_path, data, one_machine):
-    """ps-sync, whose sums (two workers' gradients, on the ps) come out the same in any order: with more than two
-    workers under allreduce, DDP's first step after a resume reduces its gradient bucket in the initial layout,
-    not the one it rebuilt after the first step, so gloo's ring adds in another order (differences ~1e-8)."""
+def test_allreduce_on_three_hosts_trains_to_the_parameters_of_one_machine(make_hosts, tmp_path, data, one_machine):
     hosts = make_hosts(3, subnet=SUBNET)
+    debian_hosts_file(hosts, hosts[1])
+    job = Job(hosts, tmp_path, data, "allreduce")
+    job.start()
+    job.first_checkpoint()
+    listeners = {h.name: listening(hosts, h) for h in hosts}  # while every task runs
+    assert set(job.wait().values()) == {0}, job.logs()
+    check_addresses(job, hosts, listeners)
+    assert_same_parameters(final_parameters(job.out), one_machine("allreduce"), "the one-machine run")
+
+
+def test_a_ps_host_of_its_own_and_one_hosts_tasks_killed_end_at_the_uninterrupted_parameters(
+        make_hosts, tmp_path, data, one_machine):
+    """ps-sync with host2 running the ps alone (-n 0 --ps 1); host1's worker is killed after the first checkpoint,
+    and every host restarts from it. One run for both (the suite's time): the first attempt is the uninterrupted
+    three-host run up to the kill, and the result must be the uninterrupted one-machine run's, bit for bit.
+    ps-sync because its sums (two workers' gradients, on the ps) come out the same in any order: with more than
+    two all-reduce workers, DDP's first step after a resume reduces its gradient bucket in the layout it starts
+    with, not the one it rebuilt after its first step, so gloo's ring adds in another order (differences ~1e-8)."""
+    hosts = make_hosts(3, subnet=SUBNET)
+    debian_hosts_file(hosts, hosts[1])
     job = Job(hosts, tmp_path, data, "ps-sync")
     job.start()
     victims = job.tasks(1)  # worker:1, on host1; host2's ps and host0's worker:0 restart with it
     step = job.first_checkpoint()
+    listeners = {h.name: listening(hosts, h) for h in hosts}
     for p in victims:
         p.send_signal(signal.SIGKILL)
     assert set(job.wait().values()) == {0}, job.logs()
+    check_addresses(job, hosts, listeners)
     assert "worker:1 was killed by SIGKILL on node 1" in job.log(0) + job.log(2)
     for rank in range(3):
         assert "[conveyor] job finished after 1 restart(s)" in job.log(rank)
     summary = json.loads((job.out / "summary.json").read_text())
     assert summary["restarts"] == 1 and summary["resumed_from_step"] >= step
-    got, want = final_parameters(job.out), one_machine("ps-sync")  # = the uninterrupted run on three hosts
-    for name in want:
-        assert (got[name] == want[name]).all(), f"{name} differs from the uninterrupted run"
+    assert_same_parameters(final_parameters(job.out), one_machine("ps-sync"), "the uninterrupted run")
 
 
 def test_a_host_lost_outright_ends_the_job_everywhere_naming_it(make_hosts, tmp_path, data):
