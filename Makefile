@@ -1,4 +1,4 @@
-# make test  — set up .venv if needed, lint, run the test suite
+# make test  — set up .venv if needed, install the system packages the launcher tests use (as root), lint, run the test suite
 # make demo  — set up .venv if needed, train the digits demo on two workers
 # Both install the `dev` extra, which includes `all` (plots, TensorBoard, scikit-learn for the demo's data).
 # make bench — the benchmarks (input pipeline, all-reduce, parameter-server transport and training, pipeline parallelism)
@@ -8,7 +8,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test lint demo bench fuzz clean
+.PHONY: setup sysdeps test lint demo bench fuzz clean
 FUZZ_SECONDS ?= 120
 
 setup: $(STAMP)
@@ -21,10 +21,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# Open MPI, Slurm and munge (apt-get, root only) and mpi4py for the tests that run real launchers;
+# only what is missing, and nothing without root: those tests then skip (scripts/system-deps.sh).
+sysdeps: setup
+	sh scripts/system-deps.sh $(PY)
+
 lint: setup
 	$(VENV)/bin/ruff check src tests $(wildcard benchmarks examples)
 
-test: setup lint
+test: setup sysdeps lint
 	$(VENV)/bin/pytest -q
 
 # Two workers train on scikit-learn's bundled digits (written as TFRecord shards on first use).

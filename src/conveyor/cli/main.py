@@ -17,9 +17,12 @@ from importlib import metadata
 
 from conveyor.cli import Command, CommandError
 from conveyor.cli import data as data_command
+from conveyor.cli import k8s as k8s_command
 from conveyor.cli import run as run_command
+from conveyor.cli import slurm as slurm_command
 
-COMMANDS: tuple[Command, ...] = (data_command.COMMAND, run_command.COMMAND)
+COMMANDS: tuple[Command, ...] = (data_command.COMMAND, run_command.COMMAND, slurm_command.COMMAND,
+                                 k8s_command.COMMAND, k8s_command.TASK_COMMAND)
 
 
 class _Parser(argparse.ArgumentParser):
