@@ -15,6 +15,7 @@ This module only parses arguments; the work is in `conveyor.launch`: `plan` (wha
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import secrets
 import stat
@@ -207,8 +208,13 @@ def _run_node(args: argparse.Namespace, options: RunOptions, environ: dict[str, 
     except PeerError as e:
         raise CommandError(str(e), exit_code=1) from None
     try:
-        plan = build_plan(options, rdzv.nodes, rdzv.node_rank, master_addr=rdzv.master_addr,
-                          master_port=rdzv.master_port, secret=rdzv.secret, environ=environ)
+        try:
+            plan = build_plan(options, rdzv.nodes, rdzv.node_rank, master_addr=rdzv.master_addr,
+                              master_port=rdzv.master_port, secret=rdzv.secret, environ=environ)
+        except Exception as e:  # the others would wait for this node's tasks until --timeout: tell them now
+            with contextlib.suppress(PeerError):
+                rdzv.peers.abort(f"node {rdzv.node_rank}'s launcher cannot start its tasks: {e}")
+            raise
         print(f"[conveyor] node {rdzv.node_rank} of {args.nnodes}: cluster {plan.spec.as_dict()}", file=sys.stderr)
         result = _supervisor(plan, options, peers=rdzv.peers).run()
     finally:

@@ -186,6 +186,8 @@ def _agree(store: Any, peers: StorePeers, endpoint: str, nnodes: int, node_rank:
         job = {"master_port": ports[-1], "run": secrets.token_hex(16)}
         _call(store.set, endpoint, f"{_P}job", _seal(secret, f"{_P}job", job))
     _call(store.set, endpoint, f"{_P}node/{node_rank}", _seal(secret, f"{_P}node/{node_rank}", mine))
+    print(f"[conveyor] node {node_rank} of {nnodes} ({address}) joined the rendezvous at {endpoint}; waiting at most "
+          f"{timeout:g} s for the other nodes", file=sys.stderr, flush=True)
 
     keys = [f"{_P}job"] + [f"{_P}node/{r}" for r in range(nnodes)]
     while not _call(store.check, endpoint, keys):
