@@ -39,6 +39,8 @@ class BeatStore(Protocol):
 
     def abort(self, description: str) -> None: ...
 
+    def release(self) -> None: ...
+
 
 def beat_interval(timeout: float) -> float:
     """Seconds between beats: a tenth of the time a silent node has before it counts as lost, at most 1 s."""
@@ -61,9 +63,11 @@ class Heartbeat:
         self._thread.start()
 
     def stop(self) -> None:
+        """End the thread and close its connection (before the store itself goes: see StorePeers.close)."""
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.interval + 5.0)
+        self._store.release()
 
     def _run(self) -> None:
         try:

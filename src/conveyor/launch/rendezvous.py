@@ -436,6 +436,10 @@ class StorePeers:
     def has_left(self, node: int) -> bool:
         return self._read(f"{_P}left/{node}") is not None
 
+    def release(self) -> None:
+        """Drop the connection (the heartbeat's twin, once its thread is done with it)."""
+        self._store = None
+
     def report_stopped(self, attempt: int) -> None:
         self._mark(f"{_P}stopped/{attempt}/{self.node_rank}")
 
@@ -448,7 +452,12 @@ class StorePeers:
         if self._closed:
             return
         self._closed = True
-        lost = self._heart.lost if self._heart is not None else set()
+        lost = set()
+        if self._heart is not None:
+            # Its own connection goes first, while the store is surely up: node 0's store, shut down with a
+            # client of its own process still connected, never finishes (nor does the process's exit).
+            self._heart.stop()
+            lost = self._heart.lost
         try:
             if self.node_rank != 0:
                 if self.joined:  # a launcher refused its rank must not speak for the node that holds it
@@ -462,6 +471,4 @@ class StorePeers:
         except PeerError:
             pass  # the others are gone already
         finally:
-            if self._heart is not None:
-                self._heart.stop()
             self._store = None
