@@ -46,6 +46,7 @@ bench: setup
 	$(PY) benchmarks/data_state.py
 	$(PY) benchmarks/pipeline_parallel.py
 	$(PY) benchmarks/scaling_model.py
+	$(PY) benchmarks/hosts.py
 
 # One JSON report per target in runs/fuzz/; stops at the first target with a finding.
 fuzz: setup
