@@ -133,8 +133,8 @@ def run_input(args: argparse.Namespace, cores: int) -> dict[str, Any]:
     res = inp.run_rounds(args.contenders, args.workers, settings, args.repeats)
     d = inp.derive(res, args.contenders, args.workers, settings, cores)
     table = inp.format_table(res, d, args.contenders, args.workers, settings, cores)
-    title = (f"Input pipeline, CIFAR-shaped PNG records, accelerator = {compute_ms:.0f} ms/batch of {args.batch} "
-             f"({cores} cores)")
+    title = (f"Input pipeline, CIFAR-shaped PNG records, accelerator = {compute_ms:.0f} ms/batch of {args.batch}\n"
+             f"{cores} cores; other processes kept a median {h.fmt(d['other_cores_overall'], '.1f')} of them busy")
     plot = plots.plot_input_scaling(d, args.contenders, args.workers, args.out / "input_scaling.png", title)
     return {"config": settings, "data": data, "contenders": {c.name: c.label for c in inp.CONTENDERS_SPEC
                                                              if c.name in args.contenders},
@@ -142,15 +142,17 @@ def run_input(args: argparse.Namespace, cores: int) -> dict[str, Any]:
             "errors": res["errors"], "derived": d, "table": table, "plot": plot and str(plot)}
 
 
-def run_allreduce(args: argparse.Namespace) -> dict[str, Any]:
+def run_allreduce(args: argparse.Namespace, cores: int) -> dict[str, Any]:
     print(f"\n== part 2: CIFAR example under allreduce, workers {','.join(map(str, args.workers))}")
     settings = {"steps": args.steps, "batch": args.model_batch, "depth": args.depth,
                 "cores_per_worker": args.cores_per_worker, "timeout": args.timeout}
     res = scaling.run_rounds(args.workers, settings, args.repeats)
     d = scaling.derive(res, args.workers)
     table = scaling.format_table(res, d, settings, args.workers)
+    others = h.median(list(d["other_cores"].values()))
     title = (f"CIFAR example (ResNet-{args.depth}, batch {args.model_batch}/worker) under allreduce, "
-             f"{args.cores_per_worker} CPU core(s) per worker")
+             f"{args.cores_per_worker} CPU core(s) per worker\n{cores} cores; other processes kept a median "
+             f"{h.fmt(others, '.1f')} of them busy")
     plot = plots.plot_allreduce_scaling(d, args.workers, args.out / "allreduce_scaling.png", title,
                                         scaling.REFERENCE, scaling.REFERENCE_LABEL)
     return {"config": settings, "workers": list(args.workers), "reference": {str(k): v for k, v in
@@ -179,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"load {machine['loadavg_start']}")
     report: dict[str, Any] = {"benchmark": "case_study", "command": h.command_line("case_study", argv)}
     parts = {"input": ("input_pipeline", lambda: run_input(args, cores)),
-             "allreduce": ("allreduce_scaling", lambda: run_allreduce(args)),
+             "allreduce": ("allreduce_scaling", lambda: run_allreduce(args, cores)),
              "strategies": ("strategies", lambda: run_strategies(args))}
     for part in PARTS:
         key, run = parts[part]

@@ -333,6 +333,7 @@ def derive(res: dict[str, Any], contenders: Sequence[str], workers: Sequence[int
         "accelerator_idle_fraction": run_median("accelerator_idle_fraction"),
         "cores_used": run_median("cores_used"),
         "other_cores": run_median("other_cores"),
+        "other_cores_overall": h.median([r and r["other_cores"] for v in runs.values() for r in v]),
         "bounds": {"accelerator": {str(k): k * settings["batch"] / batch_s for k in workers},
                    "all_cores_decoding": cores * settings["batch"] / settings["calibration"]["seconds_per_batch"]},
     }

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -27,6 +28,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by file path
 import harness as h  # noqa: E402
@@ -69,13 +72,36 @@ def _launch(cmd: list[str], cpus: list[int] | None, per_worker: int, timeout: fl
     return proc.returncode, output
 
 
+class JobCpu:
+    """CPU seconds of the finished child processes (the launcher and, waited for by it, its tasks) and of the
+    whole machine over a `with` block: how much of the machine the job had, and how much others took."""
+
+    @staticmethod
+    def _now() -> tuple[float, float, float]:
+        own = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t = psutil.cpu_times()
+        busy = t.user + t.system + getattr(t, "nice", 0.0) + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+        return time.perf_counter(), own.ru_utime + own.ru_stime, busy
+
+    def __enter__(self) -> JobCpu:
+        self._start = self._now()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        (w0, own0, busy0), (w1, own1, busy1) = self._start, self._now()
+        wall = max(w1 - w0, 1e-9)
+        own = own1 - own0
+        self.result = {"own_cores": own / wall, "other_cores": max(0.0, (busy1 - busy0) - own) / wall}
+
+
 def run_job(world: int, settings: dict[str, Any], work: Path) -> tuple[float, dict[str, Any]]:
     """One `conveyor run` job: (samples/s from the median step, its details); ContenderFailed on failure."""
     out_dir = work / f"job-{time.monotonic_ns()}-{world}"
     cpus = job_cpus(world, settings["cores_per_worker"])
     cmd = job_command(world, settings, out_dir, work / "data")
     started = time.perf_counter()
-    status, output = _launch(cmd, cpus, settings["cores_per_worker"], settings["timeout"] + 60)
+    with JobCpu() as cpu:
+        status, output = _launch(cmd, cpus, settings["cores_per_worker"], settings["timeout"] + 60)
     summary_path = out_dir / "summary.json"
     if status != 0 or not summary_path.exists():
         why = "timed out" if status is None else f"exited {status}"
@@ -89,7 +115,8 @@ def run_job(world: int, settings: dict[str, Any], work: Path) -> tuple[float, di
                   "strategy": s["strategy"], "world_size": world, "steps": s["steps"],
                   "wall_samples_per_second": s["samples_per_second"], "wall_seconds": s["wall_seconds"],
                   "input_wait_fraction": s["input_wait_fraction"], "cpus": cpus, "oversubscribed": cpus is None,
-                  "launcher_seconds": time.perf_counter() - started}
+                  "launcher_seconds": time.perf_counter() - started, "cores_used": cpu.result["own_cores"],
+                  "other_cores": cpu.result["other_cores"]}
 
 
 def run_rounds(workers: Sequence[int], settings: dict[str, Any], repeats: int) -> dict[str, Any]:
@@ -99,7 +126,8 @@ def run_rounds(workers: Sequence[int], settings: dict[str, Any], repeats: int) -
 
         def describe(rate: float, run: dict[str, Any]) -> str:
             return (f"{rate:.1f} samples/s (median step {run['median_step_seconds'] * 1000:.0f} ms, "
-                    f"strategy {run['strategy']}, CPUs {run['cpus'] or 'all, oversubscribed'})")
+                    f"strategy {run['strategy']}, CPUs {run['cpus'] or 'all, oversubscribed'}; other processes "
+                    f"{run['other_cores']:.2f} cores)")
 
         return h.interleaved_rounds([str(k) for k in workers], repeats, measure, describe=describe)
 
@@ -118,6 +146,7 @@ def derive(res: dict[str, Any], workers: Sequence[int]) -> dict[str, Any]:
         "efficiency": {str(k): h.ratio(speedup[str(k)], k / base) for k in workers},
         "median_step_seconds": {str(k): h.median([r and r["median_step_seconds"] for r in res["runs"][str(k)]])
                                 for k in workers},
+        "other_cores": {str(k): h.median([r and r.get("other_cores") for r in res["runs"][str(k)]]) for k in workers},
         "reference_speedup": {str(k): v for k, v in REFERENCE.items()},
     }
 
@@ -129,13 +158,16 @@ def format_table(res: dict[str, Any], d: dict[str, Any], settings: dict[str, Any
             f"{len(res['order']) // max(1, len(workers))} round(s)\n"
             f"samples/s = K x batch / chief's median step; speedup against {d['baseline_workers']} worker(s), "
             f"same round; medians over rounds")
-    rows = [("workers", "samples/s", "step ms", "speedup", "efficiency", "reference speedup", "per round")]
+    rows = [("workers", "samples/s", "step ms", "speedup", "efficiency", "reference speedup", "others",
+             "per round")]
     for k in workers:
         key = str(k)
         rows.append((key, h.fmt(d["samples_per_second"][key], ".1f"), h.fmt(d["median_step_seconds"][key], ".0f", 1000),
                      h.fmt(d["speedup"][key], ".2f"), h.fmt(d["efficiency"][key], ".0%", 1),
-                     h.fmt(REFERENCE.get(k), ".1f"), h.fmt_all(res["samples"][key], ".1f")))
+                     h.fmt(REFERENCE.get(k), ".1f"), h.fmt(d["other_cores"][key], ".2f"),
+                     h.fmt_all(res["samples"][key], ".1f")))
     for k, v in REFERENCE.items():
         if k not in workers:
-            rows.append((str(k), "-", "-", "-", "-", f"{v:.1f}", "(reference only)"))
-    return "\n".join([head, "", h.format_rows(rows, left=(0, 6)), f"({REFERENCE_LABEL}; not measured here)"])
+            rows.append((str(k), "-", "-", "-", "-", f"{v:.1f}", "-", "(reference only)"))
+    return "\n".join([head, "", h.format_rows(rows, left=(0, 7)), f"({REFERENCE_LABEL}; not measured here; "
+                      "others = cores busy with other processes on the machine during the job)"])

@@ -104,7 +104,7 @@ def test_input_derive_table_and_plot(bench, tmp_path):
     assert d["efficiency"]["new"]["2"] == pytest.approx(0.95) and d["efficiency"]["new"]["1"] == 1.0
     assert d["new_vs"]["old"]["2"] == pytest.approx((1.8 + 2000 / 900) / 2)
     assert d["bounds"]["accelerator"] == {"1": 1000.0, "2": 2000.0} and d["bounds"]["all_cores_decoding"] == 2000.0
-    assert d["accelerator_idle_fraction"]["old"]["1"] == 0.5
+    assert d["accelerator_idle_fraction"]["old"]["1"] == 0.5 and d["other_cores_overall"] == 0.1
     table = inp.format_table(res, d, ("old", "new"), (1, 2), _input_settings(), 2)
     assert "new / old" in table and "1800 2000" in table and "accelerator" in table
     pytest.importorskip("matplotlib")
@@ -118,11 +118,13 @@ def test_input_derive_table_and_plot(bench, tmp_path):
 def test_allreduce_derive_table_and_plot(bench, tmp_path):
     scaling = bench.scaling
     samples = {"1": [10.0, 12.0], "2": [18.0, 20.0], "4": [30.0, math.nan]}
-    runs = {k: [None if math.isnan(x) else {"median_step_seconds": 1.0} for x in v] for k, v in samples.items()}
+    runs = {k: [None if math.isnan(x) else {"median_step_seconds": 1.0, "other_cores": 0.5} for x in v]
+            for k, v in samples.items()}
     res = {"samples": samples, "runs": runs, "order": ["1", "2", "4"] * 2}
     d = scaling.derive(res, (1, 2, 4))
     assert d["speedup"]["2"] == pytest.approx((1.8 + 20 / 12) / 2) and d["speedup"]["4"] == 3.0
     assert d["efficiency"]["4"] == 0.75 and d["reference_speedup"] == {"2": 1.7, "4": 3.5, "8": 6.2}
+    assert d["other_cores"]["1"] == 0.5
     table = scaling.format_table(res, d, {"depth": 20, "batch": 64, "steps": 20, "cores_per_worker": 1}, (1, 2, 4))
     assert "(reference only)" in table and "reference" in table.splitlines()[-1]
     cmd = scaling.job_command(2, {"batch": 64, "steps": 20, "depth": 20, "timeout": 300}, tmp_path / "o", tmp_path)
@@ -187,6 +189,7 @@ def _report(folder):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timeout(300)  # a few seconds on a quiet machine; minutes where other jobs take both cores
 def test_quick_input_and_strategies(bench, tmp_path, capsys, other_benchmark):
     pytest.importorskip("matplotlib")
     write_sources(tmp_path / "results", other_benchmark)
@@ -212,6 +215,7 @@ def test_quick_input_and_strategies(bench, tmp_path, capsys, other_benchmark):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timeout(300)  # one `conveyor run` job: torch imports dominate, slow on a loaded machine
 def test_quick_allreduce_job(bench, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     out = tmp_path / "out"
@@ -221,6 +225,7 @@ def test_quick_allreduce_job(bench, tmp_path, capsys):
     assert report["errors"] == [] and report["input_pipeline"] is None and report["strategies"] is None
     run = part["runs"]["1"][0]
     assert run["world_size"] == 1 and run["steps"] == 3 and finite_positive(run["median_step_seconds"])
+    assert finite_positive(run["cores_used"]) and run["other_cores"] >= 0
     assert finite_positive(part["samples"]["1"][0]) and part["derived"]["speedup"]["1"] == 1.0
     assert part["reference"] == {"2": 1.7, "4": 3.5, "8": 6.2} and part["table"] in capsys.readouterr().out
     assert (out / "allreduce_scaling.png").read_bytes().startswith(PNG)
