@@ -33,8 +33,9 @@ checkpoint before the last): every job is real multi-host: one ``conveyor run --
 --rdzv host0:PORT --job-secret-file F`` per host (allreduce: host0, host1; ps-sync and ps-async: a third
 node ``-n 0 --ps 1`` on host2, where a ``conveyor run`` that refuses ``-n 0`` is worked around by
 starting each task on its host with the environment ``conveyor.launch.build_plan`` gives it; the
-table says which). Figures from the chief's summary.json: samples/s = every worker's samples / the
-chief's training wall seconds; step and comm ms = medians of the chief's step total and communication
+table says which). Figures from the chief's summary.json: samples/s = N workers x batch / the chief's
+median step (robust to this shared machine's load spikes), wall samples/s = every worker's samples /
+the chief's training wall seconds; step and comm ms = medians of the chief's step total and communication
 (allreduce: DDP hook in-flight time, much of it overlapping backward; ps-*: push + pull + wait); "/ ref"
 = samples/s over the same strategy's at the reference cap (uncapped, else the fastest) in the same
 round. A strategy is link-bound at a cap when "/ ref" < 0.9; the table says from which cap on it is not.
@@ -81,7 +82,8 @@ GOALS = (
 LAUNCH_WORKAROUND = ("each task by hand on its host with the environment conveyor.launch.build_plan gives it "
                      "(this conveyor run refuses -n 0 for a node of parameter servers only)")
 TRAINING_NOTE = (
-    "training: samples/s = every worker's samples / the chief's training wall seconds (summary.json); comm % = "
+    "training: samples/s = N workers x batch / the chief's median step (summary.json step_breakdown total); wall "
+    "samples/s = every worker's samples / the chief's training wall seconds (summary.json); comm % = "
     "median communication / median step total of the chief's steps (summary.json step_breakdown: allreduce: "
     "DDP hook in-flight time, much of it overlapping backward; ps-*: push + pull + wait-for-server time); "
     "link ms = the least time per step the busiest link needs at the cap (payload: allreduce 2(N-1)/N x P on each "
@@ -423,17 +425,20 @@ def _tail(path: Path, lines: int = 8) -> str:
         return "(no log)"
 
 
-def summary_figures(s: dict[str, Any]) -> dict[str, Any]:
-    """What a run's summary.json contributes to the table and JSON."""
+def summary_figures(s: dict[str, Any], batch_size: int) -> dict[str, Any]:
+    """What a run's summary.json contributes to the table and JSON; the step rate is every worker's batch over
+    the chief's median step (a load spike on this shared machine moves the median less than the wall time)."""
     b = s.get("step_breakdown") or {}
     total, comm = b.get("total"), b.get("communication")
     return {"strategy": s["strategy"], "world_size": s["world_size"], "steps": s["steps"], "samples": s["samples"],
+            "step_samples_per_second": h.ratio(s["world_size"] * batch_size, total),
             "samples_per_second": s["samples_per_second"], "wall_seconds": s["wall_seconds"],
             "eval_accuracy": s.get("eval_accuracy"), "step_breakdown": b,
             "step_ms": None if total is None else 1e3 * total, "comm_ms": None if comm is None else 1e3 * comm,
             "comm_share": h.ratio(comm, total),
             "communication": {k: v for k, v in (s.get("communication") or {}).items()
-                              if k in ("push_seconds", "pull_seconds", "wait_seconds", "bytes_out", "bytes_in")}}
+                              if k in ("push_seconds", "pull_seconds", "wait_seconds", "bytes_out_per_server",
+                                       "bytes_in_per_server")}}
 
 
 def run_training(bench: Bench, name: str, settings: dict[str, Any], data_dir: Path, secret_file: Path,
@@ -460,7 +465,7 @@ def run_training(bench: Bench, name: str, settings: dict[str, Any], data_dir: Pa
     if error or not summary_path.exists():
         logs = " || ".join(f"{launch.name}: {_tail(folder / f'{launch.name}.log')}" for launch, _ in procs)
         return {"error": f"{error or 'no summary.json'}: {logs[-1500:]}"}
-    run = summary_figures(json.loads(summary_path.read_text()))
+    run = summary_figures(json.loads(summary_path.read_text()), settings["batch_size"])
     run["launch_seconds"] = time.perf_counter() - started
     run["launched_by"] = "conveyor run per host" if by_launcher else LAUNCH_WORKAROUND
     if run["strategy"] != strategy or run["world_size"] != len(WORKER_HOSTS):
@@ -482,11 +487,11 @@ def training_rounds(bench: Bench, caps: Sequence[float | None], strategies: Sequ
         res["loadavg_1min"] = os.getloadavg()[0]
         if "error" in res:
             raise h.ContenderFailed(res["error"], res)
-        return res["samples_per_second"], res
+        return res["step_samples_per_second"], res
 
     def describe(sps: float, res: dict[str, Any]) -> str:
-        return (f"{sps:7.0f} samples/s  step {h.fmt(res['step_ms'], '.1f')} ms, comm "
-                f"{h.fmt(res['comm_share'], '.0f', 100)} %  ({res['launch_seconds']:.0f} s in all)")
+        return (f"{sps:7.0f} samples/s ({res['samples_per_second']:.0f} by wall)  step {h.fmt(res['step_ms'], '.1f')} "
+                f"ms, comm {h.fmt(res['comm_share'], '.0f', 100)} %  ({res['launch_seconds']:.0f} s in all)")
 
     return h.interleaved_rounds(names, repeats, measure, describe=describe)
 
@@ -529,6 +534,7 @@ def derive_training(res: dict[str, Any], caps: Sequence[float | None], strategie
             per_round = h.paired(s, ref_samples)
             rows[cap_key(cap)] = {
                 "median_samples_per_second": h.median(s), "per_round": s, "vs_reference": h.median(per_round),
+                "median_wall_samples_per_second": h.median(r.get("samples_per_second") for r in runs),
                 "vs_reference_per_round": per_round,
                 "comm_share": h.median(r.get("comm_share") for r in runs),
                 "step_ms": h.median(r.get("step_ms") for r in runs),
@@ -571,8 +577,8 @@ def format_training(d: dict[str, Any], caps: Sequence[float | None], settings: d
     head = (f"training: examples/digits/train.py, {len(WORKER_HOSTS)} worker hosts (+1 ps host for ps-*), "
             f"{settings['epochs']} epoch(s), batch {settings['batch_size']}/worker, model P = "
             f"{h.fmt(d.get('model_bytes'), ',.0f')} bytes of parameters, {repeats} round(s); medians")
-    rows = [("strategy", "cap", "samples/s", "/ ref", "step ms", "comm ms", "comm %", "link ms", "link-bound",
-             "per round")]
+    rows = [("strategy", "cap", "samples/s", "/ ref", "wall samples/s", "step ms", "comm ms", "comm %", "link ms",
+             "link-bound", "samples/s per round")]
     for strategy in d["by_strategy"]:
         for cap in caps:
             r = d["by_strategy"][strategy][cap_key(cap)]
@@ -580,9 +586,10 @@ def format_training(d: dict[str, Any], caps: Sequence[float | None], settings: d
             bound = "ref" if cap_key(cap) == d["reference_cap"] else (
                 "-" if not math.isfinite(ratio) else ("yes" if ratio < BUSY_FRACTION else "no"))
             rows.append((strategy, cap_label(cap), h.fmt(r["median_samples_per_second"], ".0f"), h.fmt(ratio, ".3f"),
+                         h.fmt(r["median_wall_samples_per_second"], ".0f"),
                          h.fmt(r["step_ms"], ".1f"), h.fmt(r["comm_ms"], ".1f"), h.fmt(r["comm_share"], ".0f", 100),
                          h.fmt(r["link_ms"], ".2f"), bound, h.fmt_all(r["per_round"], ".0f")))
-    lines = [head, "", h.format_rows(rows, left=(0, 1, 8, 9)), ""]
+    lines = [head, "", h.format_rows(rows, left=(0, 1, 9, 10)), ""]
     for strategy, key in d["link_bound_below"].items():
         lines.append(f"{strategy:<10} {verdict(key, caps, d['reference_cap'])}")
     for strategy, how in d["launched_by"].items():

@@ -106,6 +106,7 @@ def test_training_table(bench):
         for cap, rate in zip(caps, rates, strict=True):
             samples[bench.contender(strategy, cap)] = [rate]
             runs[bench.contender(strategy, cap)] = [{"comm_share": 0.5, "step_ms": 40.0, "comm_ms": 20.0,
+                                                      "samples_per_second": rate - 10,
                                                       "launched_by": "conveyor run per host"}]
     d = bench.derive_training({"samples": samples, "runs": runs, "errors": []}, caps, bench.STRATEGIES, 605_224)
     assert d["link_bound_below"] == {"allreduce": "10000", "ps-sync": None, "ps-async": "1000"}
@@ -113,7 +114,17 @@ def test_training_table(bench):
     table = bench.format_training(d, caps, {"epochs": 3, "batch_size": 32}, 1)
     assert "allreduce  link-bound up to 1 Gbit/s; stops being link-bound at 10 Gbit/s" in table
     row = next(line.split() for line in table.splitlines() if line.startswith("ps-sync") and "10 Gbit/s" in line)
-    assert row[3:10] == ["600", "0.600", "40.0", "20.0", "50", "0.97", "yes"]
+    assert row[3:11] == ["600", "0.600", "590", "40.0", "20.0", "50", "0.97", "yes"]
+
+
+def test_figures_taken_from_a_runs_summary(bench):
+    summary = {"strategy": "ps-sync", "world_size": 2, "steps": 132, "samples": 8448, "samples_per_second": 1500.0,
+               "wall_seconds": 5.6, "step_breakdown": {"total": 0.04, "communication": 0.01},
+               "communication": {"push_seconds": 1.0, "bytes_out_per_server": [80_000_000], "staleness": {}}}
+    run = bench.summary_figures(summary, batch_size=32)
+    assert run["step_samples_per_second"] == pytest.approx(1600.0)  # 2 workers x 32 / 40 ms
+    assert (run["step_ms"], run["comm_ms"], run["comm_share"]) == pytest.approx((40.0, 10.0, 0.25))
+    assert run["communication"] == {"push_seconds": 1.0, "bytes_out_per_server": [80_000_000]}
 
 
 def test_without_root_it_says_so_and_fails(bench, monkeypatch, capsys):
