@@ -1,14 +1,16 @@
-# make test  — set up .venv if needed, lint, run the test suite
+# make test  — set up .venv if needed, install the system packages the launcher tests use (as root), lint, run the test suite
 # make demo  — set up .venv if needed, train the digits demo on two workers
 # Both install the `dev` extra, which includes `all` (plots, TensorBoard, scikit-learn for the demo's data).
-# make bench — the benchmarks (input pipeline, all-reduce, parameter-server transport and training, pipeline parallelism)
+# make bench — the benchmarks (input pipeline, all-reduce, parameter-server transport and training, pipeline parallelism,
+#              multi-host transports and training, the scaling model's validation, and the CIFAR-10 case
+#              study's figures in runs/case_study/)
 # make fuzz  — every fuzz target for FUZZ_SECONDS each (make test runs them for 3 s each)
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test lint demo bench fuzz clean
+.PHONY: setup sysdeps test lint demo bench fuzz clean
 FUZZ_SECONDS ?= 120
 
 setup: $(STAMP)
@@ -21,10 +23,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# Open MPI, Slurm and munge (apt-get, root only) and mpi4py for the tests that run real launchers;
+# only what is missing, and nothing without root: those tests then skip (scripts/system-deps.sh).
+sysdeps: setup
+	sh scripts/system-deps.sh $(PY)
+
 lint: setup
 	$(VENV)/bin/ruff check src tests $(wildcard benchmarks examples)
 
-test: setup lint
+test: setup sysdeps lint
 	$(VENV)/bin/pytest -q
 
 # Two workers train on scikit-learn's bundled digits (written as TFRecord shards on first use).
@@ -39,6 +46,9 @@ bench: setup
 	$(PY) benchmarks/ps_training.py
 	$(PY) benchmarks/data_state.py
 	$(PY) benchmarks/pipeline_parallel.py
+	$(PY) benchmarks/scaling_model.py
+	$(PY) benchmarks/hosts.py
+	$(PY) benchmarks/case_study.py    # last: its strategies table reads the JSON the ones above wrote
 
 # One JSON report per target in runs/fuzz/; stops at the first target with a finding.
 fuzz: setup

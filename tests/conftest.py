@@ -9,8 +9,9 @@ from conveyor.testing.hosts import Hosts, unavailable
 
 @pytest.fixture
 def make_hosts():
-    """``make_hosts(count, rate_mbit=None) -> Hosts``: hosts as network namespaces (conveyor.testing.hosts),
-    removed after the test whatever its outcome; skips where namespaces cannot be made (not root)."""
+    """``make_hosts(count, rate_mbit=None, names=None, private_hostnames=False) -> Hosts``: hosts as network
+    namespaces (conveyor.testing.hosts), removed after the test whatever its outcome; skips where namespaces
+    cannot be made (not root)."""
     reason = unavailable()
     if reason:
         pytest.skip(reason)

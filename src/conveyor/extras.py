@@ -6,9 +6,10 @@
 
 `pip install conveyor` installs what training needs; outputs meant for people come as extras
 (pyproject.toml): `plots` (matplotlib), `tensorboard` (TensorBoard), `examples` (scikit-learn, for
-the digits demo's data) and `all`. A missing extra must not fail a training run that took hours:
-the output it would have made is skipped, and the notice is printed once per process, not once per
-call (the trainer draws two plots, and a sink may be opened again after a restart).
+the digits demo's data), `k8s` (PyYAML, for `conveyor k8s`) and `all`. A missing extra must not fail
+a training run that took hours: the output it would have made is skipped, and the notice is printed
+once per process, not once per call (the trainer draws two plots, and a sink may be opened again
+after a restart).
 """
 
 from __future__ import annotations

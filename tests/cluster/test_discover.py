@@ -18,6 +18,10 @@ from conveyor.cluster import (
 SPEC = ClusterSpec(chief=("c0:2222",), worker=("w0:2222", "w1:2222"), ps=("p0:2222",))
 TORCHRUN = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
             "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+OPEN_MPI = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_NODE_RANK": "1", "OMPI_UNIVERSE_SIZE": "4",
+            "PMIX_RANK": "3"}
+HYDRA = {"PMI_RANK": "2", "PMI_SIZE": "3", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "1", "PMI_FD": "7"}
 SLURM = {"SLURM_PROCID": "5", "SLURM_NTASKS": "6", "SLURM_LOCALID": "1", "SLURM_NODEID": "2",
          "SLURM_JOB_NODELIST": "node[01-03],gpu5", "SLURM_TASKS_PER_NODE": "2(x3)", "SLURM_JOB_ID": "123456"}
 
@@ -116,6 +120,41 @@ def test_slurm_ntasks_per_node_and_single_task():
         None, TaskId("worker", 0), 0, 1, 0, 1, None, None, "slurm")
 
 
+def test_open_mpi_without_master_leaves_the_address_to_init():
+    assert discover(OPEN_MPI) == Discovered(None, TaskId("worker", 3), 3, 4, 1, 2, None, None, "mpi")
+
+
+def test_open_mpi_with_master_and_conveyor_variables():
+    env = {**OPEN_MPI, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "CONVEYOR_STRATEGY": "allreduce"}
+    assert discover(env) == Discovered(None, TaskId("worker", 3), 3, 4, 1, 2, "10.0.0.1", 29500, "mpi",
+                                       strategy="allreduce")
+    assert discover({**OPEN_MPI, "MASTER_PORT": "29500"}).master_port == 29500  # the address alone is agreed
+
+
+def test_hydra_mpiexec():
+    assert discover(HYDRA) == Discovered(None, TaskId("worker", 2), 2, 3, 0, 1, None, None, "mpi")
+    # -pmi-port mode has no PMI_RANK: refused by name rather than read as a single process
+    with pytest.raises(ClusterConfigError, match=r"^PMI_RANK is empty or not set; Hydra's mpiexec sets it"):
+        discover({"MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2", "PMI_PORT": "h:1", "PMI_ID": "0"})
+
+
+def test_open_mpi_and_hydra_variables_that_agree():
+    env = {**OPEN_MPI, "PMI_RANK": "3", "PMI_SIZE": "4"}
+    assert discover(env).rank == 3
+
+
+def test_mpi_without_local_variables():
+    found = discover({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"})
+    assert (found.rank, found.world_size, found.local_rank, found.local_world_size) == (1, 2, 0, 1)
+
+
+def test_srun_pmi2_plugin_is_slurm():
+    # srun --mpi=pmi2 sets PMI_RANK/PMI_SIZE but not Hydra's local pair: srun started the process
+    env = {**SLURM, "PMI_RANK": "5", "PMI_SIZE": "6", "PMI_FD": "4", "PMI_JOBID": "123456.0"}
+    assert discover(env) == discover(SLURM)
+    assert discover({"PMI_RANK": "1", "PMI_SIZE": "2"}).source == "mpi"  # a PMI launcher without Slurm
+
+
 # -- precedence ----------------------------------------------------------------------------------
 
 
@@ -125,6 +164,12 @@ def test_precedence():
     assert discover({**SLURM, **TORCHRUN, **conveyor}).source == "conveyor"
     assert discover({**SLURM, **tf_only}).source == "tf_config"
     assert discover({**SLURM, **TORCHRUN}).source == "torchrun"  # torchrun inside an srun allocation
+    assert discover({**OPEN_MPI, **TORCHRUN}).source == "torchrun"  # mpirun -np 2 torchrun ...
+    assert discover({**OPEN_MPI, **conveyor}).source == "conveyor"  # mpirun -np 2 conveyor run ...
+    assert discover({**OPEN_MPI, **tf_only}).source == "tf_config"
+    # mpirun inside an allocation: the SLURM_PROCID of the node's orted, not this process's rank
+    assert discover({**SLURM, **OPEN_MPI}) == discover(OPEN_MPI)
+    assert discover({**SLURM, **HYDRA}).source == "mpi"
     assert discover(SLURM).source == "slurm"
     assert discover({"TF_CONFIG": "{}", **TORCHRUN}).source == "torchrun"
 
@@ -170,6 +215,23 @@ def test_precedence():
         ({**SLURM, "SLURM_JOB_NODELIST": "node[01-03"}, r"^SLURM_JOB_NODELIST = 'node\[01-03': '\[' is never closed"),
         ({k: v for k, v in SLURM.items() if k != "SLURM_JOB_ID"}, r"^cannot pick a rendezvous port.*set MASTER_PORT"),
         ({k: v for k, v in SLURM.items() if k != "SLURM_JOB_NODELIST"}, r"^cannot tell rank 0's host.*MASTER_ADDR"),
+        ({**OPEN_MPI, "OMPI_COMM_WORLD_RANK": "x"},
+         r"^OMPI_COMM_WORLD_RANK='x' is not a whole number >= 0.*Open MPI's mpirun sets it in every process"),
+        ({"OMPI_COMM_WORLD_RANK": "0"}, r"^OMPI_COMM_WORLD_SIZE is empty or not set; Open MPI's mpirun sets it"),
+        ({"OMPI_COMM_WORLD_LOCAL_RANK": "0"}, r"^OMPI_COMM_WORLD_RANK is empty or not set"),
+        ({**OPEN_MPI, "OMPI_COMM_WORLD_RANK": "4"},
+         r"^OMPI_COMM_WORLD_RANK=4 but OMPI_COMM_WORLD_SIZE=4: ranks are 0\.\.3"),
+        ({**OPEN_MPI, "OMPI_COMM_WORLD_SIZE": "0"}, r"^OMPI_COMM_WORLD_SIZE=0; a job has at least 1 process"),
+        ({**OPEN_MPI, "OMPI_COMM_WORLD_LOCAL_RANK": "2"},
+         r"^OMPI_COMM_WORLD_LOCAL_RANK=2 but OMPI_COMM_WORLD_LOCAL_SIZE is 2: a local rank is 0\.\.1"),
+        ({**OPEN_MPI, "OMPI_COMM_WORLD_LOCAL_SIZE": "5"},
+         r"^OMPI_COMM_WORLD_LOCAL_SIZE is 5 but the job has only 4 training processes"),
+        ({**HYDRA, "PMI_SIZE": "-3"}, r"^PMI_SIZE='-3' is not a whole number.*Hydra's mpiexec sets it"),
+        ({**HYDRA, "MPI_LOCALNRANKS": " "}, r"^MPI_LOCALNRANKS is empty or not set"),
+        ({**OPEN_MPI, **HYDRA}, r"^OMPI_COMM_WORLD_RANK=3, OMPI_COMM_WORLD_SIZE=4 \(Open MPI's mpirun\) disagree with "
+                                r"PMI_RANK=2, PMI_SIZE=3 \(Hydra's mpiexec\).*unset the stale ones"),
+        ({**OPEN_MPI, "MASTER_PORT": "0"}, r"^MASTER_PORT='0' is not a port number 1-65535"),
+        ({**OPEN_MPI, "MASTER_ADDR": "h:29500"}, r"^MASTER_ADDR = 'h:29500' is not a host.*port goes in MASTER_PORT"),
     ],
 )
 def test_malformed_environment_names_the_variable(env, pattern):

@@ -75,3 +75,24 @@ def test_close_kills_what_runs_and_removes_everything_also_after_an_error():
             raise RuntimeError("a test failed inside")
     assert proc.wait(timeout=10) != 0
     assert not [ns for ns in _namespaces() if ns.startswith(hosts.tag)]
+
+
+def test_named_hosts_resolve_by_their_aliases_and_keep_their_hostnames_private(make_hosts):
+    hosts = make_hosts(2, names=[("job-w-0", "job-w-0.job"), ("job-w-1", "job-w-1.job", "w1.example")],
+                       private_hostnames=True)
+    script = ("import socket\nfor n in ['job-w-1.job', 'w1.example', 'job-w-0', 'job-w-1']:\n"
+              "    try: print(n, socket.gethostbyname(n))\n    except OSError: print(n, '-')\n"
+              "print(socket.gethostname())")
+    out = hosts.run(hosts[0], [sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.split("\n")[:5] == ["job-w-1.job 10.77.0.2", "w1.example 10.77.0.2", "job-w-0 10.77.0.1",
+                                   "job-w-1 -", "job-w-0"]
+    assert hosts[1].aliases == ("job-w-1.job", "w1.example")
+
+
+def test_bad_names_are_refused_before_anything_is_made():
+    with pytest.raises(ValueError, match="one per host"):
+        Hosts(2, names=["a"])
+    with pytest.raises(ValueError, match="names two hosts"):
+        Hosts(2, names=[("a", "x.y"), ("b", "x.y")])
+    with pytest.raises(ValueError, match="DNS label"):
+        Hosts(1, names=["a.b"])

@@ -6,12 +6,15 @@
    it wrote (all checked against each other; a disagreement means the environment was edited);
 2. ``tf_config`` - ``TF_CONFIG`` alone: Kubeflow's TFJob, Vertex AI, a hand-written TensorFlow cluster;
 3. ``torchrun``  - ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``: torchrun, Kubeflow's PyTorchJob;
-4. ``slurm``     - ``SLURM_PROCID`` and friends: a script started by ``srun``;
-5. ``single``    - nothing: one local worker, rank 0 of 1, so a script runs unchanged with no launcher.
+4. ``mpi``       - ``OMPI_COMM_WORLD_*`` (Open MPI's mpirun) or ``PMI_RANK``/``MPI_LOCALRANKID`` (MPICH's and
+   Intel MPI's Hydra): ``mpirun -np N python train.py``;
+5. ``slurm``     - ``SLURM_PROCID`` and friends: a script started by ``srun``;
+6. ``single``    - nothing: one local worker, rank 0 of 1, so a script runs unchanged with no launcher.
 
-The most specific source wins: conveyor's launcher also writes the torch variables, and torchrun run
-inside a Slurm allocation inherits the ``SLURM_*`` ones; the source that started *this* process is the
-one that knows its rank. ``environ`` is a parameter so that tests (and ``--dry-run``) can discover from
+The most specific source wins: conveyor's launcher also writes the torch variables, torchrun run
+inside a Slurm allocation inherits the ``SLURM_*`` ones, and so does mpirun, whose processes inherit
+the ``SLURM_PROCID`` of the daemon srun started on their node; the source that started *this*
+process is the one that knows its rank. ``environ`` is a parameter so that tests (and ``--dry-run``) can discover from
 a dict; nothing here reads ``os.environ`` unless asked to, and nothing writes it.
 
 Malformed values raise :class:`ClusterConfigError` naming the variable and the fix: a wrong rank would
@@ -51,7 +54,7 @@ from conveyor.cluster.variables import (
 
 __all__ = ["SOURCES", "Discovered", "discover", "expand_hostlist", "expand_tasks_per_node", "slurm_port"]
 
-SOURCES: tuple[str, ...] = ("conveyor", "tf_config", "torchrun", "slurm", "single")
+SOURCES: tuple[str, ...] = ("conveyor", "tf_config", "torchrun", "mpi", "slurm", "single")
 
 #: The port range a Slurm job's rendezvous port is derived into when MASTER_PORT is not set: above the
 #: well-known and common service ports, below the Linux ephemeral range (32768+), so it does not collide
@@ -70,8 +73,10 @@ class Discovered:
     ``rank`` is ``None`` on ps and evaluator tasks: they are not members of the training process group.
     ``world_size`` is the number of training tasks (also on a ps, which needs to know how many workers
     to serve). ``master_addr``/``master_port`` are where rank 0's rendezvous store listens; ``None``
-    where there is no group to join (a ps, or a single process). ``spec`` is the TF-style cluster when the
-    source has one (conveyor, tf_config), ``None`` for torchrun and Slurm, whose tasks are all workers.
+    where there is no group to join (a ps, or a single process), and under MPI without ``MASTER_ADDR``/
+    ``MASTER_PORT``, which ``conveyor.init()`` then agrees on through MPI. ``spec`` is the TF-style
+    cluster when the source has one (conveyor, tf_config), ``None`` for torchrun, MPI and Slurm, whose
+    tasks are all workers.
     ``strategy``, ``data_dir``, ``output_dir`` and ``secret`` come from the ``CONVEYOR_*`` variables when
     set (under any source), so callers never read those variables themselves.
     """
@@ -107,6 +112,9 @@ def discover(environ: Mapping[str, str] | None = None) -> Discovered:
         return _from_tf_config(env, tf_config, extras)
     if "RANK" in env or "WORLD_SIZE" in env:
         return _from_torchrun(env, extras)
+    mpi = _mpi_launchers(env)
+    if mpi:
+        return _from_mpi(env, mpi, extras)
     if "SLURM_PROCID" in env:
         return _from_slurm(env, extras)
     return Discovered(spec=None, task=TaskId("worker", 0), rank=0, world_size=1, local_rank=0, local_world_size=1,
@@ -171,6 +179,21 @@ def _from_torchrun(env: Mapping[str, str], extras: dict) -> Discovered:
                       "torchrun", **extras)
 
 
+def _from_mpi(env: Mapping[str, str], launchers: list[_MpiVars], extras: dict) -> Discovered:
+    read = [_mpi_identity(env, names) for names in launchers]
+    rank, world_size, local_rank, local_world_size = read[0]
+    if len(read) > 1 and read[0][:2] != read[1][:2]:
+        (a, b), (c, d) = launchers[0][1:3], launchers[1][1:3]
+        raise ClusterConfigError(f"{a}={read[0][0]}, {b}={read[0][1]} ({launchers[0][0]}) disagree with {c}="
+                                 f"{read[1][0]}, {d}={read[1][1]} ({launchers[1][0]}): one of them is left over from "
+                                 f"another launcher; unset the stale ones")
+    # Unset: conveyor.init() agrees on them through MPI itself (conveyor.comm.mpi_rendezvous), or says what to set.
+    addr = _optional_host(env, "MASTER_ADDR")
+    port = _port_var(env, "MASTER_PORT", env["MASTER_PORT"]) if env.get("MASTER_PORT") else None
+    return Discovered(None, TaskId("worker", rank), rank, world_size, local_rank, local_world_size, addr, port,
+                      "mpi", **extras)
+
+
 def _from_slurm(env: Mapping[str, str], extras: dict) -> Discovered:
     fix = "srun sets it for every task; start the script with srun inside the allocation"
     rank = _int_var(env, "SLURM_PROCID", fix)
@@ -217,6 +240,48 @@ def _from_slurm(env: Mapping[str, str], extras: dict) -> Discovered:
 
 def _non_training(spec: ClusterSpec, task: TaskId, source: str, extras: dict) -> Discovered:
     return Discovered(spec, task, None, spec.world_size, 0, 1, None, None, source, **extras)
+
+
+# -- MPI launchers ---------------------------------------------------------------------------------
+
+_MpiVars = tuple[str, str, str, str, str]  # who sets them; rank, size, local rank, local size
+
+#: Open MPI's mpirun (``OMPI_COMM_WORLD_NODE_RANK`` counts across all jobs on the node, so it is not read),
+#: then Hydra, the mpiexec of MPICH and Intel MPI (``PMI_RANK``/``PMI_SIZE``, and the local pair
+#: the Hydra proxy of each node sets).
+_MPI_LAUNCHERS: tuple[_MpiVars, ...] = (
+    ("Open MPI's mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+     "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("Hydra's mpiexec", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+)
+
+
+def _mpi_launchers(env: Mapping[str, str]) -> list[_MpiVars]:
+    """The MPI launchers whose variables are set, in the order of :data:`_MPI_LAUNCHERS`.
+
+    ``PMI_RANK``/``PMI_SIZE`` without Hydra's local pair but with ``SLURM_PROCID`` are srun's own PMI-2
+    plugin (``srun --mpi=pmi2``): srun started the process, and only Slurm's variables say how many of
+    the job's tasks share its node, so the slurm source describes it.
+    """
+    found = []
+    for names in _MPI_LAUNCHERS:
+        if not any(name in env for name in names[1:]):
+            continue
+        if names[1] == "PMI_RANK" and "SLURM_PROCID" in env and not (names[3] in env or names[4] in env):
+            continue
+        found.append(names)
+    return found
+
+
+def _mpi_identity(env: Mapping[str, str], names: _MpiVars) -> tuple[int, int, int, int]:
+    who, rank_name, size_name, local_rank_name, local_size_name = names
+    fix = f"{who} sets it in every process it starts; start the script with it, or unset {rank_name} and the rest"
+    rank, world_size = _int_var(env, rank_name, fix), _int_var(env, size_name, fix)
+    _check_rank(rank, world_size, rank_name, size_name)
+    local_rank = _int_var(env, local_rank_name, fix) if local_rank_name in env else 0
+    local_world_size = _int_var(env, local_size_name, fix) if local_size_name in env else local_rank + 1
+    _check_local(local_rank, local_world_size, world_size, local_rank_name, local_size_name)
+    return rank, world_size, local_rank, local_world_size
 
 
 # -- Slurm formats ---------------------------------------------------------------------------------

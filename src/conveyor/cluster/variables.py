@@ -26,6 +26,7 @@ __all__ = [
     "PIPELINE_VARS",
     "RESTART_COUNT_VAR",
     "RESUME_VAR",
+    "SHARE_GPUS_VAR",
     "STRATEGY_VAR",
     "TASK_INDEX_VAR",
     "TASK_TYPE_VAR",
@@ -47,6 +48,7 @@ RESUME_VAR = "CONVEYOR_RESUME"
 TIMEOUT_VAR = "CONVEYOR_TIMEOUT"
 TTY_VAR = "CONVEYOR_TTY"
 OMP_DEFAULT_VAR = "CONVEYOR_OMP_DEFAULT"
+SHARE_GPUS_VAR = "CONVEYOR_SHARE_GPUS"
 PIPELINE_STAGES_VAR = "CONVEYOR_PIPELINE_STAGES"
 PIPELINE_MICROBATCHES_VAR = "CONVEYOR_PIPELINE_MICROBATCHES"
 PIPELINE_SCHEDULE_VAR = "CONVEYOR_PIPELINE_SCHEDULE"
@@ -95,6 +97,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(OMP_DEFAULT_VAR, "1: OMP_NUM_THREADS=1 is the launcher's default (several tasks on one machine, as "
              "torchrun does), not the user's choice", _RUN,
              f"{_INIT}, which gives each training task its share of the cores instead"),
+    Variable(SHARE_GPUS_VAR, "1: more training tasks than visible GPUs on a machine may share GPUs (their "
+             "collectives then go through gloo: NCCL refuses two ranks on one GPU); otherwise that is refused",
+             f"{_RUN} (--share-gpus), or the user", f"{_INIT} (its share_gpus argument wins)"),
     Variable(PIPELINE_STAGES_VAR, "pipeline stages S per replica", f"{_RUN} (--stages), or the user",
              "the pipeline strategy"),
     Variable(PIPELINE_MICROBATCHES_VAR, "microbatches M per step (default 2 S)", f"{_RUN} (--microbatches)",

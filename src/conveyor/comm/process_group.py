@@ -95,14 +95,17 @@ def init_process_group(
     *,
     host_store: bool | None = None,
     store_prefix: str | None = None,
+    listener: socket.socket | None = None,
 ) -> dist.Store:
     """Join (rank 0: host) the rendezvous store at ``master_addr:master_port`` and create the default group.
 
     ``timeout`` (seconds) bounds the rendezvous and every later collective of the group. ``host_store``
     defaults to ``rank == 0``; pass ``False`` when a launcher already hosts the store (torchrun's agent).
     ``store_prefix`` namespaces the keys in a store that outlives one attempt (an agent store across
-    restarts). Returns the store. Raises :class:`AddressInUseError`, :class:`RendezvousError`, or
-    ``ValueError`` for arguments that cannot work.
+    restarts). ``listener``: a socket already listening at ``master_addr:master_port``, for the hosting
+    rank's store to serve on (the store then owns it): a port picked earlier cannot be taken in between.
+    Returns the store. Raises :class:`AddressInUseError`, :class:`RendezvousError`, or ``ValueError`` for
+    arguments that cannot work.
     """
     _check_args(backend, master_addr, master_port, rank, world_size, timeout)
     if dist.is_initialized():
@@ -113,7 +116,7 @@ def init_process_group(
     delta = timedelta(seconds=timeout)
     # wait_for_workers on every rank: a client is counted only when it sets it too (it then just checks in).
     if hosts:
-        store: dist.Store = _host_store(master_addr, master_port, rank, world_size, timeout)
+        store: dist.Store = _host_store(master_addr, master_port, rank, world_size, timeout, listener)
     else:
         try:
             store = dist.TCPStore(master_addr, master_port, world_size, is_master=False, timeout=delta,
@@ -135,11 +138,12 @@ def init_process_group(
     return store
 
 
-def _host_store(master_addr: str, master_port: int, rank: int, world_size: int, timeout: float) -> dist.TCPStore:
+def _host_store(master_addr: str, master_port: int, rank: int, world_size: int, timeout: float,
+                listener: socket.socket | None = None) -> dist.TCPStore:
     """The store, hosted here and listening at ``master_addr:master_port`` only."""
     where = join_address(master_addr, master_port)
     try:
-        listener = listen_only_on(master_addr, master_port)
+        listener = listener or listen_only_on(master_addr, master_port)
     except socket.gaierror as e:
         raise RendezvousError(f"rank {rank} cannot host the rendezvous store: MASTER_ADDR {master_addr!r} does not "
                               f"resolve on this machine ({e.strerror}); set MASTER_ADDR to rank 0's address, e.g. "

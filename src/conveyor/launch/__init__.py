@@ -3,6 +3,7 @@
 - :mod:`.plan`       - arguments + free ports (+ the rendezvous) → a pure ``LaunchPlan`` of ``TaskLaunch``
   (command, whole environment, log file) per task; ``describe_plan`` is ``--dry-run``'s output;
 - :mod:`.ports`      - free TCP ports, by binding port 0;
+- :mod:`.binding`    - ``--bind``: each task's CPUs from the machine's topology, decided purely;
 - :mod:`.supervisor` - starts the plan's tasks in their own process groups, prefixes and logs their
   output, restarts the whole job when a task dies, stops every task on Ctrl-C/SIGTERM; one task's
   process is :mod:`.tasks`, when to restart is :mod:`.restarts`;

@@ -11,8 +11,8 @@ Arguments + free ports (+ what the other machines published at the rendezvous) â
 environment can be compared by equality and printed by ``--dry-run``. Rank 0 runs on node 0; every
 task gets the caller's environment minus the launcher's own variables, plus its cluster identity,
 conveyor's and torchrun's variables (docs/training-contracts.md, "Launcher"), and with
-``tf_flags=True`` TensorFlow 1's cluster flags. Placement and every variable:
-``docs/architecture.md``, "The launcher: restarts and failures".
+``tf_flags=True`` TensorFlow 1's cluster flags; with ``bind`` each task's CPUs (``launch/binding.py``).
+Placement and every variable: ``docs/architecture.md``, "The launcher: restarts and failures".
 """
 
 from __future__ import annotations
@@ -37,12 +37,14 @@ from conveyor.cluster.variables import (  # re-exported: conveyor.launch.*_VAR a
     PIPELINE_VARS,
     RESTART_COUNT_VAR,
     RESUME_VAR,
+    SHARE_GPUS_VAR,
     STRATEGY_VAR,
     TASK_INDEX_VAR,
     TASK_TYPE_VAR,
     TIMEOUT_VAR,
     TTY_VAR,
 )
+from conveyor.launch.binding import BIND_MODES, CpuTopology, TaskCpus, bind_cpus, format_cpus
 
 __all__ = [
     "OWNED_VARS",
@@ -125,13 +127,18 @@ class RunOptions:
     microbatches: int | None = None
     schedule: str | None = None
     split: str | None = None
+    bind: str = "none"  # --bind none|core|socket: each task's CPU affinity (launch/binding.py)
+    share_gpus: bool = False  # --share-gpus: more training tasks than GPUs may share them
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "script_args", tuple(self.script_args))
         if not isinstance(self.script, str) or not self.script:
             raise ValueError("SCRIPT is missing: give the training script to run, e.g. conveyor run -n 2 train.py")
-        _check_count(self.workers, "--workers", 1, "training processes on this machine")
         _check_count(self.ps, "--ps", 0, "parameter servers on this machine")
+        # -n 0 is a machine of parameter servers only, one node of a job on several machines (cli/run.py
+        # checks that); with no --ps it would start nothing at all.
+        _check_count(self.workers, "--workers", 0 if self.ps else 1,
+                     "training processes on this machine; -n 0 only with --ps M, for a node of parameter servers")
         _check_count(self.max_restarts, "--max-restarts", 0, "job restarts after a task fails")
         if self.strategy is not None:
             parse_strategy(self.strategy, what="--strategy")
@@ -141,6 +148,8 @@ class RunOptions:
         _check_seconds(self.linger, "--linger", True, 3600.0, "e.g. --linger 30, or 0: stop them at once")
         _check_task_files(self.workers, self.ps)
         self._check_pipeline()
+        if self.bind not in BIND_MODES:
+            raise ValueError(f"--bind {self.bind!r}: expected one of {', '.join(BIND_MODES)}")
         if self.tf_flags and self.chief:
             raise ValueError("--tf-flags gives TensorFlow 1's --ps_hosts/--worker_hosts, which have no chief job "
                              "(worker 0 is the chief there): drop --chief, or drop --tf-flags and read TF_CONFIG")
@@ -200,7 +209,8 @@ class TaskLaunch:
     """One process to start: the task it is, its command, its whole environment, its log file.
 
     ``set_vars`` names the variables the launcher set (in ``env`` order after the inherited ones): what
-    ``--dry-run`` shows, since the rest is the caller's own environment.
+    ``--dry-run`` shows, since the rest is the caller's own environment. ``cpus``: the CPUs the task is
+    bound to (``--bind``), empty when it is not bound.
     """
 
     task: TaskId
@@ -208,6 +218,7 @@ class TaskLaunch:
     env: Mapping[str, str] = field(repr=False)
     log_path: str
     set_vars: tuple[str, ...] = ()
+    cpus: tuple[int, ...] = ()
 
     @property
     def name(self) -> str:
@@ -279,16 +290,22 @@ def build_plan(
     master_port: int,
     secret: bytes,
     environ: Mapping[str, str],
+    topology: CpuTopology | None = None,
 ) -> LaunchPlan:
     """The plan for node ``node_rank`` of ``nodes`` (all of them, in node-rank order).
 
     ``master_addr:master_port`` is where rank 0 (node 0's first training task) hosts torch's store;
-    ``environ`` is the caller's environment, which every task inherits.
+    ``environ`` is the caller's environment, which every task inherits. ``topology``: this machine's CPUs
+    for ``options.bind`` (read from sysfs and the launcher's affinity when not given).
     """
     if not nodes:
         raise ValueError("nodes is empty; a job has at least this machine")
     if not 0 <= node_rank < len(nodes):
         raise ValueError(f"--node-rank {node_rank} is out of range for --nnodes {len(nodes)} (0..{len(nodes) - 1})")
+    if not nodes[0].workers:
+        raise ValueError("node 0 runs rank 0, the chief, which hosts the process group's store and writes the "
+                         "checkpoints: give node 0 -n 1 or more, and the parameter-server-only node (-n 0) another "
+                         "--node-rank")
     spec = cluster_from_nodes(nodes, options.chief)
     strategy = resolve_strategy(options.strategy, spec.world_size, len(spec.ps))
     base = {k: v for k, v in environ.items() if k not in OWNED_VARS}
@@ -300,8 +317,9 @@ def build_plan(
     first_ps = sum(n.ps for n in nodes[:node_rank])
     mine = [(training[first_rank + i], i) for i in range(node.workers)]
     mine += [(TaskId("ps", first_ps + i), 0) for i in range(node.ps)]
+    places = _placements(options, len(mine), topology)
     launches = []
-    for task, local_rank in mine:
+    for (task, local_rank), place in zip(mine, places, strict=True):
         own = task_environment(
             spec, task, secret=secret, data_dir=options.data_dir, output_dir=options.output_dir,
             master_addr=master_addr, master_port=master_port, strategy=strategy,
@@ -309,14 +327,28 @@ def build_plan(
         )
         if task.is_training:
             own.update(torchrun, ROLE_RANK=own["RANK"], ROLE_WORLD_SIZE=own["WORLD_SIZE"])
+            if options.share_gpus:
+                own[SHARE_GPUS_VAR] = "1"
         own.update(extra)
+        if place is not None and not environ.get("OMP_NUM_THREADS"):
+            own["OMP_NUM_THREADS"] = str(place.threads)  # the user's own value wins, as without --bind
         flags = tf_flags(spec, task) if options.tf_flags else ()
         launches.append(TaskLaunch(
             task=task, argv=(options.python, options.script, *flags, *options.script_args), env={**base, **own},
             log_path=os.path.join(log_dir, f"{task.type}-{task.index}.log"), set_vars=tuple(own),
+            cpus=place.cpus if place is not None else (),
         ))
     return LaunchPlan(spec=spec, strategy=strategy, tasks=tuple(launches), log_dir=log_dir, node_rank=node_rank,
                       nnodes=len(nodes), inherited=len(base))
+
+
+def _placements(options: RunOptions, tasks: int,
+                topology: CpuTopology | None) -> list[TaskCpus | None]:
+    """Each task's CPUs under ``options.bind``, in task order; None for every task when unbound."""
+    if options.bind == "none":
+        return [None] * tasks
+    places = bind_cpus(topology if topology is not None else CpuTopology.read(), tasks, options.bind)
+    return list(places or [None] * tasks)
 
 
 def _node_env(options: RunOptions, node: NodeInfo, node_rank: int, nnodes: int, secret: bytes,
@@ -329,8 +361,9 @@ def _node_env(options: RunOptions, node: NodeInfo, node_rank: int, nnodes: int, 
         "PYTHONUNBUFFERED": "1",  # lines reach the launcher (and the log) as they are printed
         **options.pipeline_env(),
     }
-    if node.workers + node.ps > 1 and not environ.get("OMP_NUM_THREADS"):
-        # torchrun's default: N processes with a full-size OpenMP pool each would overload the cores.
+    if node.workers + node.ps > 1 and not environ.get("OMP_NUM_THREADS") and options.bind == "none":
+        # torchrun's default: N processes with a full-size OpenMP pool each would overload the cores
+        # (a bound task gets its own cores' count instead, in build_plan).
         extra.update({"OMP_NUM_THREADS": "1", OMP_DEFAULT_VAR: "1"})
     torchrun = {
         "GROUP_RANK": str(node_rank),
@@ -366,11 +399,12 @@ def local_plan(
     secret: bytes,
     environ: Mapping[str, str],
     host: str = "127.0.0.1",
+    topology: CpuTopology | None = None,
 ) -> LaunchPlan:
     """The plan for a job on this machine only: one port per task (training tasks first, then ps)."""
     node = NodeInfo(host, options.workers, options.ps, tuple(ports))
     return build_plan(options, [node], 0, master_addr=host, master_port=master_port, secret=secret,
-                      environ=environ)
+                      environ=environ, topology=topology)
 
 
 def describe_plan(plan: LaunchPlan) -> str:
@@ -390,6 +424,8 @@ def describe_plan(plan: LaunchPlan) -> str:
         lines.append("")
         lines.append(f"[{launch.name}] {shlex.join(launch.argv)}")
         lines.append(f"    log: {launch.log_path}")
+        if launch.cpus:
+            lines.append(f"    cpus: {format_cpus(launch.cpus)} ({len(launch.cpus)} logical)")
         for name in launch.set_vars:
             value = launch.env[name]
             shown = f"<masked: {len(value)} hex digits>" if name == JOB_SECRET_VAR else shlex.quote(value)

@@ -1,7 +1,7 @@
 """One task's process, as the supervisor runs it: start it, relay and log its output, stop its process group.
 
     console = Console(sys.stdout, sys.stderr)
-    task = RunningTask.start(launch, attempt, console)   # its own session, PR_SET_PDEATHSIG on Linux
+    task = RunningTask.start(launch, attempt, console)   # its own session, PR_SET_PDEATHSIG, launch.cpus
     ...
     stop_tasks([task], 5.0, impatient=lambda: False, say=console.say)   # SIGTERM, grace, SIGKILL
 
@@ -29,6 +29,7 @@ from typing import IO
 
 import psutil
 
+from conveyor.launch.binding import format_cpus
 from conveyor.launch.plan import RESTART_COUNT_VAR, RESUME_VAR, TORCHRUN_RESTART_VAR, TTY_VAR, TaskLaunch
 
 __all__ = ["TAIL_LINES", "Console", "RunningTask", "segments", "stop_tasks"]
@@ -78,16 +79,25 @@ def _load_prctl():
 _PRCTL = _load_prctl()  # looked up here, in the launcher: the child only calls it, between fork and exec
 
 
-def _die_with(launcher_pid: int):
-    """A ``preexec_fn`` that makes the child die when the launcher does (Linux); None elsewhere."""
+def _child_setup(launcher_pid: int, cpus: tuple[int, ...] = ()):
+    """A ``preexec_fn`` that binds the child to ``cpus`` (when given) and makes it die when the launcher
+    does (Linux); None when there is nothing to do.
+
+    The affinity is set here, between fork and exec, rather than on the pid after ``Popen``: by then the
+    task may have started threads (torch's pools, data workers), and only the thread whose affinity is
+    set, and what it starts afterwards, would be bound.
+    """
     prctl, sigkill = _PRCTL, int(signal.SIGKILL)
-    if prctl is None:
+    if prctl is None and not cpus:
         return None
 
     def setup() -> None:
-        prctl(_PR_SET_PDEATHSIG, sigkill, 0, 0, 0)
-        if os.getppid() != launcher_pid:  # the launcher died between fork and prctl: no signal will come
-            os.kill(os.getpid(), sigkill)
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, sigkill, 0, 0, 0)
+            if os.getppid() != launcher_pid:  # the launcher died between fork and prctl: no signal will come
+                os.kill(os.getpid(), sigkill)
 
     return setup
 
@@ -209,7 +219,12 @@ class RunningTask:
         try:
             proc = subprocess.Popen(launch.argv, env=_task_env(launch, attempt, console.live_ok),
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    start_new_session=True, preexec_fn=_die_with(os.getpid()))
+                                    start_new_session=True, preexec_fn=_child_setup(os.getpid(), launch.cpus))
+        except subprocess.SubprocessError as e:  # what an error in preexec_fn becomes: only the binding can fail
+            log.close()
+            raise OSError(f"cannot bind {launch.name} to cpus {format_cpus(launch.cpus)}, which the launcher was "
+                          f"allowed when it planned the job ({e}); run with --bind none, or check the job's "
+                          f"cpuset (taskset -p {os.getpid()})") from None
         except BaseException:
             log.close()
             raise

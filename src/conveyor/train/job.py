@@ -1,7 +1,7 @@
 """The job handle: who this process is, which strategy it trains with, and a few byte-level collectives.
 
     import conveyor
-    with conveyor.init() as job:                      # python train.py, conveyor run, torchrun, srun, TF_CONFIG
+    with conveyor.init() as job:              # python train.py, conveyor run, torchrun, mpirun, srun, TF_CONFIG
         model, optimizer = job.prepare(model, optimizer)
         states = job.all_gather_bytes(json.dumps(state).encode())   # one entry per rank, no pickle
 
@@ -12,7 +12,8 @@ and no process group, so a script runs unchanged under ``python train.py``.
 
 Variables read here besides discovery's: ``CONVEYOR_TIMEOUT`` (seconds, default 300: bounds the
 rendezvous and every collective), ``CONVEYOR_RESTART_COUNT`` (default 0), ``CONVEYOR_RESUME``
-(``"0"`` disables resuming), and under torchrun ``TORCHELASTIC_USE_AGENT_STORE`` /
+(``"0"`` disables resuming), ``CONVEYOR_SHARE_GPUS`` (``"1"``: tasks may share GPUs, see
+:mod:`conveyor.train.devices`), and under torchrun ``TORCHELASTIC_USE_AGENT_STORE`` /
 ``TORCHELASTIC_RESTART_COUNT`` (the agent then hosts the rendezvous store).
 """
 
@@ -33,10 +34,13 @@ from conveyor.cluster import Discovered
 from conveyor.cluster.argv import discover_with_flags
 from conveyor.cluster.strategy_name import default_strategy
 from conveyor.cluster.variables import OMP_DEFAULT_VAR, RESTART_COUNT_VAR, RESUME_VAR, TIMEOUT_VAR
+from conveyor.comm.gloo_interface import GLOO_IFNAME_VAR, interface_for
+from conveyor.comm.mpi_rendezvous import agree_rendezvous
 from conveyor.comm.process_group import collective_guard, init_process_group
 from conveyor.strategies import Strategy, get_strategy
 from conveyor.strategies.ps.task import serve_ps_task
 from conveyor.train.checkpoint import CheckpointManager
+from conveyor.train.devices import share_gpus_from, task_device
 
 __all__ = ["DEFAULT_TIMEOUT", "RESTART_COUNT_VAR", "RESUME_VAR", "TIMEOUT_VAR", "Job", "init", "threads_per_worker"]
 
@@ -45,13 +49,16 @@ DEFAULT_TIMEOUT = 300.0
 _OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
 
 
-def init(strategy: str | None = None, *, timeout: float | None = None,
+def init(strategy: str | None = None, *, timeout: float | None = None, share_gpus: bool | None = None,
          environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None) -> Job:
     """This process's :class:`Job`, its process group joined and its strategy set up.
 
     ``strategy``: the argument, else ``CONVEYOR_STRATEGY``, else ``"ps-sync"`` when the cluster has ps
     tasks, ``"allreduce"`` with several training processes and ``"local"`` with one. ``timeout``
-    (seconds): the argument, else ``CONVEYOR_TIMEOUT``, else 300. ``environ`` replaces ``os.environ``
+    (seconds): the argument, else ``CONVEYOR_TIMEOUT``, else 300. The device: GPU ``local_rank`` of the
+    visible ones, or the CPU without any (:mod:`conveyor.train.devices`); more training tasks on this
+    machine than visible GPUs is an error unless ``share_gpus`` (the argument, else
+    ``CONVEYOR_SHARE_GPUS=1``), which also makes the job's collectives use gloo. ``environ`` replaces ``os.environ``
     (tests, tools); nothing is written to it. ``argv`` (default ``sys.argv[1:]``) may hold TensorFlow 1's
     ``--ps_hosts/--worker_hosts/--job_name/--task_index``: where no launcher's variables describe this
     process, they do (``conveyor.cluster.argv``); they are read, not removed.
@@ -83,10 +90,12 @@ def init(strategy: str | None = None, *, timeout: float | None = None,
     data_dir = Path(found.data_dir or "data")
     output_dir = Path(found.output_dir or "output")
     output_dir.mkdir(parents=True, exist_ok=True)
-    device = _device(found.local_rank)
+    share = share_gpus_from(share_gpus, env)
+    device = task_device(found.local_rank, found.local_world_size, share, env)
     _limit_threads(found.local_world_size, env)
 
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    # NCCL refuses two ranks on one GPU; sharing is allowed per job, so every rank picks the same backend
+    backend = "nccl" if device.type == "cuda" and not share else "gloo"
     owns_group = found.world_size > 1 and _join_group(found, backend, seconds, env)
     job = Job(found, chosen, timeout=seconds, device=device, backend=backend, data_dir=data_dir,
               output_dir=output_dir, restart_count=restart_count, resume=resume, owns_group=owns_group)
@@ -312,17 +321,6 @@ def _limit_threads(local_world_size: int, env: Mapping[str, str]) -> None:
     torch.set_num_threads(threads_per_worker(local_world_size, cores))
 
 
-def _device(local_rank: int) -> torch.device:
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    count = torch.cuda.device_count()
-    if local_rank >= count:
-        raise ValueError(f"LOCAL_RANK={local_rank} but this machine has {count} CUDA device(s): start at most "
-                         f"{count} training processes per machine (one per GPU)")
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
-
-
 def _join_group(found: Discovered, backend: str, timeout: float, env: Mapping[str, str]) -> bool:
     """Join the default process group; False when one already exists (the script made it) and is reused."""
     if dist.is_initialized():
@@ -331,14 +329,22 @@ def _join_group(found: Discovered, backend: str, timeout: float, env: Mapping[st
                                f"{dist.get_world_size()}, but the environment says rank {found.rank} of "
                                f"{found.world_size}; let conveyor.init() create the group")
         return False
-    if found.master_addr is None or found.master_port is None:  # discovery guarantees both for world > 1
+    addr, port, listener = found.master_addr, found.master_port, None
+    if found.source == "mpi" and (addr is None or port is None):  # mpirun names no meeting point: agree on one
+        addr, port, listener = agree_rendezvous(found, timeout)
+    if addr is None or port is None:  # discovery guarantees both for world > 1 under every other source
         raise RuntimeError(f"no rendezvous address for a job of {found.world_size}: set MASTER_ADDR and MASTER_PORT")
     # torchrun's agent may host the store itself on MASTER_PORT; the workers are then all clients, and
     # the keys of one restart attempt are kept apart from the previous attempt's.
     agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if backend == "gloo" and found.spec is not None and GLOO_IFNAME_VAR not in os.environ:
+        # gloo reads it from the real environment; see comm/gloo_interface.py for the hostname trap it avoids
+        interface = interface_for(found.spec, found.task)
+        if interface is not None:
+            os.environ[GLOO_IFNAME_VAR] = interface
     prefix = f"conveyor/attempt-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}" if agent_store else None
-    init_process_group(backend, found.master_addr, found.master_port, found.rank, found.world_size, timeout,
-                       host_store=False if agent_store else None, store_prefix=prefix)
+    init_process_group(backend, addr, port, found.rank, found.world_size, timeout,
+                       host_store=False if agent_store else None, store_prefix=prefix, listener=listener)
     return True
 
 

@@ -84,6 +84,10 @@ class PipelineStrategy(Strategy):
             lower, upper = stages * max(1, world // stages), stages * (world // stages + 1)
             raise SplitError(f"conveyor run -n {world} --stages {stages}: the number of processes must be a multiple "
                              f"of the stages (each replica runs all {stages}); use -n {lower} or -n {upper}")
+        if getattr(job.device, "type", "cpu") == "cuda" and getattr(job, "backend", "nccl") != "nccl":
+            raise ValueError("pipeline stages on shared GPUs: their process group is gloo (NCCL refuses two ranks "
+                             "on one GPU), and gloo cannot send CUDA tensors between stages; run one stage per GPU "
+                             "(at most as many tasks per machine as GPUs, without --share-gpus)")
         if self.microbatches is None:
             self.microbatches = 2 * stages
         if self.microbatches < 1:

@@ -1,0 +1,289 @@
+"""Kubernetes manifests for a job, as plain dicts: what `conveyor k8s` writes (pure; no cluster needed).
+
+    options = K8sOptions(name="digits", image="registry/digits:1", script="train.py", workers=2, ps=1,
+                         strategy="ps-sync", data_claim="digits-data", output_claim="digits-output")
+    print(to_yaml(manifests(options, secret=secrets.token_hex(32))))   # Secret, NetworkPolicy, JobSet
+
+Each role (chief, worker, ps) is an Indexed Job (``completionMode: Indexed``): its pod of index i has the
+hostname ``<job>-<i>`` and, with ``subdomain`` naming a headless Service, resolves as ``<job>-<i>.<service>``
+in the namespace. So the whole cluster is known before any pod starts, and every pod runs the same
+command, ``conveyor k8s-task --role R --cluster JSON SCRIPT ARGS``, which picks its task from the index
+Kubernetes gives it (``JOB_COMPLETION_INDEX``; :mod:`conveyor.launch.pod`). Two kinds:
+
+- ``jobset`` (default): a JobSet (jobset.x-k8s.io/v1alpha2), one replicated Job per role. Its controller
+  makes the headless Service, and when a pod fails (its Job has ``backoffLimit: 0``) it recreates every
+  Job: the whole-job restart of `conveyor run`, at most ``max_restarts`` times; a pod evicted or preempted
+  (``DisruptionTarget``) restarts the set without counting. Pods: ``<name>-<role>-0-<i>.<name>``.
+- ``jobs``: plain Indexed Jobs and a headless Service, for clusters without JobSet. Kubernetes restarts
+  no set of Jobs together, and a pod replaced alone would meet a parameter server that outlived its
+  workers, so a failed pod fails its Job; the others stop within the job's timeout, and applying the
+  manifests again resumes from the last checkpoint. Pods: ``<name>-<role>-<i>.<name>``.
+
+Every pod mounts the data claim read-only at the data folder and the output claim (ReadWriteMany: the
+chief's checkpoints and the ps tasks' shards meet there) at the output folder, and gets the job secret
+from a Secret. A NetworkPolicy admits only the job's own pods (``network_policy=False``: none).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+from conveyor.cluster import ClusterSpec, join_address
+from conveyor.cluster.strategy_name import parse_strategy
+from conveyor.cluster.variables import (
+    DATA_DIR_VAR,
+    JOB_SECRET_VAR,
+    OUTPUT_DIR_VAR,
+    RESTART_COUNT_VAR,
+    RESUME_VAR,
+    STRATEGY_VAR,
+    TIMEOUT_VAR,
+)
+from conveyor.launch.plan import MAX_TIMEOUT, resolve_strategy
+
+__all__ = ["JOBSET_API", "KINDS", "SECRET_KEY", "K8sOptions", "cluster_of", "manifests", "pod_host", "roles",
+           "to_yaml"]
+
+KINDS = ("jobset", "jobs")
+JOBSET_API = "jobset.x-k8s.io/v1alpha2"
+SECRET_KEY = "secret"  # the key of the job secret inside its Kubernetes Secret
+#: The annotation JobSet puts on every pod: how many times the set was restarted (conveyor's restart count).
+RESTART_ATTEMPT = "jobset.sigs.k8s.io/restart-attempt"
+_DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # DNS-1035: Service and pod host names
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
+
+
+@dataclass(frozen=True)
+class K8sOptions:
+    """`conveyor k8s`'s settings, checked once (errors name the flag). ``workers`` counts training tasks,
+    the chief among them with ``chief=True``, as under `conveyor run`; ``strategy`` is resolved to its
+    canonical name (the default for the job's shape when ``None``)."""
+
+    name: str
+    image: str
+    script: str
+    output_claim: str
+    script_args: tuple[str, ...] = ()
+    workers: int = 1
+    ps: int = 0
+    chief: bool = False
+    strategy: str | None = None
+    gpus: int = 0
+    data_claim: str | None = None
+    data_dir: str = "/data"
+    output_dir: str = "/output"
+    output_size: str | None = None
+    storage_class: str | None = None
+    secret_name: str | None = None
+    namespace: str | None = None
+    kind: str = "jobset"
+    max_restarts: int = 3
+    timeout: float = 300.0
+    resume: bool = True
+    port: int = 2222
+    master_port: int = 29500
+    tf_flags: bool = False
+    network_policy: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "script_args", tuple(self.script_args))
+        if self.kind not in KINDS:
+            raise ValueError(f"--kind {self.kind!r}: expected {' or '.join(KINDS)}")
+        for flag, value, low in (("--workers", self.workers, 1), ("--ps", self.ps, 0), ("--gpus", self.gpus, 0),
+                                 ("--max-restarts", self.max_restarts, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{flag} {value!r}: expected a whole number >= {low}")
+        if self.gpus > 1:
+            raise ValueError(f"--gpus {self.gpus}: a pod runs one training process, which trains on one GPU "
+                             f"(conveyor.init() takes the GPU of its local rank); for more GPUs run more pods "
+                             f"(-n), which the scheduler places {self.gpus} or more to a machine")
+        for flag, port in (("--port", self.port), ("--master-port", self.master_port)):
+            if not 1 <= port <= 65535:
+                raise ValueError(f"{flag} {port}: expected a port number 1-65535")
+        if not 0 < self.timeout <= MAX_TIMEOUT:
+            raise ValueError(f"--timeout {self.timeout:g}: expected 0 < seconds <= {MAX_TIMEOUT:g}")
+        if not self.image or any(c.isspace() for c in self.image):
+            raise ValueError(f"--image {self.image!r}: expected an image reference such as registry/train:1.0")
+        if not self.script:
+            raise ValueError("SCRIPT is missing: give the training script's path inside the image")
+        if self.tf_flags and self.chief:
+            raise ValueError("--tf-flags gives TensorFlow 1's flags, which have no chief job: drop --chief")
+        for flag, path in (("--data-dir", self.data_dir), ("--output-dir", self.output_dir)):
+            if not path.startswith("/") or path.rstrip("/") == "":
+                raise ValueError(f"{flag} {path!r}: expected an absolute folder inside the pods, such as /data")
+        if self.data_dir.rstrip("/") == self.output_dir.rstrip("/"):
+            raise ValueError(f"--data-dir and --output-dir are both {self.data_dir}: two volumes need two folders")
+        if self.output_size is not None and not _QUANTITY.fullmatch(self.output_size):
+            raise ValueError(f"--output-size {self.output_size!r}: expected a Kubernetes quantity such as 50Gi")
+        self._check_names()
+        strategy = resolve_strategy(self.strategy, self.workers, self.ps)
+        if parse_strategy(strategy).kind == "pipeline":
+            raise ValueError("--strategy pipeline: conveyor k8s writes data-parallel jobs (allreduce, ps-sync, "
+                             "ps-async, ps-ssp:K, or local for one worker); run pipeline jobs with `conveyor run`")
+        object.__setattr__(self, "strategy", strategy)
+
+    def _check_names(self) -> None:
+        longest = max(len(pod_host(self, role, count - 1)) for role, count in roles(self))
+        if not _DNS_LABEL.fullmatch(self.name) or longest > 63:
+            raise ValueError(f"--name {self.name!r}: expected lower-case letters, digits and '-', starting with a "
+                             f"letter, short enough that the longest pod name ({longest} characters now) has at "
+                             f"most 63")
+        names = (("--data-claim", self.data_claim), ("--output-claim", self.output_claim),
+                 ("--secret-name", self.secret_name), ("--namespace", self.namespace),
+                 ("--storage-class", self.storage_class))
+        for flag, value in names:
+            if value is not None and (not _DNS_SUBDOMAIN.fullmatch(value) or len(value) > 253):
+                raise ValueError(f"{flag} {value!r}: expected a Kubernetes name (lower-case letters, digits, '-', "
+                                 f"'.')")
+        if self.namespace is not None and ("." in self.namespace or len(self.namespace) > 63):
+            raise ValueError(f"--namespace {self.namespace!r}: a namespace is one DNS label (no '.', at most 63)")
+
+    @property
+    def secret(self) -> str:
+        """The Secret holding the job secret: the one named, or ``<name>-secret``, written with the job."""
+        return self.secret_name or f"{self.name}-secret"
+
+
+def roles(options: K8sOptions) -> list[tuple[str, int]]:
+    """``[(role, pods)]`` in rank order, roles without pods left out: chief, worker, ps."""
+    chief = 1 if options.chief else 0
+    counts = [("chief", chief), ("worker", options.workers - chief), ("ps", options.ps)]
+    return [(role, count) for role, count in counts if count]
+
+
+def pod_host(options: K8sOptions, role: str, index: int) -> str:
+    """The hostname Kubernetes gives pod ``index`` of ``role``'s Indexed Job: ``<job name>-<index>``, where a
+    JobSet names its Jobs ``<set>-<replicated job>-<job index>`` (one Job per role here, index 0)."""
+    job = f"{options.name}-{role}-0" if options.kind == "jobset" else f"{options.name}-{role}"
+    return f"{job}-{index}"
+
+
+def cluster_of(options: K8sOptions) -> ClusterSpec:
+    """The job's cluster: every pod by its DNS name (``<hostname>.<service>``) and ``options.port``."""
+    jobs = {role: tuple(join_address(f"{pod_host(options, role, i)}.{options.name}", options.port)
+                        for i in range(count)) for role, count in roles(options)}
+    return ClusterSpec(**jobs)
+
+
+def manifests(options: K8sOptions, secret: str | None) -> list[dict]:
+    """Every object of the job, in the order to create them. ``secret`` (hex digits) is written into a new
+    Secret; ``None`` when ``options.secret_name`` names one that exists already."""
+    docs: list[dict] = []
+    if options.secret_name is None:
+        if secret is None:
+            raise ValueError("manifests() needs the job secret's hex digits, or options.secret_name")
+        docs.append(_object("v1", "Secret", options.secret, options,
+                            {"type": "Opaque", "stringData": {SECRET_KEY: secret}}))
+    if options.output_size is not None:
+        spec = {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": options.output_size}}}
+        if options.storage_class:
+            spec["storageClassName"] = options.storage_class
+        docs.append(_object("v1", "PersistentVolumeClaim", options.output_claim, options, {"spec": spec}))
+    if options.network_policy:
+        own = {"podSelector": {"matchLabels": _labels(options)}}
+        docs.append(_object("networking.k8s.io/v1", "NetworkPolicy", options.name, options, {"spec": {
+            **own, "policyTypes": ["Ingress"], "ingress": [{"from": [own]}]}}))
+    if options.kind == "jobset":
+        docs.append(_jobset(options))
+        return docs
+    docs.append(_object("v1", "Service", options.name, options, {"spec": {
+        "clusterIP": "None", "selector": _labels(options), "publishNotReadyAddresses": True}}))
+    for role, count in roles(options):
+        docs.append(_object("batch/v1", "Job", f"{options.name}-{role}", options,
+                            {"spec": _job_spec(options, role, count)}, role))
+    return docs
+
+
+def to_yaml(docs: list[dict], header: str = "") -> str:
+    """One multi-document YAML text (``kubectl apply -f`` reads it), after ``header`` as comment lines."""
+    import yaml  # the `k8s` extra; only `conveyor k8s` needs it
+
+    class Dumper(yaml.SafeDumper):
+        def ignore_aliases(self, data) -> bool:  # a shared dict is written out again, never as &id001/*id001
+            return True
+
+    comments = "".join(f"# {line}".rstrip() + "\n" for line in header.splitlines())
+    return comments + yaml.dump_all(docs, Dumper=Dumper, sort_keys=False, explicit_start=True, width=1 << 16)
+
+
+def _labels(options: K8sOptions, role: str | None = None) -> dict[str, str]:
+    labels = {"app.kubernetes.io/name": "conveyor", "app.kubernetes.io/instance": options.name}
+    if role:
+        labels["app.kubernetes.io/component"] = role
+    return labels
+
+
+def _object(api: str, kind: str, name: str, options: K8sOptions, body: dict, role: str | None = None) -> dict:
+    meta: dict = {"name": name}
+    if options.namespace:
+        meta["namespace"] = options.namespace
+    meta["labels"] = _labels(options, role)
+    return {"apiVersion": api, "kind": kind, "metadata": meta, **body}
+
+
+def _jobset(options: K8sOptions) -> dict:
+    training = ["chief"] if options.chief else ["worker"]
+    replicated = [{"name": role, "replicas": 1, "template": {"metadata": {"labels": _labels(options, role)},
+                                                            "spec": _job_spec(options, role, count)}}
+                  for role, count in roles(options)]
+    return _object(JOBSET_API, "JobSet", options.name, options, {"spec": {
+        "network": {"enableDNSHostnames": True, "subdomain": options.name},
+        # The set succeeds when training does: ps tasks exit by themselves then, and need not be awaited.
+        "successPolicy": {"operator": "All", "targetReplicatedJobs": training},
+        "failurePolicy": {"maxRestarts": options.max_restarts, "rules": [
+            {"name": "disrupted", "action": "RestartJobSetAndIgnoreMaxRestarts",
+             "onJobFailureReasons": ["PodFailurePolicy"]}]},
+        "replicatedJobs": replicated,
+    }})
+
+
+def _job_spec(options: K8sOptions, role: str, count: int) -> dict:
+    spec: dict = {"completionMode": "Indexed", "completions": count, "parallelism": count, "backoffLimit": 0}
+    if options.kind == "jobset":  # eviction, preemption, node drain: the failure rule above, not a lost restart
+        spec["podFailurePolicy"] = {"rules": [{"action": "FailJob", "onPodConditions": [
+            {"type": "DisruptionTarget", "status": "True"}]}]}
+    spec["template"] = {"metadata": {"labels": _labels(options, role)}, "spec": _pod_spec(options, role)}
+    return spec
+
+
+def _pod_spec(options: K8sOptions, role: str) -> dict:
+    mounts = [{"name": "output", "mountPath": options.output_dir}]
+    volumes: list[dict] = [{"name": "output", "persistentVolumeClaim": {"claimName": options.output_claim}}]
+    if options.data_claim:
+        mounts.insert(0, {"name": "data", "mountPath": options.data_dir, "readOnly": True})
+        volumes.insert(0, {"name": "data", "persistentVolumeClaim": {"claimName": options.data_claim,
+                                                                     "readOnly": True}})
+    args = ["--role", role, "--cluster", json.dumps(cluster_of(options).as_dict(), separators=(",", ":")),
+            "--master-port", str(options.master_port), *(["--tf-flags"] if options.tf_flags else []),
+            options.script, *options.script_args]
+    ports = [{"name": "task", "containerPort": options.port}]
+    if role != "ps":
+        ports.append({"name": "rendezvous", "containerPort": options.master_port})
+    container: dict = {"name": role, "image": options.image, "command": ["conveyor", "k8s-task"], "args": args,
+                       "env": _env(options), "ports": ports, "volumeMounts": mounts}
+    if options.gpus and role != "ps":
+        container["resources"] = {"limits": {"nvidia.com/gpu": options.gpus}}
+    return {"subdomain": options.name, "restartPolicy": "Never", "automountServiceAccountToken": False,
+            "enableServiceLinks": False, "containers": [container], "volumes": volumes}
+
+
+def _env(options: K8sOptions) -> list[dict]:
+    """What every pod is told alike; its own task is derived at start (conveyor k8s-task)."""
+    env: list[dict] = [
+        {"name": STRATEGY_VAR, "value": options.strategy},
+        {"name": DATA_DIR_VAR, "value": options.data_dir},
+        {"name": OUTPUT_DIR_VAR, "value": options.output_dir},
+        {"name": TIMEOUT_VAR, "value": f"{options.timeout:g}"},
+        {"name": RESUME_VAR, "value": "1" if options.resume else "0"},
+        {"name": JOB_SECRET_VAR, "valueFrom": {"secretKeyRef": {"name": options.secret, "key": SECRET_KEY}}},
+    ]
+    if options.kind == "jobset":
+        env.append({"name": RESTART_COUNT_VAR, "valueFrom": {"fieldRef": {
+            "fieldPath": f"metadata.annotations['{RESTART_ATTEMPT}']"}}})
+    else:
+        env.append({"name": RESTART_COUNT_VAR, "value": "0"})
+    env.append({"name": "PYTHONUNBUFFERED", "value": "1"})  # kubectl logs shows lines as they are printed
+    return env
