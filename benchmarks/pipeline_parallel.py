@@ -1,43 +1,60 @@
-"""Pipeline-parallel benchmark: conveyor's pipeline strategy, one process, a bare torch pipelining loop.
+"""Pipeline-parallel benchmark: conveyor's pipeline strategy against one process, two free halves and a bare loop.
 
-    python benchmarks/pipeline_parallel.py                 # 2048 x 16 MLP + Adam, 2 rounds, ~4-6 min on 2 cores
+    python benchmarks/pipeline_parallel.py                 # 2048 x 64 MLP + Adam, 2 rounds, ~7-8 min on 2 cores
     python benchmarks/pipeline_parallel.py --quick         # tiny MLP, M = 16 only, 1 round (a test runs it, ~20 s)
     python benchmarks/pipeline_parallel.py --repeats 3 --steps 6 --four-stages --out /tmp/bench-results
 
 Workload: an ``nn.Sequential`` of ``--depth`` blocks, each ``Linear(W, W)`` + ReLU (the last a plain
-Linear), W = ``--width``; MSE against a fixed random target; Adam (lr 1e-4). Default W 2048, depth 16:
-67M parameters, whose parameters, gradients and Adam's two moments take ~1.07 GB in one process. One
-fixed batch of ``--batch`` rows (default 64, divisible by every M). Every process runs one intra-op
-thread (``OMP_NUM_THREADS=MKL_NUM_THREADS=1`` and ``torch.set_num_threads(1)``).
+Linear), W = ``--width``; MSE against a fixed random target; ``Adam(lr=1e-4, fused=True)``. Default W
+2048, depth 64: 269M parameters, whose parameters, gradients and Adam's two moments take 4.3 GB in one
+process — big enough that the ~220 MB every process pays for importing torch (and ~85 MB more for
+``torch.distributed.pipelining``) does not decide the memory ratio, as it did at 67M (0.70). One fixed
+batch of ``--batch`` rows (default 256, divisible by every M). Every process runs one intra-op thread
+(``OMP_NUM_THREADS=MKL_NUM_THREADS=1`` and ``torch.set_num_threads(1)``). Adam is the fused kernel
+because the default one makes ~10 passes over memory per parameter and, with two processes at once,
+its time varied 2-4x with what the other process was doing, which drowned the pipelines' comparison.
 
 Contenders, each a fresh set of processes started by this script (settings as a JSON argument, results
 as JSON files), all doing ``--warmup`` untimed steps then ``--steps`` timed ones; samples/s = batch x
-steps / the timed wall time (2 processes: between two barriers, on rank 0):
+steps / the timed wall time (2 processes: between two barriers, on rank 0). Every one builds the whole
+model (seed 0), as a user's script does; the 2-process ones keep their half (cut before block D/2):
 
 - ``one_process``: the whole model in one process (``zero_grad``, forward, loss, backward, ``step``).
+- ``two_halves``: 2 processes, each training its half alone on the whole batch at once (the second
+  half's input needs its gradient, as a pipeline's later stage computes it): the same work as
+  one_process with nothing crossing, no microbatches and no bubble. Its rate over 2 x one_process is
+  how fast two processes run at once on this machine, the ceiling of any 2-process pipeline.
 - ``bare_pipelining``: 2 processes, ``dist.init_process_group("gloo", init_method="tcp://127.0.0.1:P")``,
-  each builds the model, keeps its half (``nn.Sequential(*blocks[a:b])``), wraps it in a static
-  ``PipelineStage`` (example tensors for one microbatch) and ``Schedule1F1B(stage, M, loss_fn,
-  scale_grads=True)``; a step is ``zero_grad``, ``schedule.step(...)``, ``optimizer.step()`` — the loop
-  torch's documentation shows.
+  a static ``PipelineStage`` (example tensors for one microbatch) and ``Schedule1F1B(stage, M,
+  loss_fn, scale_grads=True)``; a step is ``zero_grad``, ``schedule.step(...)``, ``optimizer.step()`` —
+  the loop torch's documentation shows.
 - ``conveyor_pipeline``: 2 processes with the environment ``conveyor run -n 2 --strategy pipeline
   --stages 2 --microbatches M --schedule 1f1b --split D/2`` gives them (the launcher's ``local_plan``),
   ``conveyor.init()``, ``job.prepare(model, optimizer)``, ``job.train_step(...)``.
 
-Both pipelines cut at the same block (``--split`` = the middle block) and use M = ``--microbatches``
-(default 8) for the throughput rounds, which are interleaved (order reversed every other round); medians
-and per-round paired ratios are reported.
+The throughput rounds use M = ``--microbatches`` (default 2: microbatches of 128 rows; on one CPU
+thread a 2048-wide Linear with fewer rows is bound by reading its weights and adding each microbatch's
+weight gradient into ``.grad``, so smaller microbatches cost more per sample — the sweep's samples/s
+column shows it) and are interleaved (order reversed every other round); medians and per-round paired
+ratios are reported. The ideal is S (1 - (S-1)/(M+S-1)) x one_process.
 
 Measured besides (all from inside the processes):
 
-- **Memory**: each process's peak resident set (``resource.getrusage(RUSAGE_SELF).ru_maxrss``) at its
-  end — one_process is "1 stage", the largest conveyor_pipeline process "2 stages" (and a 4-stage
-  conveyor run with ``--four-stages``, or when the machine has >= 4 cores). The RSS right after the
-  imports (torch, conveyor: the floor every process pays) is shown next to it.
-- **Bubble**: conveyor runs for M in ``--sweep`` (default 2, 4, 8, 16) x (gpipe, 1f1b); after the warm-up
-  the stage runner's counters are zeroed, so conveyor's own ``summary_figures()`` (per-stage compute,
-  send/recv wait, measured bubble = wait / schedule wall time) covers the timed steps only; shown next
-  to (S-1)/(M+S-1).
+- **Memory**: each process's resident set from ``/proc/self/status`` (VmRSS at phases: after the imports,
+  with the whole model built, after the cut; VmHWM for the peaks of set-up and of training, the peak
+  reset in between through ``/proc/self/clear_refs``). Not ``getrusage(...).ru_maxrss``, which Linux
+  carries over ``execve``: a child started by a large parent reported the parent's peak as its own.
+  one_process is "1 stage", the largest conveyor_pipeline process "2 stages" (and a 4-stage conveyor
+  run with ``--four-stages``, or when the machine has >= 4 cores).
+- **Bubble**: conveyor runs for M in ``--sweep`` (default 2, 4, 8, 16) x (gpipe, 1f1b); after the
+  warm-up the stage runner's counters are zeroed, so conveyor's own ``summary_figures()`` cover the
+  timed steps only: per stage its compute (forward, loss, backward chunks) and its idle share of the
+  window every stage shares, from the latest stage's schedule start to the latest one's end (see
+  docs/architecture.md, Pipeline parallelism, for why that window and not each stage's schedule call),
+  next to (S-1)/(M+S-1). That theory assumes equal stages; each row also shows the theory with the
+  run's measured stage costs, (M-1) c_max + sum(c) for the window, so a gap from one process computing
+  slower than the other (on a shared machine, other processes' load lands unevenly) is told apart
+  from what the pipeline adds. Waiting for a stage that started the step late is shown apart.
 - **Activation memory of stage 0**, in the same sweep runs: one more step under
   ``torch.autograd.graph.saved_tensors_hooks`` counts the bytes autograd holds for backward (each
   saved tensor once, the stage's parameters excluded), live from pack until the graph frees them. Its peak, in
@@ -45,7 +62,7 @@ Measured besides (all from inside the processes):
   the stage holds at once: the quantity 1F1B bounds by S and GPipe does not. Chosen over RSS growth
   because CPU RSS includes allocator caching and Adam's temporaries, and torch tracks no CPU memory.
 
-Output: an aligned table and PASS/FAIL goal lines on stdout; JSON (machine incl. load average, config,
+Output: aligned tables and PASS/FAIL goal lines on stdout; JSON (machine incl. load average, config,
 every sample, derived values, goals) in ``<out>/pipeline_parallel-<timestamp>.json`` and
 ``<out>/pipeline_parallel-latest.json`` (default ``benchmarks/results/``).
 """
@@ -116,7 +133,9 @@ def make_batch(width: int, batch: int):
 def make_optimizer(params):
     import torch
 
-    return torch.optim.Adam(params, lr=1e-4)
+    # fused: torch's one-pass CPU kernel. The default Adam makes ~10 passes over memory per parameter, and
+    # with two processes at once its time varied 2-4x with what the other one was doing, drowning the comparison.
+    return torch.optim.Adam(params, lr=1e-4, fused=True)
 
 
 class Memory:
@@ -542,6 +561,14 @@ def theory(stages: int, m: int) -> float:
     return (stages - 1) / (m + stages - 1)
 
 
+def cost_aware_theory(compute: Sequence[float], m: int) -> list[float]:
+    """Each stage's idle share when the stages' compute per step is `compute`, not equal as (S-1)/(M+S-1)
+    assumes: the window is then the slowest stage's M microbatches plus one microbatch of each other stage
+    (the fill and the drain), (M-1) c_max + sum(c) with c a stage's compute per microbatch."""
+    window = ((m - 1) * max(compute) + sum(compute)) / m
+    return [1 - c / window for c in compute]
+
+
 def _bubble_rows(sweep: dict[str, Any]) -> tuple[list[dict[str, Any]], float]:
     """Per (schedule, M): each stage's measured bubble and its gap to theory; the largest gap at M >= 4."""
     rows, gaps = [], []
@@ -554,9 +581,13 @@ def _bubble_rows(sweep: dict[str, Any]) -> tuple[list[dict[str, Any]], float]:
         stages = fig["per_stage"]
         gap = max((h.gap(s["bubble_fraction"], fig["theoretical_bubble_fraction"]) for s in stages),
                   default=float("nan"))
+        compute = [1e3 * s["compute_seconds_per_step"] for s in stages]
+        expected = cost_aware_theory(compute, int(m))
+        cost_gap = max(h.gap(st["bubble_fraction"], e) for st, e in zip(stages, expected, strict=True))
         rows.append({"schedule": schedule, "microbatches": int(m), "theory": fig["theoretical_bubble_fraction"],
                      "measured": [s["bubble_fraction"] for s in stages],
-                     "compute_ms": [1e3 * s["compute_seconds_per_step"] for s in stages],
+                     "compute_ms": compute, "cost_aware": expected,
+                     "max_gap_cost_aware": cost_gap,
                      "wait_ms": [1e3 * s["send_recv_wait_seconds_per_step"] for s in stages],
                      "start_wait_ms": [1e3 * (s.get("start_wait_seconds_per_step") or 0.0) for s in stages],
                      "max_gap": gap, "activations": run.get("activations"),
@@ -613,6 +644,8 @@ def derive(res: dict[str, Any], sweep: dict[str, Any], four: dict[str, Any] | No
         "two_process_efficiency": h.ratio(med["two_halves"], STAGES * med["one_process"]),
         "conveyor_vs_halves": h.ratio(med["conveyor_pipeline"], (1 - theory(STAGES, m)) * med["two_halves"]),
         "bubble": rows, "bubble_max_gap": max_gap, "activations_stage0": act,
+        "bubble_max_gap_cost_aware": max(h.finite(r.get("max_gap_cost_aware") for r in rows if r["microbatches"] >= 4)
+                                         or [float("nan")]),
         "act_1f1b": a1["peak_microbatches"] if a1 else None,
         "act_gpipe_share": ag["peak_microbatches"] / ag["microbatches"] if ag and ag["peak_microbatches"] else None,
     }
@@ -643,7 +676,8 @@ def _memory_rows(d: dict[str, Any]) -> list[tuple[str, ...]]:
 
 
 def _sweep_rows(d: dict[str, Any]) -> list[tuple[str, ...]]:
-    rows = [("schedule", "M", "theory", "stage 0", "stage 1", "max gap", "compute ms/step", "wait ms/step",
+    rows = [("schedule", "M", "theory", "stage 0", "stage 1", "max gap", "with these costs", "gap to it",
+             "compute ms/step", "wait ms/step",
              "start wait ms/step", "samples/s", "x S(1-b) one_process", "stage-0 act. (microbatches)")]
     for r in d["bubble"]:
         if "error" in r:
@@ -652,6 +686,7 @@ def _sweep_rows(d: dict[str, Any]) -> list[tuple[str, ...]]:
         act = r["activations"] or {}
         rows.append((r["schedule"], str(r["microbatches"]), h.fmt(r["theory"], ".3f"),
                      *(h.fmt(x, ".3f") for x in r["measured"]), h.fmt(r["max_gap"], ".3f"),
+                     " / ".join(h.fmt(x, ".3f") for x in r["cost_aware"]), h.fmt(r["max_gap_cost_aware"], ".3f"),
                      " / ".join(h.fmt(x, ".0f") for x in r["compute_ms"]),
                      " / ".join(h.fmt(x, ".0f") for x in r["wait_ms"]),
                      " / ".join(h.fmt(x, ".0f") for x in r["start_wait_ms"]),
@@ -685,7 +720,10 @@ def format_table(res: dict[str, Any], d: dict[str, Any], config: dict[str, Any],
              + (f"{four:.0f} MB (x{h.fmt(d['memory_ratio_4'], '.3f')})" if four else "not run (--four-stages)"),
              "", "bubble (conveyor's summary figures over the timed steps; wait = send/recv wait) and stage 0's "
              "saved activations (saved_tensors_hooks, one extra step):", "",
-             h.format_rows(_sweep_rows(d), left=(0,))]
+             h.format_rows(_sweep_rows(d), left=(0,)), "",
+             f"largest gap at M >= 4: to (S-1)/(M+S-1) {h.fmt(d['bubble_max_gap'], '.3f')}, to the theory with each "
+             f"run's measured stage costs {h.fmt(d['bubble_max_gap_cost_aware'], '.3f')} (what sends, latency and "
+             f"jitter add; the rest of the first is one stage computing longer than the other)"]
     return "\n".join(lines)
 
 
@@ -744,7 +782,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = {
         "benchmark": NAME, "command": h.command_line(NAME, argv), "machine": h.machine_end(machine),
         "config": {**config, "repeats": args.repeats, "quick": args.quick, "sweep": list(args.sweep),
-                   "timeout": args.timeout, "threads_per_process": 1, "optimizer": "Adam(lr=1e-4)",
+                   "timeout": args.timeout, "threads_per_process": 1, "optimizer": "Adam(lr=1e-4, fused=True)",
                    "stages": STAGES, "schedule_throughput": "1f1b", "four_stages": four_wanted,
                    "contenders": {c.name: c.label for c in CONTENDERS_SPEC}, "order": res["order"],
                    "activation_method": "saved_tensors_hooks: live saved bytes (each tensor once, "
