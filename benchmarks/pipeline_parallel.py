@@ -7,7 +7,7 @@
 Workload: an ``nn.Sequential`` of ``--depth`` blocks, each ``Linear(W, W)`` + ReLU (the last a plain
 Linear), W = ``--width``; MSE against a fixed random target; ``Adam(lr=1e-4, fused=True)``. Default W
 2048, depth 64: 269M parameters, whose parameters, gradients and Adam's two moments take 4.3 GB in one
-process — big enough that the ~220 MB every process pays for importing torch (and ~85 MB more for
+process — big enough that the ~220 MB every process pays for importing torch (and ~75 MB more for
 ``torch.distributed.pipelining``) does not decide the memory ratio, as it did at 67M (0.70). One fixed
 batch of ``--batch`` rows (default 256, divisible by every M). Every process runs one intra-op thread
 (``OMP_NUM_THREADS=MKL_NUM_THREADS=1`` and ``torch.set_num_threads(1)``). Adam is the fused kernel
