@@ -166,6 +166,13 @@ def _first_task(p: psutil.Process) -> bool:
         return False
 
 
+def alive(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def listening(hosts, host) -> list[tuple[str, int]]:
     """Every TCP socket listening on ``host``, as (address, port)."""
     out = hosts.run(host, ["ss", "-Hltn"], capture_output=True, text=True, check=True).stdout
@@ -251,10 +258,10 @@ def test_a_host_lost_outright_ends_the_job_everywhere_naming_it(make_hosts, tmp_
     codes = job.wait(timeout=timeout + 60)
     elapsed = time.monotonic() - lost
     assert codes[0] == codes[2] == 1, job.logs()
-    assert elapsed < timeout + 20, f"took {elapsed:.0f} s\n{job.logs()}"
+    assert elapsed < timeout + 30, f"took {elapsed:.0f} s\n{job.logs()}"  # the slack: a loaded machine
     for rank in (0, 2):
         assert f"lost node 1 (host1 at {hosts[1].address}): no heartbeat" in job.log(rank), job.logs()
-    assert not [p for p in survivors if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not [p for p in survivors if alive(p)], "tasks outlived their launcher"
 
 
 def test_a_host_that_never_joins_fails_the_others_within_the_timeout_naming_it(make_hosts, tmp_path, data):
@@ -275,7 +282,7 @@ def test_a_name_that_cannot_work_fails_at_once_naming_it_and_the_fix(make_hosts,
     hosts = make_hosts(2)
     debian_hosts_file(hosts, hosts[0])
     (tmp_path / "task.py").write_text("print('never')\n")
-    common = ("--job-secret-file", str(tmp_path / "s"), "--timeout", "60", str(tmp_path / "task.py"))
+    common = ("--job-secret-file", str(tmp_path / "s"), "--timeout", "300", str(tmp_path / "task.py"))
     (tmp_path / "s").write_text("ab" * 32)
     (tmp_path / "s").chmod(0o600)
     started = time.monotonic()
@@ -283,7 +290,7 @@ def test_a_name_that_cannot_work_fails_at_once_naming_it_and_the_fix(make_hosts,
                                                *common), capture_output=True, text=True, cwd=tmp_path)
     loopback = hosts.run(hosts[0], conveyor_run("--nnodes", "2", "--node-rank", "0", "--rdzv", f"host0:{PORT}",
                                                 *common), capture_output=True, text=True, cwd=tmp_path)
-    assert time.monotonic() - started < 30  # far below --timeout 60: nothing waited for anybody
+    assert time.monotonic() - started < 90  # far below --timeout 300: nothing waited for anybody
     assert unknown.returncode == 1 and loopback.returncode == 1
     assert "--rdzv host 'nosuchhost' does not resolve here" in unknown.stderr, unknown.stderr
     assert f"--rdzv 10.0.0.1:{PORT}, or a name every node resolves" in unknown.stderr
