@@ -80,6 +80,11 @@ def _write(config: dict[str, Any], result: dict[str, Any]) -> None:
     Path(config["result"]).write_text(json.dumps(result))
 
 
+def _host(config: dict[str, Any]) -> str:
+    """Where the server (ps task, echo side) listens: loopback here; benchmarks/hosts.py names another host."""
+    return config.get("host", "127.0.0.1")
+
+
 def _summary(times: list[float], moved_bytes: float) -> dict[str, Any]:
     med = statistics.median(times)
     return {"times_s": times, "median_s": med, "gbps": moved_bytes / med / 1e9,
@@ -108,7 +113,7 @@ def ps_server(config: dict[str, Any]) -> None:
             return "ok", {}
         raise ValueError(f"unknown request {message.kind!r}")
 
-    server = Server(f"127.0.0.1:{config['port']}", secret, handle, name=f"ps:{config['index']}")
+    server = Server(f"{_host(config)}:{config['port']}", secret, handle, name=f"ps:{config['index']}")
     try:
         server.serve_forever()
     finally:
@@ -127,7 +132,7 @@ def ps_client(config: dict[str, Any]) -> None:
     rng = np.random.default_rng(0)
     tensors = [rng.standard_normal(numel, dtype=np.float32) for _ in range(count)]
     owner = [i % n for i in range(count)]  # round-robin over the ps tasks
-    clients = [Client(f"127.0.0.1:{p}", secret, name=f"ps:{k}", timeout=config["timeout"], sender="worker:0")
+    clients = [Client(f"{_host(config)}:{p}", secret, name=f"ps:{k}", timeout=config["timeout"], sender="worker:0")
                for k, p in enumerate(config["ports"])]
     pulled: list[Any] = [None] * count
 
@@ -162,25 +167,37 @@ def gloo(config: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    rank, world = config["rank"], 2
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{config['port']}", rank=rank, world_size=world)
+    rank = config["rank"]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{config['port']}", rank=rank, world_size=2)
     try:
-        flat = torch.ones(config["bytes"] // 4)
-        times = []
-        for i in range(config["iters"] + 1):
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_reduce(flat)
-            if i:
-                times.append(time.perf_counter() - t0)
-        dist.barrier()
+        result = time_allreduce(config["bytes"], config["iters"])
     finally:
         dist.destroy_process_group()
     if rank == 0:
-        nbytes = flat.numel() * 4
-        result = _summary(times, 2 * (world - 1) / world * nbytes)
-        result.update(bytes=nbytes, busbw_gbps=result["gbps"], algbw_gbps=nbytes / result["median_s"] / 1e9)
         _write(config, result)
+
+
+def time_allreduce(nbytes: int, iters: int) -> dict[str, Any]:
+    """One untimed and ``iters`` timed ``all_reduce`` of ``nbytes`` float32 bytes in the default group,
+    each between barriers; the summary with bus bandwidth ``2(n-1)/n x bytes / t`` as ``gbps``."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    flat = torch.ones(nbytes // 4)
+    times = []
+    for i in range(iters + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(flat)
+        if i:
+            times.append(time.perf_counter() - t0)
+    dist.barrier()
+    nbytes = flat.numel() * 4
+    result = _summary(times, 2 * (world - 1) / world * nbytes)
+    result.update(bytes=nbytes, busbw_gbps=result["gbps"], algbw_gbps=nbytes / result["median_s"] / 1e9,
+                  sum_ok=bool((flat == float(world) ** (iters + 1)).all()))
+    return result
 
 
 def tcp(config: dict[str, Any]) -> None:
@@ -198,7 +215,7 @@ def tcp(config: dict[str, Any]) -> None:
             got += n
 
     if config["side"] == "echo":
-        with socket.create_server(("127.0.0.1", config["port"])) as listener:
+        with socket.create_server((_host(config), config["port"])) as listener:
             conn, _ = listener.accept()
         with conn:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -209,7 +226,7 @@ def tcp(config: dict[str, Any]) -> None:
     deadline = time.monotonic() + config["timeout"]
     while True:
         try:
-            sock = socket.create_connection(("127.0.0.1", config["port"]))
+            sock = socket.create_connection((_host(config), config["port"]))
             break
         except ConnectionRefusedError:
             if time.monotonic() > deadline:

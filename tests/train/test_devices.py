@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conveyor.cluster.variables import TASK_TYPE_VAR
 from conveyor.train import devices
 from conveyor.train.devices import GpuPlacementError, choose_gpu, share_gpus_from, task_device
 
@@ -69,6 +70,9 @@ def test_task_device_sets_the_current_gpu_and_reads_what_is_visible(monkeypatch)
         FakeCuda(1).install(monkeypatch)
         task_device(1, 2, False, {"CUDA_VISIBLE_DEVICES": "3"})
     assert task_device(1, 2, False, {devices.SLURM_GPUS_PER_TASK: "1"}) == torch.device("cuda", 0)
+    FakeCuda(2).install(monkeypatch)  # srun --gpus-per-task=2 ... conveyor run -n 2: the launcher's GPUs, shared out
+    launched = {devices.SLURM_GPUS_PER_TASK: "2", TASK_TYPE_VAR: "worker"}
+    assert task_device(1, 2, False, launched) == torch.device("cuda", 1)
     FakeCuda(0).install(monkeypatch)
     assert task_device(1, 2, False, {}) == torch.device("cpu")
 

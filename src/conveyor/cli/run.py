@@ -15,6 +15,7 @@ This module only parses arguments; the work is in `conveyor.launch`: `plan` (wha
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import secrets
 import stat
@@ -36,6 +37,7 @@ from conveyor.launch import (
     local_plan,
 )
 from conveyor.launch.binding import BIND_MODES
+from conveyor.launch.slurm import allocation_note, slurm_node
 
 RESTART_DELAY_CAP = 30.0
 MAKE_SECRET = (f"make one with `openssl rand -hex 32 > job.secret && chmod 600 job.secret`, copy the same file to "
@@ -75,10 +77,12 @@ On a machine with GPUs each training task uses GPU LOCAL_RANK (of those CUDA_VIS
 more training tasks than GPUs is refused unless --share-gpus. --bind core gives every task of this
 machine its own equal set of physical cores, --bind socket the cores of one socket (round robin),
 and sets OMP_NUM_THREADS to that many cores unless it is set; --dry-run shows each task's cpus.
-With --nnodes, -n and --ps count this machine's tasks (like torchrun's --nproc-per-node); node 0's
-tasks come first in the cluster, so rank 0 runs on node 0. A job on several machines needs the same
-job secret on every node (--job-secret-file, CONVEYOR_JOB_SECRET_FILE or CONVEYOR_JOB_SECRET): it
-signs the parameter-server messages and never crosses the network.
+With --nnodes, -n and --ps count this machine's tasks (like torchrun's --nproc-per-node; -n 0 --ps M
+is a machine of parameter servers only, not node 0); node 0's tasks come first in the cluster, so
+rank 0 runs on node 0. A machine silent for --timeout seconds ends the job on every node, naming
+it. A job on several machines needs the same job secret on every node (--job-secret-file,
+CONVEYOR_JOB_SECRET_FILE or CONVEYOR_JOB_SECRET): it signs the parameter-server messages and never
+crosses the network.
 """
 
 
@@ -87,7 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EXAMPLES
     job = parser.add_argument_group("the job")
     job.add_argument("-n", "--workers", type=int, default=1, metavar="N",
-                     help="training processes on this machine (default 1)")
+                     help="training processes on this machine (default 1; 0 with --ps on a node of parameter servers "
+                     "only, not node 0)")
     job.add_argument("--ps", type=int, default=0, metavar="M",
                      help="parameter servers on this machine (default 0)")
     job.add_argument("--strategy", default=None, metavar="NAME",
@@ -133,7 +138,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pipe.add_argument("--split", default=None, metavar="NAME,NAME",
                       help="the layers to cut before (named_modules names), instead of a balanced --stages")
     nodes = parser.add_argument_group("several machines")
-    nodes.add_argument("--nnodes", type=int, default=1, metavar="K", help="machines in the job (default 1)")
+    nodes.add_argument("--nnodes", type=int, default=None, metavar="K",
+                       help="machines in the job (default 1; in an srun step: the step's nodes)")
     nodes.add_argument("--node-rank", type=int, default=None, metavar="I", help="this machine's rank, 0..K-1")
     nodes.add_argument("--rdzv", default=None, metavar="HOST:PORT",
                        help="where node 0's launcher hosts the rendezvous (an address of node 0, a free port)")
@@ -161,8 +167,9 @@ def run(args: argparse.Namespace) -> int:
         linger=args.linger, stages=args.stages, microbatches=args.microbatches, schedule=args.schedule,
         split=args.split, bind=args.bind, share_gpus=args.share_gpus,
     )
-    _check_node_flags(args)
     environ = dict(os.environ)  # before anything here touches os.environ: this is what the tasks inherit
+    _from_slurm(args, environ)
+    _check_node_flags(args)
     secret = _job_secret(args.job_secret_file, environ, args.nnodes)
     if args.dry_run:
         plan = local_plan(options, free_ports(options.tasks_per_node), master_port=free_ports(1)[0],
@@ -201,13 +208,30 @@ def _run_node(args: argparse.Namespace, options: RunOptions, environ: dict[str, 
     except PeerError as e:
         raise CommandError(str(e), exit_code=1) from None
     try:
-        plan = build_plan(options, rdzv.nodes, rdzv.node_rank, master_addr=rdzv.master_addr,
-                          master_port=rdzv.master_port, secret=rdzv.secret, environ=environ)
+        try:
+            plan = build_plan(options, rdzv.nodes, rdzv.node_rank, master_addr=rdzv.master_addr,
+                              master_port=rdzv.master_port, secret=rdzv.secret, environ=environ)
+        except Exception as e:  # the others would wait for this node's tasks until --timeout: tell them now
+            with contextlib.suppress(PeerError):
+                rdzv.peers.abort(f"node {rdzv.node_rank}'s launcher cannot start its tasks: {e}")
+            raise
         print(f"[conveyor] node {rdzv.node_rank} of {args.nnodes}: cluster {plan.spec.as_dict()}", file=sys.stderr)
         result = _supervisor(plan, options, peers=rdzv.peers).run()
     finally:
         rdzv.peers.close()
     return _report(result)
+
+
+def _from_slurm(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
+    """Inside an srun step of several nodes, --nnodes/--node-rank/--rdzv come from Slurm (launch/slurm.py)."""
+    node = None if args.dry_run else slurm_node(environ, nnodes=args.nnodes, node_rank=args.node_rank, rdzv=args.rdzv)
+    if node is not None:
+        args.nnodes, args.node_rank, args.rdzv = node.nnodes, node.node_rank, node.rdzv
+        print(f"[conveyor] {node.describe()}", file=sys.stderr)
+    elif allocation_note(environ) and args.nnodes is None:
+        print(f"[conveyor] note: {allocation_note(environ)}", file=sys.stderr)
+    if args.nnodes is None:
+        args.nnodes = 1
 
 
 def _check_node_flags(args: argparse.Namespace) -> None:
@@ -216,6 +240,9 @@ def _check_node_flags(args: argparse.Namespace) -> None:
     if args.nnodes == 1:
         if args.node_rank not in (None, 0) or args.rdzv is not None:
             raise CommandError("--node-rank and --rdzv belong to a job on several machines: add --nnodes K")
+        if args.workers == 0:
+            raise CommandError("-n 0 starts no training process: a machine of parameter servers only (-n 0 --ps M) "
+                               "is one node of a job on several machines (--nnodes K --node-rank I, I > 0)")
         return
     if args.node_rank is None or args.rdzv is None:
         raise CommandError(f"--nnodes {args.nnodes} needs --node-rank I (0..{args.nnodes - 1}) and --rdzv HOST:PORT "
@@ -223,6 +250,10 @@ def _check_node_flags(args: argparse.Namespace) -> None:
     if not 0 <= args.node_rank < args.nnodes:
         raise CommandError(f"--node-rank {args.node_rank} is out of range for --nnodes {args.nnodes} "
                            f"(0..{args.nnodes - 1})")
+    if args.node_rank == 0 and args.workers == 0:
+        raise CommandError("-n 0 on node 0: node 0 runs rank 0, the chief, which hosts the process group's store and "
+                           "writes the checkpoints; give node 0 -n 1 or more, and the node of parameter servers only "
+                           "(-n 0 --ps M) another --node-rank")
     if args.dry_run:
         raise CommandError("--dry-run shows one machine's plan and cannot know the other machines' addresses; "
                            "drop --nnodes/--node-rank/--rdzv to check the command and environment")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from conveyor.cluster.variables import SHARE_GPUS_VAR
+from conveyor.cluster.variables import SHARE_GPUS_VAR, TASK_TYPE_VAR
 from conveyor.errors import ConveyorError
 
 __all__ = ["GpuPlacementError", "choose_gpu", "share_gpus_from", "task_device"]
@@ -71,8 +71,10 @@ def task_device(local_rank: int, local_world_size: int, share: bool, environ: Ma
     import torch
 
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    index = choose_gpu(local_rank, local_world_size, visible, share,
-                       own_gpus=bool(environ.get(SLURM_GPUS_PER_TASK)),
+    # Under `srun ... conveyor run`, the variable describes the launcher's srun task: the node's GPUs, which
+    # the launcher's tasks share out by local rank. Only a process srun started itself has GPUs of its own.
+    own_gpus = bool(environ.get(SLURM_GPUS_PER_TASK)) and TASK_TYPE_VAR not in environ
+    index = choose_gpu(local_rank, local_world_size, visible, share, own_gpus=own_gpus,
                        visible_names=environ.get("CUDA_VISIBLE_DEVICES"))
     if index is None:
         return torch.device("cpu")

@@ -1,0 +1,709 @@
+"""Several-hosts benchmark: transports and training across network-namespace hosts with capped links.
+
+    sudo python benchmarks/hosts.py                       # default: 100 MB, caps 1000,10000,none, 2 rounds
+    sudo python benchmarks/hosts.py --quick               # 16 MB, 1 round, 1 epoch (smoke run)
+    sudo python benchmarks/hosts.py --caps 1000 --part transport --size-mb 100 --repeats 3
+
+Needs root (it makes network namespaces); without it, it says so and exits with status 2. Three hosts
+from ``conveyor.testing.hosts.Hosts(3)`` (host0, host1: workers; host2: the parameter server), every
+host link capped by ``Hosts.cap(mbit)`` (``tc tbf``, both directions) at each of ``--caps`` in turn
+(``none``: no cap, the veth pair's own speed, bounded by this machine's 2 cores). Rounds interleave the
+runs (odd rounds reversed): transports cap by cap (a cap's contenders back to back), training strategy
+by strategy (a strategy's caps back to back); medians over rounds, every sample kept in the JSON.
+
+Transport (``--size-mb`` B bytes of float32, one untimed then ``--iters`` timed iterations per run; the
+run's median time t is its sample). Payload bytes only are counted (no TCP/IP/Ethernet headers, no
+ZeroMQ or conveyor framing); a link direction carries at most the cap C:
+
+- ``ps_push_pull``: benchmarks/ps.py's worker and ps task (conveyor.comm.transport Client and Server:
+  ZeroMQ, PLAIN gate keyed by a fresh job secret, signed frames) on host0 and host2; the model in
+  pieces of at most DEFAULT_CHUNK_BYTES (4 MiB, the ps sharding's), all pushes in flight, then all
+  pulls. The worker sends B and receives B, one after the other: counted 2B, ideal time 2B / C.
+- ``gloo_allreduce``: ``conveyor.comm.process_group.init_process_group("gloo", "host0", ...)`` on host0
+  and host1 (as the allreduce strategy joins), ``dist.all_reduce`` of B bytes. A ring all-reduce of N
+  hosts sends 2(N-1)/N x B from each host while receiving as much: counted B for N = 2, ideal B / C.
+- ``raw_tcp``: one TCP connection host0 -> host2, B sent and echoed back: the ps accounting, no framing.
+
+GB/s = counted / t (Gbit/s = 8 x that), "/ cap" = GB/s / C = ideal / t; raw TCP through the same link
+shows what TCP itself gets of C (MTU-sized frames carry about 96 % payload). Goals (same run):
+ps_push_pull and gloo_allreduce >= 0.9 x the 1 Gbit/s cap.
+
+Training (``--epochs`` of examples/digits/train.py, batch 32 per worker, one thread per task, no
+checkpoint before the last): every job is real multi-host: one ``conveyor run --nnodes K --node-rank i
+--rdzv host0:PORT --job-secret-file F`` per host (allreduce: host0, host1; ps-sync and ps-async: a third
+node ``-n 0 --ps 1`` on host2, where a ``conveyor run`` that refuses ``-n 0`` is worked around by
+starting each task on its host with the environment ``conveyor.launch.build_plan`` gives it; the
+table says which). Figures from the chief's summary.json: samples/s = N workers x batch / the chief's
+median step (robust to this shared machine's load spikes), wall samples/s = every worker's samples /
+the chief's training wall seconds; step and comm ms = medians of the chief's step total and communication
+(allreduce: DDP hook in-flight time, much of it overlapping backward; ps-*: push + pull + wait); "/ ref"
+= samples/s over the same strategy's at the reference cap (uncapped, else the fastest) in the same
+round. A strategy is link-bound at a cap when "/ ref" < 0.9; the table says from which cap on it is not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by file path
+import harness as h  # noqa: E402
+import ps as ps_bench  # noqa: E402  (its worker, ps task and echo roles, and its result summary)
+
+HERE = Path(__file__).resolve()
+ROOT = HERE.parents[1]
+EXAMPLE = ROOT / "examples" / "digits" / "train.py"
+MB = 1_000_000
+CHUNK_BYTES = 4 * 1024 * 1024  # conveyor.strategies.ps.sharding.DEFAULT_CHUNK_BYTES (checked in main)
+TRANSPORTS = ("raw_tcp", "ps_push_pull", "gloo_allreduce")  # round order within a cap
+STRATEGIES = ("allreduce", "ps-sync", "ps-async")
+WORKER_HOSTS, PS_HOST = (0, 1), 2
+TRANSPORT_LABELS = {
+    "raw_tcp": "one TCP connection host0 -> host2, send B, echo B back",
+    "ps_push_pull": "conveyor transport Client (host0) -> Server (host2): push B, then pull B",
+    "gloo_allreduce": "gloo all_reduce of B between host0 and host1 (conveyor's process-group setup)",
+}
+BUSY_FRACTION = 0.9  # a strategy is link-bound at a cap when it keeps less than this of the reference's samples/s
+GOALS = (
+    h.Goal("ps_push_pull >= 0.9 x the 1 Gbit/s link cap (payload, same run)", "ps_push_pull_vs_cap_1000", 0.9),
+    h.Goal("gloo_allreduce >= 0.9 x the 1 Gbit/s link cap (payload, same run)", "gloo_allreduce_vs_cap_1000", 0.9),
+)
+LAUNCH_WORKAROUND = ("each task by hand on its host with the environment conveyor.launch.build_plan gives it "
+                     "(this conveyor run refuses -n 0 for a node of parameter servers only)")
+TRAINING_NOTE = (
+    "training: samples/s = N workers x batch / the chief's median step (summary.json step_breakdown total); wall "
+    "samples/s = every worker's samples / the chief's training wall seconds (summary.json); comm % = "
+    "median communication / median step total of the chief's steps (summary.json step_breakdown: allreduce: "
+    "DDP hook in-flight time, much of it overlapping backward; ps-*: push + pull + wait-for-server time); "
+    "link ms = the least time per step the busiest link needs at the cap (payload: allreduce 2(N-1)/N x P on each "
+    "worker's link, ps-* N x P each way on the ps host's; P = the model's bytes, N = 2 workers); "
+    f"/ ref = samples/s over the reference cap's (uncapped, else the fastest) in the same round; link-bound = "
+    f"/ ref < {BUSY_FRACTION}")
+
+
+# ==================================================================================================
+# Pure parts: caps, byte accounting, verdicts (tested without hosts).
+# ==================================================================================================
+
+
+def parse_caps(text: str) -> tuple[float | None, ...]:
+    """``"1000,10000,none"`` -> (1000.0, 10000.0, None): Mbit/s per link direction, ``none`` for no cap."""
+    caps: list[float | None] = []
+    for part in (p.strip().lower() for p in text.split(",")):
+        if part in ("none", "uncapped", "0"):
+            cap = None
+        else:
+            try:
+                cap = float(part)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"cap {part!r}: expected Mbit/s (e.g. 1000) or none") from None
+            if not cap > 0:
+                raise argparse.ArgumentTypeError(f"cap {part!r}: must be > 0 Mbit/s (or none)")
+        if cap in caps:
+            raise argparse.ArgumentTypeError(f"cap {part!r} given twice")
+        caps.append(cap)
+    if not caps:
+        raise argparse.ArgumentTypeError("no cap given")
+    return tuple(caps)
+
+
+def cap_key(cap: float | None) -> str:
+    """The cap's name in the JSON and in contender names: ``"1000"``, ``"none"``."""
+    return "none" if cap is None else f"{cap:g}"
+
+
+def cap_label(cap: float | None) -> str:
+    if cap is None:
+        return "uncapped"
+    return f"{cap / 1000:g} Gbit/s" if cap >= 1000 else f"{cap:g} Mbit/s"
+
+
+def counted_bytes(transport: str, nbytes: int, hosts: int = 2) -> float:
+    """Payload bytes one transport iteration counts (module docstring): what its ideal time moves at the cap."""
+    if transport in ("ps_push_pull", "raw_tcp"):
+        return 2.0 * nbytes  # sent, then received: the link's two directions in turn
+    if transport == "gloo_allreduce":
+        return 2.0 * (hosts - 1) / hosts * nbytes  # sent by each host while it receives as much
+    raise ValueError(f"unknown transport {transport!r}")
+
+
+def ideal_seconds(transport: str, nbytes: int, cap_mbit: float, hosts: int = 2) -> float:
+    return counted_bytes(transport, nbytes, hosts) * 8 / (cap_mbit * 1e6)
+
+
+def vs_cap(gbps: float | None, cap: float | None) -> float:
+    """GB/s over the cap (Mbit/s); NaN uncapped or unmeasured."""
+    return math.nan if cap is None else h.ratio(gbps, cap * 1e6 / 8 / 1e9)
+
+
+def link_bytes_per_step(strategy: str, model_bytes: int, workers: int = 2) -> float:
+    """Payload bytes the busiest link carries each way per step of every worker: a worker's for a ring all-reduce
+    of the gradients (2(N-1)/N x P), the ps host's for parameter servers (N pushes in, N pulls out)."""
+    if strategy == "allreduce":
+        return 2.0 * (workers - 1) / workers * model_bytes
+    if strategy.startswith("ps-"):
+        return float(workers * model_bytes)
+    raise ValueError(f"unknown strategy {strategy!r}")
+
+
+def link_ms(strategy: str, model_bytes: int | None, cap: float | None, workers: int = 2) -> float:
+    """The least time per step the busiest link needs at ``cap`` (NaN uncapped or unknown model size)."""
+    if cap is None or not model_bytes:
+        return math.nan
+    return 1e3 * link_bytes_per_step(strategy, model_bytes, workers) * 8 / (cap * 1e6)
+
+
+def reference_cap(caps: Sequence[float | None]) -> float | None:
+    """The cap training is compared against: none (uncapped) when measured, else the fastest."""
+    return None if None in caps else max(c for c in caps if c is not None)
+
+
+def unbound_from(fractions: dict[str, float], caps: Sequence[float | None], reference: str) -> str | None:
+    """The slowest cap (key) from which on every faster cap keeps >= BUSY_FRACTION of the reference's samples/s
+    (``fractions``: cap key -> samples/s over the reference cap's); None when even the fastest one does not."""
+    ordered = sorted(c for c in caps if c is not None and cap_key(c) != reference)  # slow to fast
+    found = None
+    for cap in reversed(ordered):
+        value = fractions.get(cap_key(cap), math.nan)
+        if not (math.isfinite(value) and value >= BUSY_FRACTION):
+            break
+        found = cap_key(cap)
+    return found
+
+
+def verdict(key: str | None, caps: Sequence[float | None], reference: str) -> str:
+    """In words, where a strategy stops being link-bound (``key``: :func:`unbound_from`'s answer)."""
+    capped = sorted(c for c in caps if c is not None and cap_key(c) != reference)
+    ref = cap_label(None if reference == "none" else float(reference))
+    if not capped:
+        return "no cap below the reference measured"
+    if key is None:
+        return f"link-bound at every cap measured (< {BUSY_FRACTION} x {ref} even at {cap_label(capped[-1])})"
+    if key == cap_key(capped[0]):
+        return f"not link-bound at any cap measured (>= {BUSY_FRACTION} x {ref} from {cap_label(capped[0])} up)"
+    below = [c for c in capped if c < float(key)]
+    return (f"link-bound up to {cap_label(below[-1])}; stops being link-bound at {cap_label(float(key))} "
+            f"(>= {BUSY_FRACTION} x {ref} from there up)")
+
+
+def busy_note(runs: Sequence[dict[str, Any] | None], cores: int) -> str | None:
+    """A warning when the machine's 1-minute load exceeded twice its cores around some run (others' work
+    then shows in every figure), else None."""
+    loads = h.finite(r.get("loadavg_1min") for r in runs if r)
+    worst = max(loads, default=0.0)
+    if worst <= 2 * cores:
+        return None
+    busy = sum(load > 2 * cores for load in loads)
+    return (f"WARNING: the machine was busy: 1-minute load up to {worst:.1f} on {cores} cores ({busy} of "
+            f"{len(loads)} runs above {2 * cores}); other processes' work is in these figures: run again on a "
+            f"quiet machine")
+
+
+def contender(kind: str, cap: float | None) -> str:
+    return f"{kind}@{cap_key(cap)}"
+
+
+def split_contender(name: str) -> tuple[str, str]:
+    kind, _, key = name.rpartition("@")
+    return kind, key
+
+
+# ==================================================================================================
+# Worker side: the gloo role (the others are benchmarks/ps.py's).
+# ==================================================================================================
+
+
+def gloo(config: dict[str, Any]) -> None:
+    """One rank of a gloo all-reduce between hosts, joined the way conveyor's allreduce strategy joins."""
+    import torch
+
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from conveyor.comm.process_group import init_process_group
+
+    init_process_group("gloo", config["master"], config["port"], config["rank"], config["world"],
+                       timeout=config["timeout"])
+    try:
+        result = ps_bench.time_allreduce(config["bytes"], config["iters"])
+    finally:
+        dist.destroy_process_group()
+    if config["rank"] == 0:
+        ps_bench._write(config, result)
+
+
+ROLES = {"ps_server": ps_bench.ps_server, "ps_client": ps_bench.ps_client, "tcp": ps_bench.tcp, "gloo": gloo}
+
+
+# ==================================================================================================
+# Driver side: transports.
+# ==================================================================================================
+
+
+class Bench:
+    """The hosts and the cap they are at now (changed only when a contender needs another)."""
+
+    def __init__(self, hosts: Any, tmp: Path) -> None:
+        self.hosts = hosts
+        self.tmp = tmp
+        self.cap: float | None | str = "unset"
+        self.jobs = 0
+
+    def at(self, cap: float | None) -> None:
+        if cap != self.cap:
+            self.hosts.cap(cap)
+            self.cap = cap
+
+    def next_dir(self, what: str) -> Path:
+        self.jobs += 1
+        folder = self.tmp / f"{self.jobs:03d}-{what.replace('@', '-')}"
+        folder.mkdir(parents=True)
+        return folder
+
+
+def transport_configs(transport: str, base: dict[str, Any], env: dict[str, str]) -> list[tuple[int, dict[str, Any]]]:
+    """(host index, settings) of each process of ``transport``; the ps one also puts its secret in ``env``."""
+    port = 5555
+    if transport == "ps_push_pull":
+        env[ps_bench.SECRET_ENV] = secrets.token_bytes(32).hex()
+        return [(PS_HOST, {**base, "role": "ps_server", "index": 0, "port": port, "host": f"host{PS_HOST}"}),
+                (WORKER_HOSTS[0], {**base, "role": "ps_client", "ports": [port], "host": f"host{PS_HOST}"})]
+    if transport == "raw_tcp":
+        return [(PS_HOST, {**base, "role": "tcp", "side": "echo", "port": port, "host": f"host{PS_HOST}"}),
+                (WORKER_HOSTS[0], {**base, "role": "tcp", "side": "client", "port": port, "host": f"host{PS_HOST}"})]
+    if transport == "gloo_allreduce":
+        return [(hi, {**base, "role": "gloo", "rank": r, "world": len(WORKER_HOSTS), "master": "host0",
+                      "port": port}) for r, hi in enumerate(WORKER_HOSTS)]
+    raise ValueError(f"unknown transport {transport!r}")
+
+
+def run_transport(bench: Bench, name: str, settings: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """One run of a transport contender at its cap: rank 0's result plus the accounting (``{"error"}`` on failure)."""
+    transport, key = split_contender(name)
+    cap = None if key == "none" else float(key)
+    bench.at(cap)
+    folder = bench.next_dir(name)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    result_path = folder / "result.json"
+    base = {**settings, "result": str(result_path), "timeout": timeout}
+    procs = [bench.hosts.popen(bench.hosts[hi], [sys.executable, str(HERE), "--worker", json.dumps(config)], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
+             for hi, config in transport_configs(transport, base, env)]
+    errors = ps_bench._wait_all(procs, timeout)
+    if errors or not result_path.exists():
+        return {"error": "; ".join(errors) or "no result written"}
+    result = json.loads(result_path.read_text())
+    counted = counted_bytes(transport, result["bytes"])
+    gbps = counted / result["median_s"] / 1e9
+    return {**result, "gbps": gbps, "gbit_per_s": 8 * gbps, "counted_bytes": counted, "cap_mbit": cap,
+            "ideal_seconds": None if cap is None else ideal_seconds(transport, result["bytes"], cap),
+            "vs_cap": vs_cap(gbps, cap), "gbps_per_iter": [counted / t / 1e9 for t in result["times_s"]]}
+
+
+def transport_rounds(bench: Bench, caps: Sequence[float | None], settings: dict[str, Any], repeats: int,
+                     timeout: float) -> dict[str, Any]:
+    names = [contender(t, cap) for cap in caps for t in TRANSPORTS]
+
+    def measure(name: str, rnd: int) -> tuple[float, dict[str, Any]]:
+        res = run_transport(bench, name, settings, timeout)
+        res["loadavg_1min"] = os.getloadavg()[0]
+        if "error" in res:
+            raise h.ContenderFailed(res["error"], res)
+        return res["gbps"], res
+
+    def describe(gbps: float, res: dict[str, Any]) -> str:
+        return f"{gbps:.3f} GB/s = {8 * gbps:.2f} Gbit/s  (/ cap {h.fmt(res['vs_cap'], '.3f')})"
+
+    return h.interleaved_rounds(names, repeats, measure, describe=describe)
+
+
+# ==================================================================================================
+# Driver side: training jobs, one `conveyor run` per host.
+# ==================================================================================================
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One process of a training job: the host it runs on, a name for its log, its command and environment."""
+
+    host: int
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+
+
+def job_nodes(strategy: str) -> list[tuple[int, int, int]]:
+    """(host index, workers, ps) per node in node-rank order: a worker per worker host, ps-*: a ps-only node."""
+    nodes = [(hi, 1, 0) for hi in WORKER_HOSTS]
+    return nodes + ([(PS_HOST, 0, 1)] if strategy != "allreduce" else [])
+
+
+def script_args(settings: dict[str, Any]) -> list[str]:
+    return ["--epochs", str(settings["epochs"]), "--batch-size", str(settings["batch_size"]),
+            "--checkpoint-every", str(settings["checkpoint_every"])]
+
+
+def launcher_takes_ps_only_node() -> bool:
+    """Whether this conveyor's ``conveyor run`` accepts ``-n 0 --ps M`` (a node of parameter servers only)."""
+    from conveyor.launch import RunOptions
+
+    try:
+        RunOptions(script="train.py", data_dir="/data", output_dir="/out", workers=0, ps=1)
+    except ValueError:
+        return False
+    return True
+
+
+def node_launches(strategy: str, settings: dict[str, Any], dirs: tuple[Path, Path], secret_file: Path, port: int,
+                  env: dict[str, str]) -> list[Launch]:
+    """One ``conveyor run --nnodes K --node-rank i --rdzv host0:PORT --job-secret-file F`` per node."""
+    nodes = job_nodes(strategy)
+    return [Launch(hi, f"host{hi}", [
+        sys.executable, "-m", "conveyor.cli.main", "run", "-n", str(workers), *(["--ps", str(ps)] if ps else []),
+        "--strategy", strategy, "--nnodes", str(len(nodes)), "--node-rank", str(rank), "--rdzv", f"host0:{port}",
+        "--job-secret-file", str(secret_file), "--max-restarts", "0", "--timeout", str(settings["timeout"]),
+        "--data-dir", str(dirs[0]), "--output-dir", str(dirs[1]), str(EXAMPLE), *script_args(settings)], env)
+        for rank, (hi, workers, ps) in enumerate(nodes)]
+
+
+def planned_launches(hosts: Any, strategy: str, settings: dict[str, Any], dirs: tuple[Path, Path], secret: bytes,
+                     port: int, env: dict[str, str]) -> list[Launch]:
+    """Every task of the job as the launcher plans it (``conveyor.launch.build_plan`` for the same nodes: the
+    same TF_CONFIG, torch variables and secret), each to be started on its host by this script: the workaround
+    for a ``conveyor run`` that refuses ``-n 0``. Task ports: ``port``; torch's store: ``port + 1`` on host0."""
+    from conveyor.launch import NodeInfo, RunOptions, build_plan
+
+    options = RunOptions(script=str(EXAMPLE), script_args=tuple(script_args(settings)), data_dir=str(dirs[0]),
+                         output_dir=str(dirs[1]), strategy=strategy, max_restarts=0, timeout=settings["timeout"],
+                         python=sys.executable)
+    nodes = [(hi, NodeInfo(hosts[hi].address, workers, ps, (port,))) for hi, workers, ps in job_nodes(strategy)]
+    launches = []
+    for rank, (hi, _) in enumerate(nodes):
+        plan = build_plan(options, [n for _, n in nodes], rank, master_addr=hosts[0].address, master_port=port + 1,
+                          secret=secret, environ=env)
+        launches += [Launch(hi, f"{t.task.type}-{t.task.index}", list(t.argv), dict(t.env)) for t in plan.tasks]
+    return launches
+
+
+def _wait_launches(bench: Bench, procs: list[tuple[Launch, subprocess.Popen]], timeout: float) -> str | None:
+    """Wait for every process; a failure or the deadline stops every host's processes. The error, if any."""
+    deadline = time.monotonic() + timeout
+    error = None
+    while error is None:
+        running = [p for _, p in procs if p.poll() is None]  # polls every one, so each return code is known
+        failed = [(launch, p.returncode) for launch, p in procs if p.returncode]
+        if failed:
+            error = ", ".join(f"{launch.name} on host{launch.host} exited {code}" for launch, code in failed)
+        elif not running:
+            return None
+        elif time.monotonic() > deadline:
+            error = f"timed out after {timeout:.0f} s"
+        else:
+            time.sleep(0.05)
+    for hi in sorted({launch.host for launch, _ in procs}):  # the others would wait at a rendezvous or collective
+        bench.hosts.kill_host(bench.hosts[hi])
+    for _, p in procs:
+        p.wait(timeout=30)
+    return error
+
+
+def _tail(path: Path, lines: int = 8) -> str:
+    try:
+        return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def summary_figures(s: dict[str, Any], batch_size: int) -> dict[str, Any]:
+    """What a run's summary.json contributes to the table and JSON; the step rate is every worker's batch over
+    the chief's median step (a load spike on this shared machine moves the median less than the wall time)."""
+    b = s.get("step_breakdown") or {}
+    total, comm = b.get("total"), b.get("communication")
+    return {"strategy": s["strategy"], "world_size": s["world_size"], "steps": s["steps"], "samples": s["samples"],
+            "step_samples_per_second": h.ratio(s["world_size"] * batch_size, total),
+            "samples_per_second": s["samples_per_second"], "wall_seconds": s["wall_seconds"],
+            "eval_accuracy": s.get("eval_accuracy"), "step_breakdown": b,
+            "step_ms": None if total is None else 1e3 * total, "comm_ms": None if comm is None else 1e3 * comm,
+            "comm_share": h.ratio(comm, total),
+            "communication": {k: v for k, v in (s.get("communication") or {}).items()
+                              if k in ("push_seconds", "pull_seconds", "wait_seconds", "bytes_out_per_server",
+                                       "bytes_in_per_server")}}
+
+
+def run_training(bench: Bench, name: str, settings: dict[str, Any], data_dir: Path, secret_file: Path,
+                 timeout: float) -> dict[str, Any]:
+    """One multi-host training job at its cap; the figures of its summary.json (``{"error"}`` on failure)."""
+    strategy, key = split_contender(name)
+    bench.at(None if key == "none" else float(key))
+    folder = bench.next_dir(name)
+    dirs = (data_dir, folder / "output")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    port = 29400 + 2 * (bench.jobs % 500)
+    by_launcher = strategy == "allreduce" or launcher_takes_ps_only_node()
+    launches = (node_launches(strategy, settings, dirs, secret_file, port, env) if by_launcher else
+                planned_launches(bench.hosts, strategy, settings, dirs, bytes.fromhex(secret_file.read_text()), port,
+                                 env))
+    started = time.perf_counter()
+    procs = []
+    for launch in launches:
+        with open(folder / f"{launch.name}.log", "wb") as log:
+            procs.append((launch, bench.hosts.popen(bench.hosts[launch.host], launch.argv, env=launch.env, cwd=ROOT,
+                                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)))
+    error = _wait_launches(bench, procs, timeout)
+    summary_path = dirs[1] / "summary.json"
+    if error or not summary_path.exists():
+        logs = " || ".join(f"{launch.name}: {_tail(folder / f'{launch.name}.log')}" for launch, _ in procs)
+        return {"error": f"{error or 'no summary.json'}: {logs[-1500:]}"}
+    run = summary_figures(json.loads(summary_path.read_text()), settings["batch_size"])
+    run["launch_seconds"] = time.perf_counter() - started
+    run["launched_by"] = "conveyor run per host" if by_launcher else LAUNCH_WORKAROUND
+    if run["strategy"] != strategy or run["world_size"] != len(WORKER_HOSTS):
+        return {"error": f"summary.json says {run['strategy']!r}, world size {run['world_size']}", "summary": run}
+    return run
+
+
+def training_rounds(bench: Bench, caps: Sequence[float | None], strategies: Sequence[str], settings: dict[str, Any],
+                    repeats: int, timeout: float) -> dict[str, Any]:
+    # A strategy's caps back to back: "/ ref" compares neighbours, which this machine's drift hits alike.
+    names = [contender(s, cap) for s in strategies for cap in caps]
+    data_dir = bench.tmp / "data"  # shared by every job: the first chief writes the digits' TFRecord shards
+    secret_file = bench.tmp / "job.secret"  # every node's launcher reads the same one, as on real hosts
+    secret_file.write_text(secrets.token_hex(32))
+    secret_file.chmod(0o600)
+
+    def measure(name: str, rnd: int) -> tuple[float, dict[str, Any]]:
+        res = run_training(bench, name, settings, data_dir, secret_file, timeout)
+        res["loadavg_1min"] = os.getloadavg()[0]
+        if "error" in res:
+            raise h.ContenderFailed(res["error"], res)
+        return res["step_samples_per_second"], res
+
+    def describe(sps: float, res: dict[str, Any]) -> str:
+        return (f"{sps:7.0f} samples/s ({res['samples_per_second']:.0f} by wall)  step {h.fmt(res['step_ms'], '.1f')} "
+                f"ms, comm {h.fmt(res['comm_share'], '.0f', 100)} %  ({res['launch_seconds']:.0f} s in all)")
+
+    return h.interleaved_rounds(names, repeats, measure, describe=describe)
+
+
+# ==================================================================================================
+# Derived values, table, arguments, main.
+# ==================================================================================================
+
+
+def derive_transport(res: dict[str, Any], caps: Sequence[float | None]) -> dict[str, Any]:
+    d: dict[str, Any] = {"by_cap": {}}
+    for cap in caps:
+        row = d["by_cap"][cap_key(cap)] = {}
+        for t in TRANSPORTS:
+            s = res["samples"].get(contender(t, cap), [])
+            med = h.median(s)
+            row[t] = {"median_gbps": med, "median_gbit_per_s": 8 * med, "min_gbps": h.lowest(s),
+                      "max_gbps": h.highest(s), "vs_cap": vs_cap(med, cap), "per_round_gbps": s}
+        row["ps_push_pull"]["vs_raw_tcp"] = h.ratio(row["ps_push_pull"]["median_gbps"], row["raw_tcp"]["median_gbps"])
+        row["ps_push_pull"]["vs_raw_tcp_per_round"] = h.paired(row["ps_push_pull"]["per_round_gbps"],
+                                                               row["raw_tcp"]["per_round_gbps"])
+    for t in ("ps_push_pull", "gloo_allreduce"):
+        d[f"{t}_vs_cap_1000"] = d["by_cap"].get("1000", {}).get(t, {}).get("vs_cap", math.nan)
+    runs = [r for rs in res["runs"].values() for r in rs if r and "error" not in r]
+    d["data_intact"] = all(r.get("roundtrip_ok", r.get("sum_ok", False)) for r in runs)
+    return d
+
+
+def derive_training(res: dict[str, Any], caps: Sequence[float | None], strategies: Sequence[str],
+                    model_bytes: int | None = None) -> dict[str, Any]:
+    ref = reference_cap(caps)
+    d: dict[str, Any] = {"reference_cap": cap_key(ref), "model_bytes": model_bytes, "by_strategy": {},
+                         "link_bound_below": {}, "launched_by": {}}
+    for strategy in strategies:
+        ref_samples = res["samples"].get(contender(strategy, ref), [])
+        rows = d["by_strategy"][strategy] = {}
+        for cap in caps:
+            name = contender(strategy, cap)
+            s, runs = res["samples"].get(name, []), [r or {} for r in res["runs"].get(name, [])]
+            per_round = h.paired(s, ref_samples)
+            rows[cap_key(cap)] = {
+                "median_samples_per_second": h.median(s), "per_round": s, "vs_reference": h.median(per_round),
+                "median_wall_samples_per_second": h.median(r.get("samples_per_second") for r in runs),
+                "vs_reference_per_round": per_round,
+                "comm_share": h.median(r.get("comm_share") for r in runs),
+                "step_ms": h.median(r.get("step_ms") for r in runs),
+                "comm_ms": h.median(r.get("comm_ms") for r in runs),
+                "link_ms": link_ms(strategy, model_bytes, cap, len(WORKER_HOSTS)),
+            }
+        d["launched_by"][strategy] = sorted({r["launched_by"] for c in caps for r in res["runs"].get(
+            contender(strategy, c), []) if r and "launched_by" in r})
+        fractions = {k: v["vs_reference"] for k, v in rows.items()}
+        d["link_bound_below"][strategy] = unbound_from(fractions, caps, cap_key(ref))
+    return d
+
+
+def format_transport(d: dict[str, Any], caps: Sequence[float | None], settings: dict[str, Any], repeats: int) -> str:
+    head = (f"transport: B = {settings['bytes'] / MB:.0f} MB of float32 ({settings['tensors']} ps pieces of <= 4 MiB), "
+            f"{repeats} round(s) x {settings['iters']} timed iteration(s), 1 thread/process; payload bytes counted: "
+            f"raw_tcp and ps_push_pull 2B per iteration (host0 sends B, then receives B), gloo_allreduce B per "
+            f"iteration (each of 2 hosts sends 2(N-1)/N x B = B while receiving B); / cap = GB/s / link cap")
+    rows = [("cap", "contender", "GB/s", "Gbit/s", "/ cap", "/ raw TCP", "min GB/s", "max GB/s", "per round GB/s")]
+    for cap in caps:
+        row = d["by_cap"][cap_key(cap)]
+        for t in TRANSPORTS:
+            r = row[t]
+            rows.append((cap_label(cap), t, h.fmt(r["median_gbps"], ".3f"), h.fmt(r["median_gbit_per_s"], ".2f"),
+                         h.fmt(r["vs_cap"], ".3f"), h.fmt(r.get("vs_raw_tcp"), ".3f") if t == "ps_push_pull" else "",
+                         h.fmt(r["min_gbps"], ".3f"), h.fmt(r["max_gbps"], ".3f"),
+                         h.fmt_all(r["per_round_gbps"], ".3f")))
+    lines = [head, "", h.format_rows(rows, left=(0, 1, 8))]
+    for cap in caps:
+        tcp = d["by_cap"][cap_key(cap)]["raw_tcp"]["vs_cap"]
+        if math.isfinite(tcp) and tcp < 0.9:
+            lines.append(f"at {cap_label(cap)} raw TCP itself gets {tcp:.2f} of the cap: the machine (2 cores, "
+                         f"shared), not the link, limits every transport there")
+    lines += ["", *(f"{t}: {TRANSPORT_LABELS[t]}" for t in TRANSPORTS), f"data intact (pulled == pushed, "
+              f"echo == sent, all-reduce sums right): {d['data_intact']}"]
+    return "\n".join(lines)
+
+
+def format_training(d: dict[str, Any], caps: Sequence[float | None], settings: dict[str, Any], repeats: int) -> str:
+    head = (f"training: examples/digits/train.py, {len(WORKER_HOSTS)} worker hosts (+1 ps host for ps-*), "
+            f"{settings['epochs']} epoch(s), batch {settings['batch_size']}/worker, model P = "
+            f"{h.fmt(d.get('model_bytes'), ',.0f')} bytes of parameters, {repeats} round(s); medians")
+    rows = [("strategy", "cap", "samples/s", "/ ref", "wall samples/s", "step ms", "comm ms", "comm %", "link ms",
+             "link-bound", "samples/s per round")]
+    for strategy in d["by_strategy"]:
+        for cap in caps:
+            r = d["by_strategy"][strategy][cap_key(cap)]
+            ratio = r["vs_reference"]
+            bound = "ref" if cap_key(cap) == d["reference_cap"] else (
+                "-" if not math.isfinite(ratio) else ("yes" if ratio < BUSY_FRACTION else "no"))
+            rows.append((strategy, cap_label(cap), h.fmt(r["median_samples_per_second"], ".0f"), h.fmt(ratio, ".3f"),
+                         h.fmt(r["median_wall_samples_per_second"], ".0f"),
+                         h.fmt(r["step_ms"], ".1f"), h.fmt(r["comm_ms"], ".1f"), h.fmt(r["comm_share"], ".0f", 100),
+                         h.fmt(r["link_ms"], ".2f"), bound, h.fmt_all(r["per_round"], ".0f")))
+    lines = [head, "", h.format_rows(rows, left=(0, 1, 9, 10)), ""]
+    for strategy, key in d["link_bound_below"].items():
+        lines.append(f"{strategy:<10} {verdict(key, caps, d['reference_cap'])}")
+    for strategy, how in d["launched_by"].items():
+        lines.append(f"{strategy:<10} started as: {'; '.join(how) or '-'}")
+    lines.append(TRAINING_NOTE)
+    return "\n".join(lines)
+
+
+def model_bytes() -> int:
+    """The digits example's parameter bytes (its own ``Net``, loaded by file path)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("conveyor_example_digits", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return sum(p.numel() * p.element_size() for p in module.Net().parameters())
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = h.parser(__doc__, "16 MB, 1 round, 1 epoch, 1 timed iteration")
+    p.add_argument("--caps", type=parse_caps, default=parse_caps("1000,10000,none"),
+                   help="link caps in Mbit/s per direction, comma-separated, 'none' for uncapped "
+                        "(default 1000,10000,none)")
+    p.add_argument("--size-mb", type=float, default=None, help="transport payload B in MB of 10^6 bytes "
+                                                                "(default 100; --quick 16)")
+    p.add_argument("--iters", type=int, default=None, help="timed transport iterations per run (default 3; --quick 1)")
+    p.add_argument("--epochs", type=int, default=None, help="digits epochs per training job (default 6; --quick 1)")
+    p.add_argument("--batch-size", type=int, default=32, help="digits batch per worker (default 32)")
+    p.add_argument("--strategies", type=h.contender_names(STRATEGIES), default=STRATEGIES,
+                   help=f"training strategies, comma-separated subset of {','.join(STRATEGIES)} (default all)")
+    p.add_argument("--part", choices=("all", "transport", "training"), default="all",
+                   help="what to measure (default all)")
+    p.add_argument("--timeout", type=float, default=240.0, help="seconds per run or job before it is stopped "
+                                                                "(default 240)")
+    p.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)
+    return h.settle(p, p.parse_args(argv), {"size_mb": (100.0, 16.0), "repeats": (2, 1), "iters": (3, 1),
+                                            "epochs": (6, 1)},
+                    positive=("size_mb", "repeats", "iters", "epochs", "batch_size", "timeout"))
+
+
+def settings_of(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(transport settings, training settings): B rounded down to whole float32 pieces of <= 4 MiB."""
+    tensors = max(1, math.ceil(int(args.size_mb * MB) / CHUNK_BYTES))
+    nbytes = int(args.size_mb * MB) // (4 * tensors) * 4 * tensors
+    return ({"bytes": nbytes, "tensors": tensors, "iters": args.iters},
+            {"epochs": args.epochs, "batch_size": args.batch_size, "checkpoint_every": 100_000,
+             "timeout": max(60, int(args.timeout / 2))})
+
+
+def measure_all(args: argparse.Namespace, transport: dict[str, Any], training: dict[str, Any]) -> dict[str, Any]:
+    from conveyor.testing.hosts import Hosts
+
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="conveyor-bench-hosts-") as tmp, Hosts(3) as hosts:
+        bench = Bench(hosts, Path(tmp))
+        if args.part in ("all", "transport"):
+            print(f"transport: {transport['bytes'] / MB:.0f} MB, caps {', '.join(map(cap_label, args.caps))}")
+            out["transport"] = transport_rounds(bench, args.caps, transport, args.repeats, args.timeout)
+        if args.part in ("all", "training"):
+            print(f"training: digits, {training['epochs']} epoch(s), {', '.join(args.strategies)}")
+            out["training"] = training_rounds(bench, args.caps, args.strategies, training, args.repeats, args.timeout)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker is not None:
+        config = json.loads(args.worker)
+        ROLES[config["role"]](config)
+        return 0
+    from conveyor.testing.hosts import unavailable
+
+    why = unavailable()
+    if why:
+        print(f"benchmarks/hosts.py cannot run here: {why} (it makes network namespaces; run it as root)",
+              file=sys.stderr)
+        return 2
+    from conveyor.strategies.ps.sharding import DEFAULT_CHUNK_BYTES
+
+    assert CHUNK_BYTES == DEFAULT_CHUNK_BYTES, "the ps sharding's piece size changed: update CHUNK_BYTES"
+    started = time.perf_counter()
+    transport, training = settings_of(args)
+    machine = h.machine_start(("torch", "pyzmq"))
+    res = measure_all(args, transport, training)
+    derived: dict[str, Any] = {}
+    tables, errors = [], []
+    if "transport" in res:
+        derived["transport"] = derive_transport(res["transport"], args.caps)
+        derived.update({k: v for k, v in derived["transport"].items() if k.endswith("_vs_cap_1000")})
+        tables.append(format_transport(derived["transport"], args.caps, transport, args.repeats))
+        errors += [f"transport {e}" for e in res["transport"]["errors"]]
+    if "training" in res:
+        derived["training"] = derive_training(res["training"], args.caps, args.strategies, model_bytes())
+        tables.append(format_training(derived["training"], args.caps, training, args.repeats))
+        errors += [f"training {e}" for e in res["training"]["errors"]]
+    gs = h.evaluate_goals(GOALS, derived) if "transport" in res else []
+    note = busy_note([r for part in res.values() for rs in part["runs"].values() for r in rs], machine["cores"])
+    if note:
+        tables.append(note)
+    report = {
+        "benchmark": "hosts", "command": h.command_line("hosts", argv), "machine": h.machine_end(machine),
+        "config": {"caps_mbit": [cap_key(c) for c in args.caps], "strategies": list(args.strategies),
+                   "repeats": args.repeats, "quick": args.quick,
+                   "part": args.part, "timeout": args.timeout, "transport": transport, "training": training,
+                   "hosts": {"workers": [f"host{i}" for i in WORKER_HOSTS], "ps": f"host{PS_HOST}"},
+                   "contenders": TRANSPORT_LABELS, "training_note": TRAINING_NOTE,
+                   "order": {k: v["order"] for k, v in res.items()}},
+        "samples": {k: v["samples"] for k, v in res.items()}, "runs": {k: v["runs"] for k, v in res.items()},
+        "derived": derived, "goals": gs, "all_pass": all(g["pass"] for g in gs), "errors": errors,
+        "table": "\n\n".join(tables), "wall_seconds": time.perf_counter() - started,
+    }
+    h.publish("hosts", report, h.format_goals(gs), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""The sbatch script for a conveyor job on Slurm: pure text from a :class:`SbatchJob`, checked first.
+
+    job = SbatchJob(script="train.py", nodes=2, workers=4, data_dir="/shared/data", output_dir="/shared/out",
+                    workdir="/shared/project", python="/shared/venv/bin/python")
+    print(sbatch_script(job))          # what `conveyor slurm` prints, writes or submits
+
+The script asks for whole nodes (or ``cpus_per_node``), writes a fresh job secret into the shared working
+folder (mode 600, removed when the script ends) and runs one launcher per node with ``srun
+--ntasks-per-node=1``; each launcher derives its node rank, the node count and the rendezvous host
+from Slurm (:mod:`conveyor.launch.slurm`). Parameter servers go beside the workers, one more per node
+from node 0 until all are placed, or on nodes of their own, the last ones (``ps_nodes``; ``conveyor run
+-n 0`` there); when nodes differ, a ``case`` on ``$SLURM_NODEID`` - single-quoted, so each node's own
+shell expands it - picks the node's ``-n``/``--ps``. Every value from the user is
+shell-quoted; values that go on ``#SBATCH`` lines are refused if they hold spaces or quotes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from dataclasses import dataclass
+
+from conveyor.cluster.strategy_name import parse_strategy
+
+__all__ = ["SbatchJob", "node_layout", "sbatch_script"]
+
+_TIME_RE = re.compile(r"[0-9]+(-[0-9]+)?(:[0-9]+){0,2}")  # minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM[:SS]
+_WORD_RE = re.compile(r"[A-Za-z0-9_.,:+=@%/\-]+")  # what a #SBATCH value may hold: no spaces or quotes
+
+
+@dataclass(frozen=True)
+class SbatchJob:
+    """One conveyor job on Slurm. ``workers`` and the GPUs are per node; ``ps`` counts the whole job's
+    parameter servers. Paths are used as given: make them absolute (``conveyor slurm`` does)."""
+
+    script: str
+    data_dir: str
+    output_dir: str
+    workdir: str
+    python: str
+    script_args: tuple[str, ...] = ()
+    nodes: int = 1
+    workers: int = 1
+    gpus_per_node: int | None = None
+    ps: int = 0
+    ps_nodes: int = 0  # nodes of parameter servers only, the last ones; 0: the ps tasks go beside the workers
+    strategy: str | None = None
+    job_name: str | None = None
+    time: str | None = None
+    partition: str | None = None
+    account: str | None = None
+    cpus_per_node: int | None = None
+    run_args: tuple[str, ...] = ()  # more `conveyor run` flags, e.g. ("--max-restarts", "5")
+    sbatch_args: tuple[str, ...] = ()  # more #SBATCH options, e.g. ("--mem=0",)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "script_args", tuple(self.script_args))
+        object.__setattr__(self, "run_args", tuple(self.run_args))
+        object.__setattr__(self, "sbatch_args", tuple(self.sbatch_args))
+        counts = (("--nodes", self.nodes, 1), ("-n", self.workers, 1), ("--ps", self.ps, 0),
+                  ("--ps-nodes", self.ps_nodes, 0), ("--gpus-per-node", self.gpus_per_node, 1),
+                  ("--cpus-per-node", self.cpus_per_node, 1))
+        for flag, value, low in counts:
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                raise ValueError(f"{flag} {value!r}: expected a whole number >= {low}")
+        if self.ps_nodes and self.ps_nodes >= self.nodes:
+            raise ValueError(f"--ps-nodes {self.ps_nodes} of --nodes {self.nodes}: node 0 runs rank 0, the chief; "
+                             f"leave at least one node for the workers")
+        if self.ps_nodes > self.ps:
+            raise ValueError(f"--ps-nodes {self.ps_nodes} with --ps {self.ps}: each node of parameter servers runs one "
+                             f"at least")
+        if self.gpus_per_node is not None and self.workers > self.gpus_per_node:
+            raise ValueError(f"-n {self.workers} with --gpus-per-node {self.gpus_per_node}: two training processes "
+                             f"would share a GPU; one process per GPU is -n {self.gpus_per_node}")
+        if self.strategy is not None:
+            parse_strategy(self.strategy, what="--strategy")
+        if self.time is not None and not _TIME_RE.fullmatch(self.time):
+            raise ValueError(f"--time {self.time!r}: expected Slurm's form, e.g. 90 (minutes), 1:30:00 or 2-00:00:00")
+        for flag, value in (("--job-name", self.job_name), ("--partition", self.partition),
+                            ("--account", self.account), *(("--sbatch-option", a) for a in self.sbatch_args)):
+            if value is not None and not _WORD_RE.fullmatch(value):
+                raise ValueError(f"{flag} {value!r}: an #SBATCH value may hold letters, digits and _.,:+=@%/- only")
+        if not self.script:
+            raise ValueError("SCRIPT is missing: give the training script every node runs")
+
+    @property
+    def name(self) -> str:
+        return self.job_name or re.sub(r"[^A-Za-z0-9_.-]", "_", os.path.splitext(os.path.basename(self.script))[0])
+
+
+def node_layout(job: SbatchJob) -> list[tuple[int, int]]:
+    """``(workers, ps)`` per node. Without ``ps_nodes`` every node runs ``job.workers`` and the ps tasks go one
+    per node from node 0, round and round (the first nodes carry one more when they do not divide evenly);
+    with it, the last ``ps_nodes`` nodes run the ps tasks alone (``-n 0``), spread the same way."""
+    workers = job.nodes - job.ps_nodes
+    if not job.ps_nodes:
+        return [(job.workers, _share(job.ps, job.nodes, i)) for i in range(job.nodes)]
+    return [(job.workers, 0)] * workers + [(0, _share(job.ps, job.ps_nodes, i)) for i in range(job.ps_nodes)]
+
+
+def _share(total: int, parts: int, i: int) -> int:
+    return total // parts + (1 if i < total % parts else 0)
+
+
+def _groups(layout: list[tuple[int, int]]) -> list[tuple[int, int, tuple[int, int]]]:
+    """Runs of consecutive nodes with the same tasks: ``(first, last, (workers, ps))``."""
+    groups: list[tuple[int, int, tuple[int, int]]] = []
+    for i, tasks in enumerate(layout):
+        if groups and groups[-1][2] == tasks:
+            groups[-1] = (groups[-1][0], i, tasks)
+        else:
+            groups.append((i, i, tasks))
+    return groups
+
+
+def _tasks_flags(tasks: tuple[int, int]) -> str:
+    workers, ps = tasks
+    return f"-n {workers}" + (f" --ps {ps}" if ps else "")
+
+
+def _describe(tasks: tuple[int, int]) -> str:
+    workers, ps = tasks
+    text = [f"{workers} worker{'s' if workers != 1 else ''}"] if workers else []
+    return " + ".join(text + ([f"{ps} ps"] if ps else []))
+
+
+def _nodes_text(first: int, last: int) -> str:
+    return f"node {first}" if first == last else f"nodes {first}-{last}"
+
+
+def _header(job: SbatchJob, groups: list) -> list[str]:
+    layout = "; ".join(f"{_nodes_text(a, b)}: {_describe(t)}" for a, b, t in groups)
+    lines = [
+        "#!/bin/bash",
+        f"# conveyor job {job.name}: {job.script} on {job.nodes} node{'s' if job.nodes != 1 else ''} ({layout}).",
+        "# Written by `conveyor slurm`; submit with `sbatch THIS_FILE`. Every node must see this working folder,",
+        "# the data folder and the output folder (a shared file system); the job secret is written here.",
+        f"#SBATCH --job-name={job.name}",
+        f"#SBATCH --nodes={job.nodes}",
+        "#SBATCH --ntasks-per-node=1",
+    ]
+    if job.cpus_per_node is None:
+        lines.append("#SBATCH --exclusive")
+    else:
+        lines.append(f"#SBATCH --cpus-per-task={job.cpus_per_node}")
+    if job.gpus_per_node is not None:
+        lines.append(f"#SBATCH --gpus-per-node={job.gpus_per_node}")
+    for option, value in (("time", job.time), ("partition", job.partition), ("account", job.account)):
+        if value is not None:
+            lines.append(f"#SBATCH --{option}={value}")
+    lines += [f"#SBATCH {arg}" for arg in job.sbatch_args]
+    return lines
+
+
+def _srun(job: SbatchJob) -> list[str]:
+    cpus = '"$SLURM_CPUS_ON_NODE"' if job.cpus_per_node is None else str(job.cpus_per_node)
+    srun = f"srun --ntasks-per-node=1 --cpus-per-task={cpus} --kill-on-bad-exit=1"
+    if job.gpus_per_node is not None:
+        srun += f" --gpus-per-node={job.gpus_per_node}"
+    common = []
+    if job.strategy is not None:
+        common.append(f"--strategy {shlex.quote(job.strategy)}")
+    common += [f"--data-dir {shlex.quote(job.data_dir)}", '--output-dir "$OUTPUT"', '--job-secret-file "$SECRET"']
+    if job.run_args:
+        common.append(shlex.join(job.run_args))
+    common.append(shlex.join([job.script, *job.script_args]))
+    groups = _groups(node_layout(job))
+    if len(groups) == 1:
+        head = [f'{srun} "$PYTHON" -m conveyor run {_tasks_flags(groups[0][2])}']
+    else:  # no backslash inside the single quotes: the inner shell would join the lines
+        head = [f"{srun} bash -c '", '  case "$SLURM_NODEID" in']
+        for first, last, tasks in groups[:-1]:
+            pattern = "|".join(str(i) for i in range(first, last + 1))
+            head.append(f'    {pattern}) tasks="{_tasks_flags(tasks)}" ;;')
+        head.append(f'    *) tasks="{_tasks_flags(groups[-1][2])}" ;;')
+        head += ["  esac", """  exec "$0" -m conveyor run $tasks "$@"' "$PYTHON\""""]
+    head[-1] += " \\"
+    return head + [f"  {part} \\" for part in common[:-1]] + [f"  {common[-1]}"]
+
+
+def sbatch_script(job: SbatchJob) -> str:
+    """The whole sbatch script for ``job`` (see the module docstring)."""
+    lines = _header(job, _groups(node_layout(job))) + [
+        "set -euo pipefail",
+        "",
+        f"cd {shlex.quote(job.workdir)}",
+        f"PYTHON={shlex.quote(job.python)}",
+        f"OUTPUT={shlex.quote(job.output_dir)}",
+        'mkdir -p "$OUTPUT"',
+        "# The job secret signs the launchers' and parameter servers' messages: a fresh one per job, readable by",
+        "# you only, in the shared working folder where every node's launcher reads it.",
+        'SECRET="$PWD/.conveyor-job-$SLURM_JOB_ID.secret"',
+        "trap 'rm -f \"$SECRET\"' EXIT",
+        "(umask 077 && od -An -tx1 -N32 /dev/urandom | tr -d ' \\n' > \"$SECRET\")",
+        "",
+        "# One launcher per node. Each reads its node rank, the node count and the rendezvous host (the first",
+        "# node) from Slurm: no --nnodes, --node-rank or --rdzv to get wrong.",
+        *_srun(job),
+    ]
+    return "\n".join(lines) + "\n"
