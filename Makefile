@@ -1,7 +1,9 @@
 # make test  — set up .venv if needed, install the system packages the launcher tests use (as root), lint, run the test suite
 # make demo  — set up .venv if needed, train the digits demo on two workers
 # Both install the `dev` extra, which includes `all` (plots, TensorBoard, scikit-learn for the demo's data).
-# make bench — the benchmarks (input pipeline, all-reduce, parameter-server transport and training, pipeline parallelism)
+# make bench — the benchmarks (input pipeline, all-reduce, parameter-server transport and training, pipeline parallelism,
+#              multi-host transports and training, the scaling model's validation, and the CIFAR-10 case
+#              study's figures in runs/case_study/)
 # make fuzz  — every fuzz target for FUZZ_SECONDS each (make test runs them for 3 s each)
 PYTHON ?= python3
 VENV   := .venv
@@ -44,7 +46,9 @@ bench: setup
 	$(PY) benchmarks/ps_training.py
 	$(PY) benchmarks/data_state.py
 	$(PY) benchmarks/pipeline_parallel.py
+	$(PY) benchmarks/scaling_model.py
 	$(PY) benchmarks/hosts.py
+	$(PY) benchmarks/case_study.py    # last: its strategies table reads the JSON the ones above wrote
 
 # One JSON report per target in runs/fuzz/; stops at the first target with a finding.
 fuzz: setup

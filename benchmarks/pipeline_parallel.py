@@ -1,43 +1,60 @@
-"""Pipeline-parallel benchmark: conveyor's pipeline strategy, one process, a bare torch pipelining loop.
+"""Pipeline-parallel benchmark: conveyor's pipeline strategy against one process, two free halves and a bare loop.
 
-    python benchmarks/pipeline_parallel.py                 # 2048 x 16 MLP + Adam, 2 rounds, ~4-6 min on 2 cores
+    python benchmarks/pipeline_parallel.py                 # 2048 x 64 MLP + Adam, 2 rounds, ~7-8 min on 2 cores
     python benchmarks/pipeline_parallel.py --quick         # tiny MLP, M = 16 only, 1 round (a test runs it, ~20 s)
     python benchmarks/pipeline_parallel.py --repeats 3 --steps 6 --four-stages --out /tmp/bench-results
 
 Workload: an ``nn.Sequential`` of ``--depth`` blocks, each ``Linear(W, W)`` + ReLU (the last a plain
-Linear), W = ``--width``; MSE against a fixed random target; Adam (lr 1e-4). Default W 2048, depth 16:
-67M parameters, whose parameters, gradients and Adam's two moments take ~1.07 GB in one process. One
-fixed batch of ``--batch`` rows (default 64, divisible by every M). Every process runs one intra-op
-thread (``OMP_NUM_THREADS=MKL_NUM_THREADS=1`` and ``torch.set_num_threads(1)``).
+Linear), W = ``--width``; MSE against a fixed random target; ``Adam(lr=1e-4, fused=True)``. Default W
+2048, depth 64: 269M parameters, whose parameters, gradients and Adam's two moments take 4.3 GB in one
+process — big enough that the ~220 MB every process pays for importing torch (and ~75 MB more for
+``torch.distributed.pipelining``) does not decide the memory ratio, as it did at 67M (0.70). One fixed
+batch of ``--batch`` rows (default 256, divisible by every M). Every process runs one intra-op thread
+(``OMP_NUM_THREADS=MKL_NUM_THREADS=1`` and ``torch.set_num_threads(1)``). Adam is the fused kernel
+because the default one makes ~10 passes over memory per parameter and, with two processes at once,
+its time varied 2-4x with what the other process was doing, which drowned the pipelines' comparison.
 
 Contenders, each a fresh set of processes started by this script (settings as a JSON argument, results
 as JSON files), all doing ``--warmup`` untimed steps then ``--steps`` timed ones; samples/s = batch x
-steps / the timed wall time (2 processes: between two barriers, on rank 0):
+steps / the timed wall time (2 processes: between two barriers, on rank 0). Every one builds the whole
+model (seed 0), as a user's script does; the 2-process ones keep their half (cut before block D/2):
 
 - ``one_process``: the whole model in one process (``zero_grad``, forward, loss, backward, ``step``).
+- ``two_halves``: 2 processes, each training its half alone on the whole batch at once (the second
+  half's input needs its gradient, as a pipeline's later stage computes it): the same work as
+  one_process with nothing crossing, no microbatches and no bubble. Its rate over 2 x one_process is
+  how fast two processes run at once on this machine, the ceiling of any 2-process pipeline.
 - ``bare_pipelining``: 2 processes, ``dist.init_process_group("gloo", init_method="tcp://127.0.0.1:P")``,
-  each builds the model, keeps its half (``nn.Sequential(*blocks[a:b])``), wraps it in a static
-  ``PipelineStage`` (example tensors for one microbatch) and ``Schedule1F1B(stage, M, loss_fn,
-  scale_grads=True)``; a step is ``zero_grad``, ``schedule.step(...)``, ``optimizer.step()`` — the loop
-  torch's documentation shows.
+  a static ``PipelineStage`` (example tensors for one microbatch) and ``Schedule1F1B(stage, M,
+  loss_fn, scale_grads=True)``; a step is ``zero_grad``, ``schedule.step(...)``, ``optimizer.step()`` —
+  the loop torch's documentation shows.
 - ``conveyor_pipeline``: 2 processes with the environment ``conveyor run -n 2 --strategy pipeline
   --stages 2 --microbatches M --schedule 1f1b --split D/2`` gives them (the launcher's ``local_plan``),
   ``conveyor.init()``, ``job.prepare(model, optimizer)``, ``job.train_step(...)``.
 
-Both pipelines cut at the same block (``--split`` = the middle block) and use M = ``--microbatches``
-(default 8) for the throughput rounds, which are interleaved (order reversed every other round); medians
-and per-round paired ratios are reported.
+The throughput rounds use M = ``--microbatches`` (default 2: microbatches of 128 rows; on one CPU
+thread a 2048-wide Linear with fewer rows is bound by reading its weights and adding each microbatch's
+weight gradient into ``.grad``, so smaller microbatches cost more per sample — the sweep's samples/s
+column shows it) and are interleaved (order reversed every other round); medians and per-round paired
+ratios are reported. The ideal is S (1 - (S-1)/(M+S-1)) x one_process.
 
 Measured besides (all from inside the processes):
 
-- **Memory**: each process's peak resident set (``resource.getrusage(RUSAGE_SELF).ru_maxrss``) at its
-  end — one_process is "1 stage", the largest conveyor_pipeline process "2 stages" (and a 4-stage
-  conveyor run with ``--four-stages``, or when the machine has >= 4 cores). The RSS right after the
-  imports (torch, conveyor: the floor every process pays) is shown next to it.
-- **Bubble**: conveyor runs for M in ``--sweep`` (default 2, 4, 8, 16) x (gpipe, 1f1b); after the warm-up
-  the stage runner's counters are zeroed, so conveyor's own ``summary_figures()`` (per-stage compute,
-  send/recv wait, measured bubble = wait / schedule wall time) covers the timed steps only; shown next
-  to (S-1)/(M+S-1).
+- **Memory**: each process's resident set from ``/proc/self/status`` (VmRSS at phases: after the imports,
+  with the whole model built, after the cut; VmHWM for the peaks of set-up and of training, the peak
+  reset in between through ``/proc/self/clear_refs``). Not ``getrusage(...).ru_maxrss``, which Linux
+  carries over ``execve``: a child started by a large parent reported the parent's peak as its own.
+  one_process is "1 stage", the largest conveyor_pipeline process "2 stages" (and a 4-stage conveyor
+  run with ``--four-stages``, or when the machine has >= 4 cores).
+- **Bubble**: conveyor runs for M in ``--sweep`` (default 2, 4, 8, 16) x (gpipe, 1f1b); after the
+  warm-up the stage runner's counters are zeroed, so conveyor's own ``summary_figures()`` cover the
+  timed steps only: per stage its compute (forward, loss, backward chunks) and its idle share of the
+  window every stage shares, from the latest stage's schedule start to the latest one's end (see
+  docs/architecture.md, Pipeline parallelism, for why that window and not each stage's schedule call),
+  next to (S-1)/(M+S-1). That theory assumes equal stages; each row also shows the theory with the
+  run's measured stage costs, (M-1) c_max + sum(c) for the window, so a gap from one process computing
+  slower than the other (on a shared machine, other processes' load lands unevenly) is told apart
+  from what the pipeline adds. Waiting for a stage that started the step late is shown apart.
 - **Activation memory of stage 0**, in the same sweep runs: one more step under
   ``torch.autograd.graph.saved_tensors_hooks`` counts the bytes autograd holds for backward (each
   saved tensor once, the stage's parameters excluded), live from pack until the graph frees them. Its peak, in
@@ -45,7 +62,7 @@ Measured besides (all from inside the processes):
   the stage holds at once: the quantity 1F1B bounds by S and GPipe does not. Chosen over RSS growth
   because CPU RSS includes allocator caching and Adam's temporaries, and torch tracks no CPU memory.
 
-Output: an aligned table and PASS/FAIL goal lines on stdout; JSON (machine incl. load average, config,
+Output: aligned tables and PASS/FAIL goal lines on stdout; JSON (machine incl. load average, config,
 every sample, derived values, goals) in ``<out>/pipeline_parallel-<timestamp>.json`` and
 ``<out>/pipeline_parallel-latest.json`` (default ``benchmarks/results/``).
 """
@@ -53,6 +70,7 @@ every sample, derived values, goals) in ``<out>/pipeline_parallel-<timestamp>.js
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -72,6 +90,7 @@ NAME = "pipeline_parallel"
 HERE = Path(__file__).resolve()
 CONTENDERS_SPEC = (  # round order; odd rounds reversed, so the compared pair always runs back to back
     h.Contender("one_process", "whole model, one process, one thread"),
+    h.Contender("two_halves", "each of 2 processes trains its half alone, whole batch: the 2-process ceiling"),
     h.Contender("bare_pipelining", "hand-written PipelineStage + Schedule1F1B loop, 2 processes, gloo"),
     h.Contender("conveyor_pipeline", "conveyor --strategy pipeline --stages 2, schedule 1f1b, 2 processes"),
 )
@@ -114,12 +133,51 @@ def make_batch(width: int, batch: int):
 def make_optimizer(params):
     import torch
 
-    return torch.optim.Adam(params, lr=1e-4)
+    # fused: torch's one-pass CPU kernel. The default Adam makes ~10 passes over memory per parameter, and
+    # with two processes at once its time varied 2-4x with what the other one was doing, drowning the comparison.
+    return torch.optim.Adam(params, lr=1e-4, fused=True)
 
 
-def rss_mb() -> float:
-    """This process's peak resident set so far, MB (Linux reports ru_maxrss in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+class Memory:
+    """This process's resident memory, MB: at named phases (VmRSS) and its peaks (VmHWM), from /proc/self/status.
+
+    Not ``getrusage(...).ru_maxrss``: Linux carries that over ``execve``, so a process started by a larger
+    parent reports the parent's peak as its own. When set-up ends, the peak is reset (``/proc/self/clear_refs``),
+    which tells the peak of set-up (building the model, cutting it) from the peak of training."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self.setup_peak: float | None = None
+        self.reset = False
+
+    @staticmethod
+    def _status(key: str) -> float:
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith(key + ":"):
+                        return int(line.split()[1]) / 1024  # kB
+        except OSError:
+            pass
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # not Linux: the best there is
+
+    def mark(self, phase: str) -> None:
+        self.phases[phase] = self._status("VmRSS")
+
+    def setup_done(self) -> None:
+        self.mark("ready")
+        self.setup_peak = self._status("VmHWM")
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+            self.reset = True
+        except OSError:
+            pass  # the training peak is then the whole run's
+
+    def report(self) -> dict[str, Any]:
+        train = self._status("VmHWM")
+        peak = max(train, self.setup_peak or 0.0)
+        return {"peak_rss_mb": peak, "setup_peak_rss_mb": self.setup_peak, "train_peak_rss_mb": train,
+                "rss_mb": dict(self.phases), "peak_reset": self.reset}
 
 
 class SavedBytes:
@@ -200,12 +258,14 @@ def timed_steps(step: Callable[[], Any], warmup: int, steps: int, barrier: Calla
     return {"wall_s": wall, "step_ms": [1e3 * x for x in times], "step_ms_median": 1e3 * sorted(times)[len(times) // 2]}
 
 
-def run_one_process(config: dict[str, Any]) -> dict[str, Any]:
+def run_one_process(config: dict[str, Any], mem: Memory) -> dict[str, Any]:
     from torch import nn
 
     model = make_model(config["width"], config["depth"])
     optimizer = make_optimizer(model.parameters())
     x, y = make_batch(config["width"], config["batch"])
+    mem.mark("built")
+    mem.setup_done()
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -215,27 +275,67 @@ def run_one_process(config: dict[str, Any]) -> dict[str, Any]:
     return {"rank": 0, **timed_steps(step, config["warmup"], config["steps"], lambda: None)}
 
 
-def run_bare(config: dict[str, Any]) -> dict[str, Any]:
+@contextlib.contextmanager
+def _two_processes(config: dict[str, Any]):
+    """A plain gloo group of the 2 processes (rank 0 hosts the tcp:// store, so it leaves last)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{config['port']}", rank=config["rank"],
+                            world_size=STAGES)
+    try:
+        yield dist
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _own_half(config: dict[str, Any], mem: Memory):
+    """The whole model built, this rank's half of the blocks kept (the other half freed), Adam over it."""
+    from torch import nn
+
+    blocks = list(make_model(config["width"], config["depth"]))
+    mem.mark("built")
+    cut = config["split"]
+    module = nn.Sequential(*(blocks[:cut] if config["rank"] == 0 else blocks[cut:]))
+    del blocks
+    return module, make_optimizer(module.parameters())
+
+
+def run_two_halves(config: dict[str, Any], mem: Memory) -> dict[str, Any]:
+    """Each process trains its half alone, whole batch at once: the same work as one_process split in two with
+    nothing crossing, no microbatches and no bubble — what two processes can do at once on this machine."""
+    from torch import nn
+
+    with _two_processes(config) as dist:
+        module, optimizer = _own_half(config, mem)
+        x, y = make_batch(config["width"], config["batch"])
+        x.requires_grad_(config["rank"] > 0)  # as a later pipeline stage, which computes its input's gradient
+        mem.setup_done()
+
+        def step() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(module(x), y).backward()
+            optimizer.step()
+
+        return {"rank": config["rank"], **timed_steps(step, config["warmup"], config["steps"], dist.barrier)}
+
+
+def run_bare(config: dict[str, Any], mem: Memory) -> dict[str, Any]:
     """The loop a user writes from torch's pipelining docs: own half of the model, a static stage, the schedule."""
     import torch
-    import torch.distributed as dist
     from torch import nn
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     rank, width, m = config["rank"], config["width"], config["microbatches"]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{config['port']}", rank=rank, world_size=STAGES)
-    try:
-        blocks = list(make_model(width, config["depth"]))
-        cut = config["split"]
-        module = nn.Sequential(*(blocks[:cut] if rank == 0 else blocks[cut:]))
-        del blocks  # the other half is freed
-        optimizer = make_optimizer(module.parameters())
+    with _two_processes(config) as dist:
+        module, optimizer = _own_half(config, mem)
         x, y = make_batch(width, config["batch"])
         example = torch.empty(config["batch"] // m, width)
         stage = PipelineStage(module, rank, STAGES, torch.device("cpu"),
                               input_args=example.clone().requires_grad_(rank > 0),
                               output_args=example.clone().requires_grad_())
         schedule = Schedule1F1B(stage, m, loss_fn=nn.functional.mse_loss, scale_grads=True)
+        mem.setup_done()
 
         def step() -> None:
             optimizer.zero_grad(set_to_none=True)
@@ -245,24 +345,22 @@ def run_bare(config: dict[str, Any]) -> dict[str, Any]:
                 schedule.step(target=y, losses=[])
             optimizer.step()
 
-        result = {"rank": rank, **timed_steps(step, config["warmup"], config["steps"], dist.barrier)}
-        dist.barrier()  # rank 0 hosts the tcp:// store: it leaves last
-        return result
-    finally:
-        dist.destroy_process_group()
+        return {"rank": rank, **timed_steps(step, config["warmup"], config["steps"], dist.barrier)}
 
 
-def run_conveyor(config: dict[str, Any]) -> dict[str, Any]:
+def run_conveyor(config: dict[str, Any], mem: Memory) -> dict[str, Any]:
     from torch import nn
 
     import conveyor
 
     job = conveyor.init()  # the environment conveyor run's launcher plan gave this process
     try:
-        model = make_model(config["width"], config["depth"])
-        model, optimizer = job.prepare(model, make_optimizer(model.parameters()))
+        model = make_model(config["width"], config["depth"])  # the whole model, as a user's script builds it
+        mem.mark("built")
+        model, optimizer = job.prepare(model, make_optimizer(model.parameters()))  # keeps this stage's layers
         x, y = make_batch(config["width"], config["batch"])
         runner = job.strategy.runner
+        mem.setup_done()
 
         def step() -> None:
             job.train_step(model, optimizer, nn.functional.mse_loss, x, y)
@@ -286,10 +384,12 @@ def worker(config: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     import conveyor  # noqa: F401  (every contender pays the same import floor)
 
-    base = rss_mb()
-    run = {"one_process": run_one_process, "bare_pipelining": run_bare}.get(config["contender"], run_conveyor)
-    result = run(config)
-    result.update({"peak_rss_mb": rss_mb(), "import_rss_mb": base, "threads": torch.get_num_threads(),
+    mem = Memory()
+    mem.mark("import")
+    run = {"one_process": run_one_process, "two_halves": run_two_halves,
+           "bare_pipelining": run_bare}.get(config["contender"], run_conveyor)
+    result = run(config, mem)
+    result.update({**mem.report(), "threads": torch.get_num_threads(),
                    "samples_per_s": config["batch"] * config["steps"] / result["wall_s"]})
     (Path(config["result_dir"]) / f"rank{result['rank']}.json").write_text(json.dumps(result))
 
@@ -313,7 +413,7 @@ def _launches(config: dict[str, Any], workdir: Path) -> list[tuple[list[str], di
     env, kind = _base_env(), config["contender"]
     if kind == "one_process":
         return [([sys.executable, str(HERE), "--worker", json.dumps(config)], env)]
-    if kind == "bare_pipelining":
+    if kind in ("two_halves", "bare_pipelining"):
         port = free_ports(1)[0]
         return [([sys.executable, str(HERE), "--worker", json.dumps({**config, "rank": r, "port": port})], env)
                 for r in range(STAGES)]
@@ -376,7 +476,8 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     head = ranks[0]
     keep = {k: head[k] for k in ("samples_per_s", "wall_s", "step_ms", "step_ms_median") if k in head}
     keep["peak_rss_mb"] = [r["peak_rss_mb"] for r in ranks]
-    keep["import_rss_mb"] = [r["import_rss_mb"] for r in ranks]
+    keep["memory"] = [{k: r.get(k) for k in ("setup_peak_rss_mb", "train_peak_rss_mb", "rss_mb", "peak_reset")}
+                      for r in ranks]
     keep["threads"] = [r["threads"] for r in ranks]
     for key in ("figures", "activations"):
         found = [r[key] for r in ranks if key in r and r.get("stage", 0) == 0]
@@ -437,9 +538,35 @@ def run_four_stages(config: dict[str, Any], timeout: float, tmp: Path) -> dict[s
 
 # ------------------------------------------------------------------------------------ derived values
 
+_PHASES = ("import", "built", "ready")
+
+
+def _largest_process(runs: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Each run's process with the largest peak RSS; medians over the runs of its peak, phases and part peaks."""
+    picked = []
+    for run in runs:
+        peaks = run.get("peak_rss_mb") or []
+        if not peaks:
+            continue
+        i = max(range(len(peaks)), key=peaks.__getitem__)
+        mem = (run.get("memory") or [{}] * len(peaks))[i]
+        picked.append({"peak_rss_mb": peaks[i], "setup_peak_rss_mb": mem.get("setup_peak_rss_mb"),
+                       "train_peak_rss_mb": mem.get("train_peak_rss_mb"),
+                       **{f"{ph}_rss_mb": (mem.get("rss_mb") or {}).get(ph) for ph in _PHASES}})
+    keys = ("peak_rss_mb", "setup_peak_rss_mb", "train_peak_rss_mb", *(f"{ph}_rss_mb" for ph in _PHASES))
+    return {k: h.median(p[k] for p in picked) for k in keys}
+
 
 def theory(stages: int, m: int) -> float:
     return (stages - 1) / (m + stages - 1)
+
+
+def cost_aware_theory(compute: Sequence[float], m: int) -> list[float]:
+    """Each stage's idle share when the stages' compute per step is `compute`, not equal as (S-1)/(M+S-1)
+    assumes: the window is then the slowest stage's M microbatches plus one microbatch of each other stage
+    (the fill and the drain), (M-1) c_max + sum(c) with c a stage's compute per microbatch."""
+    window = ((m - 1) * max(compute) + sum(compute)) / m
+    return [1 - c / window for c in compute]
 
 
 def _bubble_rows(sweep: dict[str, Any]) -> tuple[list[dict[str, Any]], float]:
@@ -454,11 +581,17 @@ def _bubble_rows(sweep: dict[str, Any]) -> tuple[list[dict[str, Any]], float]:
         stages = fig["per_stage"]
         gap = max((h.gap(s["bubble_fraction"], fig["theoretical_bubble_fraction"]) for s in stages),
                   default=float("nan"))
+        compute = [1e3 * s["compute_seconds_per_step"] for s in stages]
+        expected = cost_aware_theory(compute, int(m))
+        cost_gap = max(h.gap(st["bubble_fraction"], e) for st, e in zip(stages, expected, strict=True))
         rows.append({"schedule": schedule, "microbatches": int(m), "theory": fig["theoretical_bubble_fraction"],
                      "measured": [s["bubble_fraction"] for s in stages],
-                     "compute_ms": [1e3 * s["compute_seconds_per_step"] for s in stages],
+                     "compute_ms": compute, "cost_aware": expected,
+                     "max_gap_cost_aware": cost_gap,
                      "wait_ms": [1e3 * s["send_recv_wait_seconds_per_step"] for s in stages],
-                     "max_gap": gap, "activations": run.get("activations")})
+                     "start_wait_ms": [1e3 * (s.get("start_wait_seconds_per_step") or 0.0) for s in stages],
+                     "max_gap": gap, "activations": run.get("activations"),
+                     "samples_per_s": run.get("samples_per_s")})
         if int(m) >= 4:
             gaps.append(gap)
     # a failed (schedule, M) at M >= 4 leaves the goal unmeasured rather than passing on the rest
@@ -479,29 +612,40 @@ def derive(res: dict[str, Any], sweep: dict[str, Any], four: dict[str, Any] | No
     s = {c: list(res["samples"].get(c, [])) for c in CONTENDERS}
     runs = {c: [r for r in res["runs"].get(c, []) if r is not None] for c in CONTENDERS}
     med = {c: h.median(v) for c, v in s.items()}
-    peak = {c: h.median(max(r["peak_rss_mb"]) for r in runs[c]) for c in CONTENDERS}
-    floor = {c: h.median(max(r["import_rss_mb"]) for r in runs[c]) for c in CONTENDERS}
+    memory = {c: _largest_process(runs[c]) for c in CONTENDERS}
+    if four and "peak_rss_mb" in four:
+        memory["conveyor_4_stages"] = _largest_process([four])
+    peak = {c: m["peak_rss_mb"] for c, m in memory.items()}
     ideal = STAGES * (1 - theory(STAGES, m))
     rows, max_gap = _bubble_rows(sweep)
+    for r in rows:  # each sweep run's rate against its own ideal, S (1 - b(M)) one_process
+        r["vs_ideal"] = h.ratio(r.get("samples_per_s"), STAGES * (1 - theory(STAGES, r["microbatches"]))
+                                * med["one_process"])
     act = {sch: _activations(rows, sch) for sch in SCHEDULES}
     a1, ag = act["1f1b"], act["gpipe"]
-    four_peak = max(four["peak_rss_mb"]) if four and "peak_rss_mb" in four else None
+    four_peak = peak.get("conveyor_4_stages")
+    above = {c: m["peak_rss_mb"] - m["import_rss_mb"] for c, m in memory.items()}
     return {
         "median_samples_per_s": med, "min": {c: h.lowest(v) for c, v in s.items()},
         "max": {c: h.highest(v) for c, v in s.items()},
         "step_ms": {c: h.median(r["step_ms_median"] for r in runs[c]) for c in CONTENDERS},
-        "peak_rss_mb": peak, "import_rss_mb": floor,
+        "peak_rss_mb": peak, "memory": memory,
         "peak_rss_mb_4_stages": four_peak,
         "memory_ratio_2": h.ratio(peak["conveyor_pipeline"], peak["one_process"]),
         "memory_ratio_2_bare": h.ratio(peak["bare_pipelining"], peak["one_process"]),
         "memory_ratio_4": h.ratio(four_peak, peak["one_process"]),
+        "memory_ratio_2_above_import": h.ratio(above["conveyor_pipeline"], above["one_process"]),
         "conveyor_vs_bare": h.ratio(med["conveyor_pipeline"], med["bare_pipelining"]),
         "conveyor_vs_bare_per_round": h.paired(s["conveyor_pipeline"], s["bare_pipelining"]),
         "ideal_speedup": ideal,
         "conveyor_vs_ideal": h.ratio(med["conveyor_pipeline"], ideal * med["one_process"]),
         "conveyor_vs_ideal_per_round": h.paired(s["conveyor_pipeline"], s["one_process"], scale=ideal),
         "bare_vs_ideal": h.ratio(med["bare_pipelining"], ideal * med["one_process"]),
+        "two_process_efficiency": h.ratio(med["two_halves"], STAGES * med["one_process"]),
+        "conveyor_vs_halves": h.ratio(med["conveyor_pipeline"], (1 - theory(STAGES, m)) * med["two_halves"]),
         "bubble": rows, "bubble_max_gap": max_gap, "activations_stage0": act,
+        "bubble_max_gap_cost_aware": max(h.finite(r.get("max_gap_cost_aware") for r in rows if r["microbatches"] >= 4)
+                                         or [float("nan")]),
         "act_1f1b": a1["peak_microbatches"] if a1 else None,
         "act_gpipe_share": ag["peak_microbatches"] / ag["microbatches"] if ag and ag["peak_microbatches"] else None,
     }
@@ -511,19 +655,30 @@ def derive(res: dict[str, Any], sweep: dict[str, Any], four: dict[str, Any] | No
 
 
 def _throughput_rows(res: dict[str, Any], d: dict[str, Any]) -> list[tuple[str, ...]]:
-    rows = [("contender", "procs", "samples/s", "min", "max", "step ms", "peak RSS MB", "import RSS MB",
-             "per round")]
+    rows = [("contender", "procs", "samples/s", "min", "max", "step ms", "per round")]
     for c in CONTENDERS:
         procs = "1" if c == "one_process" else str(STAGES)
         rows.append((c, procs, h.fmt(d["median_samples_per_s"][c], ".1f"), h.fmt(d["min"][c], ".1f"),
-                     h.fmt(d["max"][c], ".1f"), h.fmt(d["step_ms"][c], ".0f"), h.fmt(d["peak_rss_mb"][c], ".0f"),
-                     h.fmt(d["import_rss_mb"][c], ".0f"), h.fmt_all(res["samples"].get(c, []), ".1f") or "skipped"))
+                     h.fmt(d["max"][c], ".1f"), h.fmt(d["step_ms"][c], ".0f"),
+                     h.fmt_all(res["samples"].get(c, []), ".1f") or "skipped"))
+    return rows
+
+
+def _memory_rows(d: dict[str, Any]) -> list[tuple[str, ...]]:
+    rows = [("RSS MB, largest process", "peak", "x one_process", "after imports", "model built", "after the cut",
+             "set-up peak", "training peak")]
+    base = d["memory"]["one_process"]["peak_rss_mb"]
+    parts = ("import", "built", "ready", "setup_peak", "train_peak")
+    for name, m in d["memory"].items():
+        rows.append((name, h.fmt(m["peak_rss_mb"], ".0f"), h.fmt(h.ratio(m["peak_rss_mb"], base), ".3f"),
+                     *(h.fmt(m[f"{k}_rss_mb"], ".0f") for k in parts)))
     return rows
 
 
 def _sweep_rows(d: dict[str, Any]) -> list[tuple[str, ...]]:
-    rows = [("schedule", "M", "theory", "stage 0", "stage 1", "max gap", "compute ms/step", "wait ms/step",
-             "stage-0 act. (microbatches)")]
+    rows = [("schedule", "M", "theory", "stage 0", "stage 1", "max gap", "with these costs", "gap to it",
+             "compute ms/step", "wait ms/step",
+             "start wait ms/step", "samples/s", "x S(1-b) one_process", "stage-0 act. (microbatches)")]
     for r in d["bubble"]:
         if "error" in r:
             rows.append((r["schedule"], str(r["microbatches"]), f"FAILED: {r['error']}"))
@@ -531,8 +686,11 @@ def _sweep_rows(d: dict[str, Any]) -> list[tuple[str, ...]]:
         act = r["activations"] or {}
         rows.append((r["schedule"], str(r["microbatches"]), h.fmt(r["theory"], ".3f"),
                      *(h.fmt(x, ".3f") for x in r["measured"]), h.fmt(r["max_gap"], ".3f"),
+                     " / ".join(h.fmt(x, ".3f") for x in r["cost_aware"]), h.fmt(r["max_gap_cost_aware"], ".3f"),
                      " / ".join(h.fmt(x, ".0f") for x in r["compute_ms"]),
                      " / ".join(h.fmt(x, ".0f") for x in r["wait_ms"]),
+                     " / ".join(h.fmt(x, ".0f") for x in r["start_wait_ms"]),
+                     h.fmt(r.get("samples_per_s"), ".1f"), h.fmt(r.get("vs_ideal"), ".3f"),
                      f"{h.fmt(act.get('peak_microbatches'), '.2f')} ({h.fmt(act.get('peak_bytes'), '.1f', 1e-6)} MB)"))
     return rows
 
@@ -550,34 +708,43 @@ def format_table(res: dict[str, Any], d: dict[str, Any], config: dict[str, Any],
              f"conveyor_pipeline / (S(1-b) one_process) {h.fmt(d['conveyor_vs_ideal'], '.3f')}  (S(1-b) = "
              f"{d['ideal_speedup']:.3f}; per round {h.fmt_all(d['conveyor_vs_ideal_per_round'], '.3f')}; bare "
              f"{h.fmt(d['bare_vs_ideal'], '.3f')})",
+             f"two_halves / (S one_process)            {h.fmt(d['two_process_efficiency'], '.3f')}  (how fast two "
+             f"processes run at once on this machine, each against one alone: the ceiling of the line above)",
+             f"conveyor_pipeline / ((1-b) two_halves)  {h.fmt(d['conveyor_vs_halves'], '.3f')}  (the pipeline's "
+             f"own losses: microbatches, sends, imbalance)",
+             "", h.format_rows(_memory_rows(d), left=(0,)), "",
              f"peak RSS, largest process: 1 stage {h.fmt(d['peak_rss_mb']['one_process'], '.0f')} MB, 2 stages "
              f"{h.fmt(d['peak_rss_mb']['conveyor_pipeline'], '.0f')} MB (x{h.fmt(d['memory_ratio_2'], '.3f')}; bare "
-             f"x{h.fmt(d['memory_ratio_2_bare'], '.3f')}), 4 stages "
+             f"x{h.fmt(d['memory_ratio_2_bare'], '.3f')}; above the imports x"
+             f"{h.fmt(d['memory_ratio_2_above_import'], '.3f')}), 4 stages "
              + (f"{four:.0f} MB (x{h.fmt(d['memory_ratio_4'], '.3f')})" if four else "not run (--four-stages)"),
              "", "bubble (conveyor's summary figures over the timed steps; wait = send/recv wait) and stage 0's "
              "saved activations (saved_tensors_hooks, one extra step):", "",
-             h.format_rows(_sweep_rows(d), left=(0,))]
+             h.format_rows(_sweep_rows(d), left=(0,)), "",
+             f"largest gap at M >= 4: to (S-1)/(M+S-1) {h.fmt(d['bubble_max_gap'], '.3f')}, to the theory with each "
+             f"run's measured stage costs {h.fmt(d['bubble_max_gap_cost_aware'], '.3f')} (what sends, latency and "
+             f"jitter add; the rest of the first is one stage computing longer than the other)"]
     return "\n".join(lines)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = h.parser(__doc__, "tiny MLP (256 wide, 4 blocks), batch 32, M 16 only, 1 round, 2 steps")
     p.add_argument("--width", type=int, default=None, help="Linear width (default 2048; --quick 256)")
-    p.add_argument("--depth", type=int, default=None, help="blocks (default 16; --quick 4)")
-    p.add_argument("--batch", type=int, default=None, help="rows per step (default 64; --quick 32)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps (default 4; --quick 2)")
+    p.add_argument("--depth", type=int, default=None, help="blocks (default 64; --quick 4)")
+    p.add_argument("--batch", type=int, default=None, help="rows per step (default 256; --quick 32)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 3; --quick 2)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 1; --quick 1)")
-    p.add_argument("--microbatches", type=int, default=None, help="M of the throughput rounds (default 8; --quick 16)")
+    p.add_argument("--microbatches", type=int, default=None, help="M of the throughput rounds (default 2; --quick 16)")
     p.add_argument("--sweep", type=lambda t: tuple(int(x) for x in t.split(",")), default=None,
                    help="M of the bubble sweep, comma-separated (default 2,4,8,16; --quick 16)")
     p.add_argument("--four-stages", action="store_true", help="also a 4-stage run (memory), even on < 4 cores")
-    p.add_argument("--timeout", type=float, default=None, help="seconds per run before it is stopped (default 300)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per run before it is stopped (default 900)")
     p.add_argument("--contenders", type=h.contender_names(CONTENDERS), default=CONTENDERS,
                    help=f"comma-separated subset of {','.join(CONTENDERS)}")
     p.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)
-    args = h.settle(p, p.parse_args(argv), {"width": (2048, 256), "depth": (16, 4), "batch": (64, 32),
-                                            "steps": (4, 2), "warmup": (1, 1), "microbatches": (8, 16),
-                                            "sweep": ((2, 4, 8, 16), (16,)), "repeats": (2, 1), "timeout": (300, 60)},
+    args = h.settle(p, p.parse_args(argv), {"width": (2048, 256), "depth": (64, 4), "batch": (256, 32),
+                                            "steps": (3, 2), "warmup": (1, 1), "microbatches": (2, 16),
+                                            "sweep": ((2, 4, 8, 16), (16,)), "repeats": (2, 1), "timeout": (900, 120)},
                     positive=("width", "depth", "batch", "steps", "microbatches", "repeats", "timeout"),
                     non_negative=("warmup",))
     for m in (args.microbatches, *args.sweep):
@@ -615,7 +782,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = {
         "benchmark": NAME, "command": h.command_line(NAME, argv), "machine": h.machine_end(machine),
         "config": {**config, "repeats": args.repeats, "quick": args.quick, "sweep": list(args.sweep),
-                   "timeout": args.timeout, "threads_per_process": 1, "optimizer": "Adam(lr=1e-4)",
+                   "timeout": args.timeout, "threads_per_process": 1, "optimizer": "Adam(lr=1e-4, fused=True)",
                    "stages": STAGES, "schedule_throughput": "1f1b", "four_stages": four_wanted,
                    "contenders": {c.name: c.label for c in CONTENDERS_SPEC}, "order": res["order"],
                    "activation_method": "saved_tensors_hooks: live saved bytes (each tensor once, "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sys
 from pathlib import Path
@@ -29,3 +30,9 @@ def load_benchmark(stem: str):
 def bench(request):
     """The benchmark a test module names in its `BENCHMARK` variable."""
     yield from load_benchmark(request.module.BENCHMARK)
+
+
+@pytest.fixture
+def other_benchmark():
+    """Another benchmark, loaded for a `with` block: `with other_benchmark("ps") as ps: ...`."""
+    return contextlib.contextmanager(load_benchmark)

@@ -19,7 +19,7 @@ BENCHMARK = "pipeline_parallel"
 
 def test_parse_args(bench):
     args = bench.parse_args([])
-    assert (args.width, args.depth, args.batch, args.microbatches, args.sweep) == (2048, 16, 64, 8, (2, 4, 8, 16))
+    assert (args.width, args.depth, args.batch, args.microbatches, args.sweep) == (2048, 64, 256, 2, (2, 4, 8, 16))
     quick = bench.parse_args(["--quick"])
     assert (quick.width, quick.depth, quick.repeats, quick.sweep) == (256, 4, 1, (16,))
     for bad in (["--batch", "30"], ["--sweep", "2,7"], ["--depth", "3"], ["--steps", "0"]):
@@ -63,6 +63,9 @@ def test_quick_run_writes_json(bench, tmp_path, capsys):
     run = report["runs"]["conveyor_pipeline"][0]
     assert finite_positive(report["samples"]["conveyor_pipeline"][0]) and run["threads"] == [1, 1]
     assert len(run["peak_rss_mb"]) == 2 and all(finite_positive(x) for x in run["peak_rss_mb"])
+    mem = d["memory"]["conveyor_pipeline"]  # the largest process's phases: imports <= built, peaks cover them
+    assert 0 < mem["import_rss_mb"] <= mem["built_rss_mb"] <= mem["setup_peak_rss_mb"] <= mem["peak_rss_mb"]
+    assert mem["train_peak_rss_mb"] <= mem["peak_rss_mb"]
     rows = {(r["schedule"], r["microbatches"]): r for r in d["bubble"]}
     assert set(rows) == {("gpipe", 16), ("1f1b", 16)}
     for r in rows.values():

@@ -201,6 +201,18 @@ def test_two_nodes_list_node_0_first_and_node_1_gets_the_next_ranks():
     assert node0.spec == plan.spec
 
 
+def test_a_node_of_parameter_servers_only_runs_just_its_ps_and_node_0_must_train():
+    nodes = [NodeInfo("10.0.0.1", 1, 0, (7001,)), NodeInfo("10.0.0.2", 1, 0, (8001,)),
+             NodeInfo("10.0.0.3", 0, 1, (9001,))]
+    plan = build_plan(options(workers=0, ps=1, strategy="ps-sync"), nodes, 2, master_addr="10.0.0.1",
+                      master_port=7009, secret=SECRET, environ={})
+    assert plan.spec == ClusterSpec(worker=("10.0.0.1:7001", "10.0.0.2:8001"), ps=("10.0.0.3:9001",))
+    assert [t.name for t in plan.tasks] == ["ps:0"] and "RANK" not in plan.tasks[0].env
+    with pytest.raises(ValueError, match="give node 0 -n 1 or more"):
+        build_plan(options(workers=0, ps=1, strategy="ps-sync"), nodes[::-1], 0, master_addr="10.0.0.3",
+                   master_port=7009, secret=SECRET, environ={})
+
+
 def test_describe_plan_lists_commands_and_variables_and_masks_the_secret():
     plan = local_plan(options(), [23001, 23002], master_port=23009, secret=SECRET, environ=CALLER)
     text = describe_plan(plan)
@@ -235,7 +247,7 @@ def test_resolve_strategy_errors_name_the_fix(strategy, world, ps, needle):
 
 
 @pytest.mark.parametrize("overrides, needle", [
-    (dict(workers=0), "--workers 0"), (dict(ps=-1), "--ps -1"), (dict(max_restarts=-1), "--max-restarts"),
+    (dict(workers=0), "-n 0 only with --ps M"), (dict(ps=-1), "--ps -1"), (dict(max_restarts=-1), "--max-restarts"),
     (dict(timeout=0), "--timeout 0"), (dict(output_dir="out"), "--output-dir 'out'"),
     (dict(strategy="ring"), "--strategy 'ring'"), (dict(script=""), "SCRIPT"),
     (dict(linger=-1), "--linger -1"), (dict(tf_flags=True, chief=True), "drop --chief"),

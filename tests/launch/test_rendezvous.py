@@ -110,6 +110,37 @@ def test_a_missing_node_times_out_naming_the_address_and_the_node():
     assert f"rendezvous at {endpoint}: node(s) 1, 2 of 3 did not join within 0.5 s" in str(info.value)
 
 
+def test_a_node_that_falls_silent_is_declared_lost_naming_its_rank_and_host():
+    endpoint = f"127.0.0.1:{free_ports(1)[0]}"
+    results = join_all(endpoint, [dict(node_rank=0), dict(node_rank=1)], timeout=3.0)
+    try:
+        assert not [r for r in results if isinstance(r, Exception)], results
+        silenced = time.monotonic()
+        results[1].peers._heart.stop()  # as if its machine died: no more heartbeats, and it never leaves
+        deadline = silenced + 20
+        while results[1].peers.aborted() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        reason = results[0].peers.aborted()
+        assert reason is not None and time.monotonic() - silenced > 2.5  # --timeout 3: not before
+        assert "lost node 1 (" in reason and "at 127.0.0.1): no heartbeat from its launcher" in reason, reason
+    finally:
+        close(results)
+
+
+def test_a_node_that_left_is_never_declared_lost():
+    endpoint = f"127.0.0.1:{free_ports(1)[0]}"
+    results = join_all(endpoint, [dict(node_rank=0), dict(node_rank=1)], timeout=1.0)
+    try:
+        assert not [r for r in results if isinstance(r, Exception)], results
+        results[1].peers.close()  # done with the job: it stops beating after saying so
+        until = time.monotonic() + 3.0  # three times the time a silent node has
+        while time.monotonic() < until:
+            assert results[0].peers.aborted() is None
+            time.sleep(0.1)
+    finally:
+        close(results)
+
+
 def test_an_unreachable_rendezvous_names_the_address():
     endpoint = f"127.0.0.1:{free_ports(1)[0]}"
     with pytest.raises(RendezvousError, match=f"node 1 could not reach the rendezvous at {endpoint}"):

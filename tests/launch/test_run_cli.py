@@ -92,6 +92,9 @@ def test_help_shows_an_example(capsys):
 
 @pytest.mark.parametrize("argv, needle", [
     (["run", "-n", "0", "train.py"], "--workers 0"),
+    (["run", "-n", "0", "--ps", "1", "--strategy", "ps-sync", "train.py"], "-n 0 starts no training process"),
+    (["run", "-n", "0", "--ps", "1", "--nnodes", "2", "--node-rank", "0", "--rdzv", "127.0.0.1:1",
+      "train.py"], "-n 0 on node 0"),
     (["run", "--ps", "1", "--strategy", "allreduce", "--dry-run", "train.py"], "--strategy ps-sync"),
     (["run", "--nnodes", "2", "train.py"], "--node-rank"),
     (["run", "--node-rank", "1", "train.py"], "--nnodes"),

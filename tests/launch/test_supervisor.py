@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conveyor.launch import RunOptions, Supervisor, free_ports, local_plan
+from conveyor.launch import NodeInfo, RunOptions, Supervisor, build_plan, free_ports, local_plan
 
 pytestmark = pytest.mark.multiprocess
 
@@ -208,8 +208,13 @@ class FakePeers:
     def report_succeeded(self, attempt):
         self.calls.append(("succeeded", attempt))
 
+    def report_trained(self, attempt):
+        self.calls.append(("trained", attempt))
+
     def succeeded(self, attempt):
-        return self.chief_done_at is not None and time.monotonic() > self.chief_done_at
+        if self.chief_done_at is not None:
+            return time.monotonic() > self.chief_done_at
+        return ("trained", attempt) in self.calls  # the other node's training tasks are done already
 
     def abort(self, description):
         self.calls.append(("abort",))
@@ -224,7 +229,7 @@ def test_a_failure_on_another_node_restarts_this_node_too(tmp_path):
     peers = FakePeers()
     result, out, err = supervise(plan, peers=peers)
     assert result.ok and result.restarts == 1
-    assert peers.calls == [("stopped", 0), ("done", 1)]
+    assert peers.calls == [("stopped", 0), ("trained", 1), ("done", 1)]
     assert "worker:3 exited with status 1 on node 1; restarting the job" in err
     assert "[worker:0] attempt 1" in out
 
@@ -260,6 +265,88 @@ def test_the_node_with_the_chief_tells_the_others_it_succeeded(tmp_path):
     peers = FakePeers(fail_first=False)
     result, _, _ = supervise(plan, peers=peers, linger=0.2)
     assert result.ok and peers.calls[:2] == [("succeeded", 0), ("done", 0)]
+
+
+def ps_node_plan(tmp_path: Path, body: str):
+    """Node 1 of two: parameter servers only (-n 0 --ps 1); node 0 has the training task."""
+    script = tmp_path / "task.py"
+    script.write_text("import os, sys, time\n" + textwrap.dedent(body))
+    options = RunOptions(script=str(script), workers=0, ps=1, strategy="ps-sync", data_dir=str(tmp_path / "data"),
+                         output_dir=str(tmp_path / "output"), python=sys.executable)
+    ports = free_ports(3)
+    nodes = [NodeInfo("127.0.0.1", 1, 0, ports[:1]), NodeInfo("127.0.0.1", 0, 1, ports[1:2])]
+    return build_plan(options, nodes, 1, master_addr="127.0.0.1", master_port=ports[2], secret=b"s" * 32,
+                      environ=dict(os.environ))
+
+
+class LaterPeers(FakePeers):
+    """The other nodes' training succeeds in attempt ``at``, ``after`` seconds after this node asks first."""
+
+    def __init__(self, at: int = 0, after: float = 0.0):
+        super().__init__(fail_first=False)
+        self.at, self.after, self.asked = at, after, None
+
+    def succeeded(self, attempt):
+        if attempt != self.at:
+            return False
+        self.asked = self.asked or time.monotonic()
+        return time.monotonic() - self.asked >= self.after
+
+
+def test_a_node_of_parameter_servers_only_serves_until_the_job_has_succeeded(tmp_path):
+    plan = ps_node_plan(tmp_path, """
+        time.sleep(60)  # a ps that serves until it is stopped, as TensorFlow's do
+    """)
+    assert [t.name for t in plan.tasks] == ["ps:0"]
+    started = time.monotonic()
+    peers = LaterPeers(after=1.0)
+    result, _, err = supervise(plan, peers=peers, linger=0.2)
+    assert result.ok and 1.0 <= time.monotonic() - started < 30
+    assert peers.calls == [("done", 0)]  # nothing trained here
+    assert "ps:0 still running 0.2 s after every training task finished; stopping it" in err
+
+
+def test_a_parameter_server_failing_on_its_own_node_restarts_the_job(tmp_path):
+    plan = ps_node_plan(tmp_path, """
+        if os.environ["CONVEYOR_RESTART_COUNT"] == "0":
+            sys.exit(3)
+        time.sleep(60)
+    """)
+    peers = LaterPeers(at=1)
+    result, _, err = supervise(plan, peers=peers, linger=0.2)
+    assert result.ok and result.restarts == 1
+    assert peers.calls[:2] == [("failure", 0), ("stopped", 0)]
+    assert "ps:0 exited with status 3; restarting the job" in err
+
+
+def test_a_node_whose_workers_finished_keeps_its_ps_until_every_node_has(tmp_path):
+    plan = make_plan(tmp_path, """
+        if os.environ["CONVEYOR_TASK_TYPE"] == "ps":
+            time.sleep(60)
+    """, workers=1, ps=1, strategy="ps-sync")
+    peers = LaterPeers(after=1.0)  # another node's workers are still training
+    started = time.monotonic()
+    result, _, err = supervise(plan, peers=peers, linger=0.2)
+    assert result.ok and time.monotonic() - started >= 1.0
+    assert peers.calls == [("trained", 0), ("done", 0)]
+
+
+def test_a_node_lost_while_the_others_wait_to_restart_ends_the_job_at_once(tmp_path):
+    plan = make_plan(tmp_path, """
+        time.sleep(60)
+    """)
+
+    class LostPeers(FakePeers):
+        def all_stopped(self, attempt):
+            return False  # node 1 never says it stopped: it is gone
+
+        def aborted(self):
+            return "lost node 1 (host1 at 10.0.0.2): no heartbeat" if ("stopped", 0) in self.calls else None
+
+    started = time.monotonic()
+    result, _, _ = supervise(plan, peers=LostPeers())
+    assert not result.ok and result.restarts == 0 and result.message == "lost node 1 (host1 at 10.0.0.2): no heartbeat"
+    assert time.monotonic() - started < LostPeers.timeout  # not the barrier's whole timeout
 
 
 def test_segments_split_lines_and_live_updates():

@@ -419,12 +419,27 @@ def test_the_chief_logs_staleness_as_percentiles_and_keeps_the_histogram_for_the
 # -- tests across processes -----------------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def sync_runs(tmp_path_factory: pytest.TempPathFactory):
+    """``run(kind)``: one ps-sync launch of scenario ``kind`` per module, as (worker results, exit codes, folder);
+    the sgd launch serves both the comparison with one process and the undisturbed twin of the attacked run."""
+    runs: dict[str, tuple[list[dict], list[int], Path]] = {}
+
+    def run(kind: str) -> tuple[list[dict], list[int], Path]:
+        if kind not in runs:
+            out = tmp_path_factory.mktemp(f"ps-sync-{kind}")
+            runs[kind] = (*launch(kind, "ps-sync", out), out)
+        return runs[kind]
+
+    return run
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(LAUNCH_DEADLINE + 60)
 @pytest.mark.parametrize("kind", ["sgd", "adam"])
-def test_ps_sync_matches_one_process_on_the_combined_batch(tmp_path: Path, kind: str) -> None:
-    results, codes = launch(kind, "ps-sync", tmp_path)
-    assert codes == [0] * (WORLD + NUM_PS), logs(tmp_path)  # the ps tasks exit cleanly when the workers finish
+def test_ps_sync_matches_one_process_on_the_combined_batch(sync_runs, kind: str) -> None:
+    results, codes, out = sync_runs(kind)
+    assert codes == [0] * (WORLD + NUM_PS), logs(out)  # the ps tasks exit cleanly when the workers finish
     expected = torch.tensor(reference(kind))
     for r in results:
         assert torch.allclose(torch.tensor(r["params"]), expected, atol=1e-5, rtol=0), r["params"][:5]
@@ -433,7 +448,7 @@ def test_ps_sync_matches_one_process_on_the_combined_batch(tmp_path: Path, kind:
         assert all(s["version"] == STEPS for s in r["stats"]["servers"])
         assert r["comm"] > 0
     assert results[0]["params"] == results[1]["params"]
-    assert "parameter placement" in (tmp_path / "worker0.log").read_text()
+    assert "parameter placement" in (out / "worker0.log").read_text()
 
 
 @pytest.mark.multiprocess
@@ -487,13 +502,13 @@ def test_trainer_lets_async_workers_run_apart_and_stops_on_the_shared_step_count
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(2 * LAUNCH_DEADLINE + 60)  # two launches
-def test_garbage_and_forged_messages_change_nothing(tmp_path: Path) -> None:
+@pytest.mark.timeout(2 * LAUNCH_DEADLINE + 60)  # two launches, if the undisturbed one has not run yet
+def test_garbage_and_forged_messages_change_nothing(tmp_path: Path, sync_runs) -> None:
     results, codes = launch("garbage", "ps-sync", tmp_path)
     assert codes == [0] * (WORLD + NUM_PS), logs(tmp_path)
     expected = torch.tensor(reference("sgd"))
     params = torch.tensor(results[0]["params"])
-    undisturbed, _ = launch("sgd", "ps-sync", tmp_path / "undisturbed")
+    undisturbed, _, _ = sync_runs("sgd")  # the same job without the attack
     assert results[0]["params"] == undisturbed[0]["params"]
     assert torch.allclose(params, expected, atol=1e-5, rtol=0)
     servers = results[0]["stats"]["servers"]

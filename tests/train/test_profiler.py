@@ -109,6 +109,16 @@ def test_pipeline_samples_become_counters():
     assert len(counters) == 3 and counters[0]["args"] == {"busy map#0": 0.5, "elements/s": 10.0}
     prof.sample_pipeline(None)  # an iterator without stats: nothing
     assert len(prof.counters) == 3
+    # the map workers' busy seconds and the batches received, summed over the intervals and both epochs
+    busy, batches = prof.input_cost()
+    assert busy == pytest.approx(0.5 + 2.0 + 0.25) and batches == 10 + 20 + 4
+
+
+def test_input_cost_is_unknown_without_a_map_stage_that_reports_busy_time():
+    prof = StepProfiler(clock=Clock())
+    prof.sample_pipeline({"elements": 5, "elapsed_seconds": 1.0,
+                          "stages": [{"stage": "prefetch", "busy_seconds": 3.0}, {"stage": "map[threads]"}]})
+    assert prof.input_cost() == (None, 5)
 
 
 def test_misuse_is_named():

@@ -161,6 +161,12 @@ def test_fit_writes_every_output(tmp_path, monkeypatch):
     assert 0 <= summary["input_wait_fraction"] <= 1 and 0 <= summary["accelerator_idle_fraction"] <= 1
     assert set(summary["step_breakdown"]) >= {"input_wait", "forward_backward", "communication", "optimizer"}
     assert summary["step_breakdown"]["communication"] == pytest.approx(1e-4)
+    scaling = summary["scaling"]  # what `conveyor predict` reads
+    nbytes = sum(p.numel() * p.element_size() for p in trainer.module.parameters())
+    assert scaling["parameter_bytes"] == scaling["gradient_bytes"] == nbytes
+    assert scaling["batch_size"] == BATCH and scaling["device"] == "cpu" and scaling["compute_threads"] >= 1
+    assert scaling["input_core_seconds_per_batch"] is None  # no map stage reports its workers' time here
+    assert "allreduce_bus_bandwidth" not in scaling  # one worker: nothing to measure
     assert Path(summary["checkpoints"]) == tmp_path / "checkpoints"
     assert CheckpointManager(tmp_path / "checkpoints").list_steps() == [10, 20, 30]
 

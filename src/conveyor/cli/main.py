@@ -3,6 +3,7 @@
     conveyor --version
     conveyor data convert digits.npz data/digits --shards 4 --split train=0.8 --split test=0.2
     conveyor data inspect data/digits/train-*.tfrecord
+    conveyor predict runs/digits/summary.json --cluster cluster.json
 
 Every subcommand is a `Command` in `COMMANDS`; adding one is a module plus a line here. Bad input
 (a missing file, a wrong argument) prints one line on stderr and exits with status 2.
@@ -18,11 +19,12 @@ from importlib import metadata
 from conveyor.cli import Command, CommandError
 from conveyor.cli import data as data_command
 from conveyor.cli import k8s as k8s_command
+from conveyor.cli import predict as predict_command
 from conveyor.cli import run as run_command
 from conveyor.cli import slurm as slurm_command
 
 COMMANDS: tuple[Command, ...] = (data_command.COMMAND, run_command.COMMAND, slurm_command.COMMAND,
-                                 k8s_command.COMMAND, k8s_command.TASK_COMMAND)
+                                 k8s_command.COMMAND, k8s_command.TASK_COMMAND, predict_command.COMMAND)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -15,6 +15,7 @@ This module only parses arguments; the work is in `conveyor.launch`: `plan` (wha
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import secrets
 import stat
@@ -76,10 +77,12 @@ On a machine with GPUs each training task uses GPU LOCAL_RANK (of those CUDA_VIS
 more training tasks than GPUs is refused unless --share-gpus. --bind core gives every task of this
 machine its own equal set of physical cores, --bind socket the cores of one socket (round robin),
 and sets OMP_NUM_THREADS to that many cores unless it is set; --dry-run shows each task's cpus.
-With --nnodes, -n and --ps count this machine's tasks (like torchrun's --nproc-per-node); node 0's
-tasks come first in the cluster, so rank 0 runs on node 0. A job on several machines needs the same
-job secret on every node (--job-secret-file, CONVEYOR_JOB_SECRET_FILE or CONVEYOR_JOB_SECRET): it
-signs the parameter-server messages and never crosses the network.
+With --nnodes, -n and --ps count this machine's tasks (like torchrun's --nproc-per-node; -n 0 --ps M
+is a machine of parameter servers only, not node 0); node 0's tasks come first in the cluster, so
+rank 0 runs on node 0. A machine silent for --timeout seconds ends the job on every node, naming
+it. A job on several machines needs the same job secret on every node (--job-secret-file,
+CONVEYOR_JOB_SECRET_FILE or CONVEYOR_JOB_SECRET): it signs the parameter-server messages and never
+crosses the network.
 """
 
 
@@ -88,7 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EXAMPLES
     job = parser.add_argument_group("the job")
     job.add_argument("-n", "--workers", type=int, default=1, metavar="N",
-                     help="training processes on this machine (default 1)")
+                     help="training processes on this machine (default 1; 0 with --ps on a node of parameter servers "
+                     "only, not node 0)")
     job.add_argument("--ps", type=int, default=0, metavar="M",
                      help="parameter servers on this machine (default 0)")
     job.add_argument("--strategy", default=None, metavar="NAME",
@@ -204,8 +208,13 @@ def _run_node(args: argparse.Namespace, options: RunOptions, environ: dict[str, 
     except PeerError as e:
         raise CommandError(str(e), exit_code=1) from None
     try:
-        plan = build_plan(options, rdzv.nodes, rdzv.node_rank, master_addr=rdzv.master_addr,
-                          master_port=rdzv.master_port, secret=rdzv.secret, environ=environ)
+        try:
+            plan = build_plan(options, rdzv.nodes, rdzv.node_rank, master_addr=rdzv.master_addr,
+                              master_port=rdzv.master_port, secret=rdzv.secret, environ=environ)
+        except Exception as e:  # the others would wait for this node's tasks until --timeout: tell them now
+            with contextlib.suppress(PeerError):
+                rdzv.peers.abort(f"node {rdzv.node_rank}'s launcher cannot start its tasks: {e}")
+            raise
         print(f"[conveyor] node {rdzv.node_rank} of {args.nnodes}: cluster {plan.spec.as_dict()}", file=sys.stderr)
         result = _supervisor(plan, options, peers=rdzv.peers).run()
     finally:
@@ -231,6 +240,9 @@ def _check_node_flags(args: argparse.Namespace) -> None:
     if args.nnodes == 1:
         if args.node_rank not in (None, 0) or args.rdzv is not None:
             raise CommandError("--node-rank and --rdzv belong to a job on several machines: add --nnodes K")
+        if args.workers == 0:
+            raise CommandError("-n 0 starts no training process: a machine of parameter servers only (-n 0 --ps M) "
+                               "is one node of a job on several machines (--nnodes K --node-rank I, I > 0)")
         return
     if args.node_rank is None or args.rdzv is None:
         raise CommandError(f"--nnodes {args.nnodes} needs --node-rank I (0..{args.nnodes - 1}) and --rdzv HOST:PORT "
@@ -238,6 +250,10 @@ def _check_node_flags(args: argparse.Namespace) -> None:
     if not 0 <= args.node_rank < args.nnodes:
         raise CommandError(f"--node-rank {args.node_rank} is out of range for --nnodes {args.nnodes} "
                            f"(0..{args.nnodes - 1})")
+    if args.node_rank == 0 and args.workers == 0:
+        raise CommandError("-n 0 on node 0: node 0 runs rank 0, the chief, which hosts the process group's store and "
+                           "writes the checkpoints; give node 0 -n 1 or more, and the node of parameter servers only "
+                           "(-n 0 --ps M) another --node-rank")
     if args.dry_run:
         raise CommandError("--dry-run shows one machine's plan and cannot know the other machines' addresses; "
                            "drop --nnodes/--node-rank/--rdzv to check the command and environment")

@@ -134,8 +134,11 @@ class RunOptions:
         object.__setattr__(self, "script_args", tuple(self.script_args))
         if not isinstance(self.script, str) or not self.script:
             raise ValueError("SCRIPT is missing: give the training script to run, e.g. conveyor run -n 2 train.py")
-        _check_count(self.workers, "--workers", 1, "training processes on this machine")
         _check_count(self.ps, "--ps", 0, "parameter servers on this machine")
+        # -n 0 is a machine of parameter servers only, one node of a job on several machines (cli/run.py
+        # checks that); with no --ps it would start nothing at all.
+        _check_count(self.workers, "--workers", 0 if self.ps else 1,
+                     "training processes on this machine; -n 0 only with --ps M, for a node of parameter servers")
         _check_count(self.max_restarts, "--max-restarts", 0, "job restarts after a task fails")
         if self.strategy is not None:
             parse_strategy(self.strategy, what="--strategy")
@@ -299,6 +302,10 @@ def build_plan(
         raise ValueError("nodes is empty; a job has at least this machine")
     if not 0 <= node_rank < len(nodes):
         raise ValueError(f"--node-rank {node_rank} is out of range for --nnodes {len(nodes)} (0..{len(nodes) - 1})")
+    if not nodes[0].workers:
+        raise ValueError("node 0 runs rank 0, the chief, which hosts the process group's store and writes the "
+                         "checkpoints: give node 0 -n 1 or more, and the parameter-server-only node (-n 0) another "
+                         "--node-rank")
     spec = cluster_from_nodes(nodes, options.chief)
     strategy = resolve_strategy(options.strategy, spec.world_size, len(spec.ps))
     base = {k: v for k, v in environ.items() if k not in OWNED_VARS}

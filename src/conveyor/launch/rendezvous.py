@@ -12,7 +12,9 @@ list in node-rank order), or fails naming the rendezvous address and the missing
 rank, or settings that disagree; every record is signed with the job secret (which never enters the
 store) and the job's run id, so records from another secret or an earlier job are refused; the store
 listens on the ``--rdzv`` address only and stays up for the whole job, as the supervisor's
-:class:`~conveyor.launch.supervisor.Peers` (:class:`StorePeers`). torch is imported here only, lazily.
+:class:`~conveyor.launch.supervisor.Peers` (:class:`StorePeers`), through which the launchers' heartbeats
+end the job naming a lost node (``launch/liveness.py``); on node 0 an ``--rdzv`` name that resolves to
+loopback is refused. torch is imported here only, lazily.
 The records, and what the unauthenticated store still exposes: docs/architecture.md, "Process groups
 and rendezvous".
 """
@@ -21,19 +23,21 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import json
 import os
 import secrets
 import socket
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 from conveyor.cluster import split_address
 from conveyor.errors import PeerError, RendezvousError  # RendezvousError re-exported: its old home
+from conveyor.launch.liveness import Heartbeat
 from conveyor.launch.plan import NodeInfo
 from conveyor.launch.ports import free_ports
 
@@ -53,6 +57,7 @@ class Rendezvous:
     master_port: int
     secret: bytes = field(repr=False)
     peers: StorePeers = field(repr=False)
+    names: tuple[str, ...] = ()  # "<hostname> at <address>" of each node, for messages
 
 
 def _seal(secret: bytes, key: str, record: Mapping[str, Any]) -> str:
@@ -90,14 +95,36 @@ def local_address(host: str, port: int) -> str:
     try:
         family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
     except socket.gaierror as e:
-        raise RendezvousError(f"--rdzv host {host!r} does not resolve ({e.strerror}); give node 0's address, "
-                              f"e.g. --rdzv 10.0.0.1:29400") from None
+        raise RendezvousError(f"--rdzv host {host!r} does not resolve here ({e.strerror}); give node 0's address, "
+                              f"e.g. --rdzv 10.0.0.1:{port}, or a name every node resolves to it (DNS, /etc/hosts)"
+                              ) from None
     with socket.socket(family, socket.SOCK_DGRAM) as sock:
         try:
             sock.connect(sockaddr)
         except OSError as e:
             raise RendezvousError(f"no route from this machine to the rendezvous host {host} ({e.strerror})") from None
         return sock.getsockname()[0]
+
+
+def _check_not_loopback(host: str, port: int, endpoint: str) -> None:
+    """Node 0 refuses a *name* that resolves to loopback here: the others, elsewhere, could never reach the
+    store there. (A loopback literal or ``localhost`` asks for launchers all on this machine, and gets it.)"""
+    try:
+        ipaddress.ip_address(host)
+        return
+    except ValueError:
+        pass
+    if host == "localhost":
+        return
+    # The address the store would listen on (listen_only_on binds the first of this machine's addresses).
+    address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0]
+    if ipaddress.ip_address(address.split("%")[0]).is_loopback:
+        raise RendezvousError(
+            f"--rdzv {endpoint}: {host!r} resolves to {address} on this machine (node 0), a loopback address, "
+            f"so the rendezvous would listen where no other machine can reach it; give node 0's network address "
+            f"(--rdzv 10.0.0.1:{port}), or make {host} resolve to it here (a '127.0.1.1 {host}' line in "
+            f"/etc/hosts, Debian's default, is the usual cause); launchers that all run on this machine can use "
+            f"--rdzv 127.0.0.1:PORT")
 
 
 def join(
@@ -125,12 +152,19 @@ def join(
                          "each node the same --job-secret-file or CONVEYOR_JOB_SECRET")
     host, port = split_address(endpoint, "--rdzv")
     address = local_address(host, port)
+    if node_rank == 0:
+        _check_not_loopback(host, port, endpoint)
     ports = free_ports(workers + ps + (1 if node_rank == 0 else 0), address)
     store = _connect(host, port, endpoint, node_rank, timeout)
     peers = StorePeers(store, nnodes=nnodes, node_rank=node_rank, endpoint=endpoint, timeout=timeout, secret=secret)
     try:
-        return _agree(store, peers, endpoint, nnodes, node_rank, address, workers, ps, ports, dict(settings),
+        rdzv = _agree(store, peers, endpoint, nnodes, node_rank, address, workers, ps, ports, dict(settings),
                       secret, timeout)
+        twin = StorePeers(_client(host, port, endpoint, node_rank, timeout), nnodes=nnodes, node_rank=node_rank,
+                          endpoint=endpoint, timeout=timeout, secret=secret)
+        twin.run = peers.run
+        peers.start_heartbeat(twin, rdzv.names)
+        return rdzv
     except BaseException:
         # Node 0 hosts the store: the others may still be reading why (a record that fails their check).
         peers.close(wait=True, linger=min(5.0, timeout))
@@ -142,13 +176,18 @@ def _agree(store: Any, peers: StorePeers, endpoint: str, nnodes: int, node_rank:
     deadline = time.monotonic() + timeout
     if _call(store.add, endpoint, f"{_P}claim/{node_rank}", 1) > 1:
         raise RendezvousError(f"node rank {node_rank} is taken at the rendezvous {endpoint}: another launcher "
-                              f"joined with --node-rank {node_rank}; give each node its own rank 0..{nnodes - 1}")
+                              f"joined with --node-rank {node_rank}; give each node its own rank 0..{nnodes - 1} "
+                              f"(a job whose node was lost cannot take it back: start the job again on every node)")
+    peers.joined = True
     settings = {"nnodes": nnodes, **settings}
-    mine = {"host": address, "workers": workers, "ps": ps, "ports": ports[:workers + ps], "settings": settings}
+    mine = {"host": address, "workers": workers, "ps": ps, "ports": ports[:workers + ps], "settings": settings,
+            "hostname": socket.gethostname()}
     if node_rank == 0:
         job = {"master_port": ports[-1], "run": secrets.token_hex(16)}
         _call(store.set, endpoint, f"{_P}job", _seal(secret, f"{_P}job", job))
     _call(store.set, endpoint, f"{_P}node/{node_rank}", _seal(secret, f"{_P}node/{node_rank}", mine))
+    print(f"[conveyor] node {node_rank} of {nnodes} ({address}) joined the rendezvous at {endpoint}; waiting at most "
+          f"{timeout:g} s for the other nodes", file=sys.stderr, flush=True)
 
     keys = [f"{_P}job"] + [f"{_P}node/{r}" for r in range(nnodes)]
     while not _call(store.check, endpoint, keys):
@@ -164,12 +203,14 @@ def _agree(store: Any, peers: StorePeers, endpoint: str, nnodes: int, node_rank:
                       for n in published)
         master_port = int(job["master_port"])
         peers.run = str(job["run"])
+        peers.training_nodes = tuple(r for r, n in enumerate(nodes) if n.workers)
+        names = tuple(f"{n.get('hostname') or '?'} at {node.host}" for n, node in zip(published, nodes, strict=True))
         _check_settings(endpoint, [n["settings"] for n in published])
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise RendezvousError(f"rendezvous at {endpoint}: a published record is malformed ({type(e).__name__}: {e}); "
                               f"is another conveyor version using this address?") from None
     return Rendezvous(nodes=nodes, node_rank=node_rank, master_addr=nodes[0].host, master_port=master_port,
-                      secret=secret, peers=peers)
+                      secret=secret, peers=peers, names=names)
 
 
 def _check_settings(endpoint: str, settings: list[dict]) -> None:
@@ -186,9 +227,7 @@ def _connect(host: str, port: int, endpoint: str, node_rank: int, timeout: float
     # torch's C++ side logs every connection retry with a stack trace; the errors below say it better.
     # Only this (launcher) process is affected: the tasks' environment was captured before.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
-    from torch.distributed import TCPStore  # lazily: the only torch in launch/
-
-    from conveyor.comm.process_group import serve_store  # imports torch too
+    from conveyor.comm.process_group import serve_store  # lazily: imports torch, the only torch in launch/
 
     unreachable = (f"node {node_rank} could not reach the rendezvous at {endpoint} within {timeout:g} s: {{}}; start "
                    f"node 0's launcher there (conveyor run --node-rank 0 --rdzv {endpoint} ...) and check that the "
@@ -200,7 +239,7 @@ def _connect(host: str, port: int, endpoint: str, node_rank: int, timeout: float
         error = _wait_until_listening(host, port, timeout)
         if error is not None:
             raise RendezvousError(unreachable.format(error))
-        return TCPStore(host, port, is_master=False, timeout=wait)
+        return _client(host, port, endpoint, node_rank, timeout)
     except RuntimeError as e:  # torch's DistNetworkError / DistStoreError
         if isinstance(e, RendezvousError):
             raise
@@ -208,6 +247,17 @@ def _connect(host: str, port: int, endpoint: str, node_rank: int, timeout: float
             raise RendezvousError(f"node 0 cannot host the rendezvous at {endpoint}: {_first_line(e)}; --rdzv must "
                                   f"be an address of node 0 with a free port (is another job using it?)") from None
         raise RendezvousError(unreachable.format(_first_line(e))) from None
+
+
+def _client(host: str, port: int, endpoint: str, node_rank: int, timeout: float) -> Any:
+    """A client connection to the store, which listens already (node 0's own heartbeat connects to it too)."""
+    from torch.distributed import TCPStore
+
+    try:
+        return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+    except RuntimeError as e:
+        raise RendezvousError(f"node {node_rank} could not connect to the rendezvous at {endpoint}: "
+                              f"{_first_line(e)}") from None
 
 
 def _listen(host: str, port: int, endpoint: str) -> socket.socket:
@@ -248,7 +298,9 @@ def _call(method: Any, endpoint: str, *args: Any) -> Any:
     try:
         return method(*args)
     except RuntimeError as e:
-        raise PeerError(f"lost the rendezvous at {endpoint} (node 0's launcher): {_first_line(e)}") from None
+        raise PeerError(f"lost node 0, whose launcher hosts the rendezvous at {endpoint}: {_first_line(e)}; its "
+                        f"machine is down or cut off, or its launcher was killed, and the job cannot go on without "
+                        f"it") from None
 
 
 def _first_line(e: BaseException) -> str:
@@ -259,12 +311,15 @@ class StorePeers:
     """The supervisor's :class:`~conveyor.launch.supervisor.Peers`, over the rendezvous store.
 
     Keys: ``failed/<attempt>`` (the first failure's description wins: it is the cause, later ones are
-    usually peers whose collectives broke because of it), ``abort`` (an interrupted launcher), and one
-    record per node for ``done/<attempt>/<node>``, ``stopped/<attempt>/<node>`` and ``left/<node>`` (node 0
-    waits for the others to leave before it shuts the store down, so nobody loses the store while reading
-    the outcome). Every value is signed like the rendezvous records, over the key and this job's run id:
-    whoever reaches the port without the secret cannot stop, restart or end the job. Counters could not
-    carry a signature, hence a record per node. A value that fails the check is ignored, and said once.
+    usually peers whose collectives broke because of it), ``abort`` (an interrupted launcher, or a node
+    lost), and one record per node for ``done/<attempt>/<node>``, ``trained/<attempt>/<node>``,
+    ``stopped/<attempt>/<node>``, ``alive/<node>`` (its heartbeat, ``launch/liveness.py``) and
+    ``left/<node>`` (node 0 waits for the others to leave before it shuts the store down, so nobody loses
+    the store while reading the outcome). Every value is signed like the rendezvous records, over the key
+    and this job's run id: whoever reaches the port without the secret cannot write a record that stops,
+    restarts or ends the job (deleting a heartbeat only makes the job end, after ``timeout``, as a lost
+    machine would). Counters could not carry a signature, hence a record per node. A value that fails
+    the check is ignored, and said once.
     """
 
     def __init__(self, store: Any, *, nnodes: int, node_rank: int, endpoint: str, timeout: float,
@@ -276,9 +331,12 @@ class StorePeers:
         self._timeout = timeout
         self._secret = secret
         self.run = ""  # node 0's run id, from the rendezvous; binds every record to this job
+        self.training_nodes: tuple[int, ...] = tuple(range(nnodes))  # the nodes with training tasks
         self._valid: dict[str, dict] = {}
         self._forged: set[str] = set()
         self._closed = False
+        self._heart: Heartbeat | None = None
+        self.joined = False  # claimed its node rank: only then does it say when it leaves
 
     @property
     def timeout(self) -> float:
@@ -323,7 +381,7 @@ class StorePeers:
     def _mark(self, key: str) -> None:
         _call(self._store.set, self.endpoint, key, self._sealed(key, {"node": self.node_rank}))
 
-    def _everyone(self, prefix: str, nodes: range | None = None) -> bool:
+    def _everyone(self, prefix: str, nodes: Sequence[int] | None = None) -> bool:
         return all(self._read(f"{prefix}/{r}") is not None for r in (range(self.nnodes) if nodes is None else nodes))
 
     def failure(self, attempt: int) -> str | None:
@@ -347,8 +405,40 @@ class StorePeers:
     def report_succeeded(self, attempt: int) -> None:
         self._mark(f"{_P}succeeded/{attempt}")
 
+    def report_trained(self, attempt: int) -> None:
+        self._mark(f"{_P}trained/{attempt}/{self.node_rank}")
+
     def succeeded(self, attempt: int) -> bool:
-        return self._read(f"{_P}succeeded/{attempt}") is not None
+        return (self._read(f"{_P}succeeded/{attempt}") is not None
+                or self._everyone(f"{_P}trained/{attempt}", self.training_nodes))
+
+    # -- heartbeats (launch/liveness.py) ------------------------------------------------------------
+
+    def start_heartbeat(self, twin: StorePeers, names: Sequence[str]) -> None:
+        """Beat (node 0: watch the others' beats) from a thread, through ``twin``: this job's peers on a
+        connection of their own."""
+        self._heart = Heartbeat(twin, hosts=names, timeout=self._timeout)
+        self._heart.start()
+
+    def beat(self, count: int) -> None:
+        key = f"{_P}alive/{self.node_rank}"
+        _call(self._store.set, self.endpoint, key, self._sealed(key, {"beat": count}))
+
+    def beat_of(self, node: int) -> int | None:
+        """Node ``node``'s latest beat count, if a valid one is there (never cached: it grows)."""
+        key = f"{_P}alive/{node}"
+        if not _call(self._store.check, self.endpoint, [key]):
+            return None
+        record = self._check(key, _call(self._store.get, self.endpoint, key))
+        beat = None if record is None else record.get("beat")
+        return beat if isinstance(beat, int) and not isinstance(beat, bool) else None
+
+    def has_left(self, node: int) -> bool:
+        return self._read(f"{_P}left/{node}") is not None
+
+    def release(self) -> None:
+        """Drop the connection (the heartbeat's twin, once its thread is done with it)."""
+        self._store = None
 
     def report_stopped(self, attempt: int) -> None:
         self._mark(f"{_P}stopped/{attempt}/{self.node_rank}")
@@ -362,12 +452,19 @@ class StorePeers:
         if self._closed:
             return
         self._closed = True
+        lost = set()
+        if self._heart is not None:
+            # Its own connection goes first, while the store is surely up: node 0's store, shut down with a
+            # client of its own process still connected, never finishes (nor does the process's exit).
+            self._heart.stop()
+            lost = self._heart.lost
         try:
             if self.node_rank != 0:
-                self._mark(f"{_P}left/{self.node_rank}")
+                if self.joined:  # a launcher refused its rank must not speak for the node that holds it
+                    self._mark(f"{_P}left/{self.node_rank}")  # first: node 0 must not count a node that left as lost
             elif wait:
                 deadline = time.monotonic() + linger
-                while not self._everyone(f"{_P}left", range(1, self.nnodes)):
+                while not self._everyone(f"{_P}left", [r for r in range(1, self.nnodes) if r not in lost]):
                     if time.monotonic() > deadline:
                         break
                     time.sleep(_POLL)

@@ -71,8 +71,12 @@ class Peers(Protocol):
     def report_succeeded(self, attempt: int) -> None:
         """The chief of attempt ``attempt`` exited 0 on this node: the job has succeeded (TFJob's policy)."""
 
+    def report_trained(self, attempt: int) -> None:
+        """Every training task of this node (a job without a chief) exited 0 during ``attempt``."""
+
     def succeeded(self, attempt: int) -> bool:
-        """Whether the node with the chief said the job has succeeded in attempt ``attempt``."""
+        """Whether the job has succeeded in attempt ``attempt``: the node with the chief said so, or (no chief)
+        every node with training tasks has reported them trained."""
 
     def abort(self, description: str) -> None:
         """Tell the other nodes to stop for good (this launcher was interrupted)."""
@@ -163,14 +167,15 @@ def _ended(running: list[RunningTask]) -> bool:
     With a chief, the job succeeds when the chief exits 0, whatever the other tasks are doing: in
     TensorFlow 2's parameter-server training the workers and ps only serve (``server.join()`` never
     returns) while the chief coordinates. Without a chief, when every training task has exited 0
-    (TFJob's ``AllWorkers``). Parameter servers never decide. A node without the chief (several
-    machines) ends when its own training tasks have all exited 0, or when the chief's node says the
-    chief has (``Peers.succeeded``).
+    (TFJob's ``AllWorkers``). Parameter servers never decide, so a node of parameter servers only never
+    ends by itself. Over several machines only the chief's node decides alone; any other node's job
+    ends when ``Peers.succeeded`` says so (the chief's node, or every node with training tasks).
     """
     chief = [rt for rt in running if rt.launch.task.type == "chief"]
     if chief:
         return chief[0].proc.poll() == 0
-    return all(rt.proc.poll() == 0 for rt in running if rt.launch.task.is_training)
+    training = [rt for rt in running if rt.launch.task.is_training]
+    return bool(training) and all(rt.proc.poll() == 0 for rt in training)
 
 
 def _has_chief(running: list[RunningTask]) -> bool:
@@ -299,7 +304,8 @@ class Supervisor:
         return outcome
 
     def _watch(self, running: list[RunningTask], attempt: int) -> _Outcome:
-        ended_at: float | None = None  # when this node's part of the job succeeded (see _ended)
+        ended_at: float | None = None  # when the job succeeded (see _ended)
+        trained = False  # this node's training tasks have all exited 0 (several machines, no chief)
         done_here = False
         next_peer_check = 0.0
         while True:
@@ -307,10 +313,14 @@ class Supervisor:
                 name = signal.Signals(self._signals.received[0]).name
                 self._tell_peers_abort(f"node {self.plan.node_rank}'s launcher was stopped by {name}")
                 return _Outcome("signal")
-            if ended_at is None and _ended(running):
-                ended_at = time.monotonic()
-                if self.peers is not None and _has_chief(running):
-                    self._tell_peers_succeeded(attempt)
+            if ended_at is None and not trained and _ended(running):
+                if self.peers is None or _has_chief(running):
+                    ended_at = time.monotonic()
+                    if self.peers is not None:
+                        self._tell_peers_succeeded(attempt)
+                else:  # the job has succeeded when every node's training tasks have (Peers.succeeded)
+                    self._tell_peers_trained(attempt)
+                    trained = True
             if ended_at is None:  # once the job has succeeded, how the other tasks end no longer matters
                 for rt in running:
                     code = rt.proc.poll()
@@ -342,7 +352,7 @@ class Supervisor:
                     message = self.peers.failure(attempt)
                     if message:
                         return _Outcome("peer", message=message)
-                    if ended_at is None and self.peers.succeeded(attempt):  # the chief's node says so
+                    if ended_at is None and self.peers.succeeded(attempt):  # the chief's node or every node
                         ended_at = time.monotonic()
                     if done_here and self.peers.all_done(attempt):
                         return _Outcome("done")
@@ -383,6 +393,9 @@ class Supervisor:
             while not peers.all_stopped(attempt):
                 if self._signals.received:
                     return _Outcome("signal")
+                reason = peers.aborted()  # a node lost for good never reports stopped
+                if reason:
+                    return _Outcome("final", outcome.failure, reason)
                 if time.monotonic() > deadline:
                     what = outcome.failure.describe() if outcome.failure else outcome.message.partition("\n")[0]
                     return _Outcome("final", outcome.failure, f"{what}; then the other nodes did not stop their "
@@ -399,6 +412,12 @@ class Supervisor:
         except PeerError as e:
             self._say(f"could not tell the other nodes that the chief finished ({e}); they stop when their own "
                       f"training tasks end")
+
+    def _tell_peers_trained(self, attempt: int) -> None:
+        try:
+            self.peers.report_trained(attempt)
+        except PeerError as e:  # the peer check that follows ends the job, saying why
+            self._say(f"could not tell the other nodes that this node's training tasks finished ({e})")
 
     def _tell_peers_abort(self, description: str) -> None:
         if self.peers is not None:

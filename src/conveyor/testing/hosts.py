@@ -220,6 +220,10 @@ class Hosts:
         """Run ``argv`` on ``host`` to the end (at most ``timeout`` seconds)."""
         return subprocess.run(self.command(host, argv), timeout=timeout, **kwargs)
 
+    def hosts_file(self, host: Host) -> Path:
+        """``host``'s ``/etc/hosts``, to edit before starting commands there (Debian's ``127.0.1.1 <name>``)."""
+        return NETNS_ETC / host.netns / "hosts"
+
     def kill_host(self, host: Host) -> None:
         """SIGKILL every process on ``host``, as if the machine had lost power."""
         _kill_all(host.netns)

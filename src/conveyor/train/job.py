@@ -34,6 +34,7 @@ from conveyor.cluster import Discovered
 from conveyor.cluster.argv import discover_with_flags
 from conveyor.cluster.strategy_name import default_strategy
 from conveyor.cluster.variables import OMP_DEFAULT_VAR, RESTART_COUNT_VAR, RESUME_VAR, TIMEOUT_VAR
+from conveyor.comm.gloo_interface import GLOO_IFNAME_VAR, interface_for
 from conveyor.comm.mpi_rendezvous import agree_rendezvous
 from conveyor.comm.process_group import collective_guard, init_process_group
 from conveyor.strategies import Strategy, get_strategy
@@ -336,6 +337,11 @@ def _join_group(found: Discovered, backend: str, timeout: float, env: Mapping[st
     # torchrun's agent may host the store itself on MASTER_PORT; the workers are then all clients, and
     # the keys of one restart attempt are kept apart from the previous attempt's.
     agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if backend == "gloo" and found.spec is not None and GLOO_IFNAME_VAR not in os.environ:
+        # gloo reads it from the real environment; see comm/gloo_interface.py for the hostname trap it avoids
+        interface = interface_for(found.spec, found.task)
+        if interface is not None:
+            os.environ[GLOO_IFNAME_VAR] = interface
     prefix = f"conveyor/attempt-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}" if agent_store else None
     init_process_group(backend, addr, port, found.rank, found.world_size, timeout,
                        host_store=False if agent_store else None, store_prefix=prefix, listener=listener)

@@ -89,6 +89,10 @@ class StepProfiler:
         self._last = 0.0
         self._phase: dict[str, float] = {}
         self._pipeline_prev: dict[str, Any] = {}
+        # The input pipeline's own work, summed over samples (`input_cost`): its map workers' busy seconds
+        # and the batches the loop received; None until a map stage reports busy time.
+        self._input_busy: float | None = None
+        self._input_batches = 0
 
     @classmethod
     def from_steps(cls, steps: Iterable[StepTimes], rank: int = 0) -> StepProfiler:
@@ -191,9 +195,24 @@ class StepProfiler:
         elements = int(stats.get("elements", 0))
         if dt > 0:
             values["elements/s"] = max(0, elements - prev.get("elements", 0)) / dt
+        self._add_input_cost(busy, prev, elements)
         self._pipeline_prev = {"key": key, "time": now, "busy": busy, "elements": elements}
         if values and len(self.counters) < self.max_trace_steps:
             self.counters.append(("input pipeline", now, values))
+
+    def _add_input_cost(self, busy: Mapping[str, float], prev: Mapping[str, Any], elements: int) -> None:
+        # Only map stages' busy time is their workers' compute; prefetch's is time spent waiting upstream.
+        mapped = {name: value for name, value in busy.items() if name.startswith("map")}
+        if mapped:
+            before = prev.get("busy", {})
+            self._input_busy = (self._input_busy or 0.0) + sum(max(0.0, v - before.get(n, 0.0))
+                                                               for n, v in mapped.items())
+        self._input_batches += max(0, elements - prev.get("elements", 0))
+
+    def input_cost(self) -> tuple[float | None, int]:
+        """(seconds the input pipeline's map workers were busy, batches the loop received) over the sampled
+        intervals; the seconds are None when no map stage reports busy time (sequential or thread maps)."""
+        return self._input_busy, self._input_batches
 
     # ---- results
 

@@ -3,7 +3,8 @@
     summary = summarize(job, profiler, run_figures)    # collective: every rank calls it
 
 Global figures (samples, input-wait and accelerator-idle fractions) are summed over ranks;
-``step_breakdown`` is this rank's. The chief adds the strategy's own figures (``communication``) and
+``step_breakdown`` is this rank's; ``scaling`` is what ``conveyor predict`` reads
+(``conveyor.train.scaling_figures``). The chief adds the strategy's own figures (``communication``) and
 writes ``<output>/summary.json`` atomically. See ``docs/training-contracts.md`` for the keys.
 """
 
@@ -19,19 +20,24 @@ import torch
 from conveyor.fileio import atomic_write
 from conveyor.train.plots import plot_step_breakdown, plot_timeline
 from conveyor.train.profiler import StepProfiler
+from conveyor.train.scaling_figures import local_counts, scaling_block
 
 __all__ = ["summarize", "write_json_atomic"]
 
 
 def summarize(job: Any, prof: StepProfiler, *, wall: float, steps: int, epochs: int, eval_result: dict[str, Any],
-              resumed_from: int | None, checkpoints: Path) -> dict[str, Any]:
-    """The run's summary (module docstring); writes the trace, and on the chief the plots and summary.json."""
+              resumed_from: int | None, checkpoints: Path, module: torch.nn.Module | None = None) -> dict[str, Any]:
+    """The run's summary (module docstring); writes the trace, and on the chief the plots and summary.json.
+
+    `module` (the user's model, or this rank's stage of it) gives the ``scaling`` block its byte counts.
+    """
     out, world = Path(job.output_dir), int(job.world_size)
     figures = prof.summary()
     totals = torch.tensor([figures["samples"], figures["input_wait_seconds"] / max(wall, 1e-9),
-                           figures["accelerator_idle_fraction"]], dtype=torch.float64, device=torch.device(job.device))
+                           figures["accelerator_idle_fraction"], *local_counts(module, prof)],
+                          dtype=torch.float64, device=torch.device(job.device))
     job.all_reduce(totals)
-    samples, wait_fraction_sum, idle_sum = totals.tolist()
+    samples, wait_fraction_sum, idle_sum, *counts = totals.tolist()
     outputs = _write_trace_and_plots(job, prof, out)
     summary = {
         "strategy": job.strategy.name,
@@ -45,6 +51,8 @@ def summarize(job: Any, prof: StepProfiler, *, wall: float, steps: int, epochs: 
         "input_wait_fraction": wait_fraction_sum / world,
         "accelerator_idle_fraction": idle_sum / world,
         "step_breakdown": figures["step_breakdown"],
+        "scaling": scaling_block(counts, job=job, samples=samples, breakdown=figures["step_breakdown"],
+                                 module_known=module is not None),
         "restarts": int(job.restart_count),
         "resumed_from_step": resumed_from,
         "steps_this_run": figures["steps"],

@@ -262,7 +262,8 @@ class _Run:
         self.checkpointer.save(self.t.step, final=True)
         self.summary = summarize(self.job, self.prof, wall=time.perf_counter() - self.started, steps=self.t.step,
                                  epochs=self.t.epoch, eval_result=self.evaluator.result,
-                                 resumed_from=self.resumed_from, checkpoints=self.t.checkpoints.root)
+                                 resumed_from=self.resumed_from, checkpoints=self.t.checkpoints.root,
+                                 module=self.t.module)
 
     def _already_done(self) -> bool:
         """Whether the run resumed from holds every step this one asks for (lockstep bounds; workers running

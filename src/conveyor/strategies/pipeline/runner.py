@@ -1,7 +1,8 @@
 """One process's pipeline stage: torch's ``PipelineStage`` and schedule for each batch size, timed.
 
     runner = StageRunner(stage_module, meta_model, plan, index, group, device, microbatches=4, schedule="1f1b")
-    loss = runner.train(inputs, targets, loss_fn)   # the replica's batch-mean loss on the last stage, else None
+    loss = runner.train(inputs, targets, loss_fn)   # the batch-mean loss on the last stage, else None
+    loss = runner.end_step(loss)                    # after the optimizer step: the loss on every stage
     outputs = runner.forward(inputs)                # forward only; the outputs on the last stage, else None
 
 torch's schedules and stage communication do the work (``torch.distributed.pipelining``); this adds:
@@ -14,9 +15,13 @@ torch's schedules and stage communication do the work (``torch.distributed.pipel
 - **A stage per batch size.** A static stage's receive buffers have the microbatch's shape; a batch
   of another size (the last of an epoch, an evaluation batch) gets its own stage and schedule,
   built once and kept.
-- **Timing.** The stage's compute (each microbatch's forward and backward) is summed; the rest of a
-  schedule's wall time is waiting for a neighbour's activations or gradients (and for sends to
-  complete): the *measured bubble* of this stage, reported next to (S−1)/(M+S−1).
+- **Timing.** The stage's compute (each microbatch's forward, loss and backward) is summed over a
+  window that every stage of the pipeline shares: from the latest stage's schedule start to the
+  latest one's end, found by an exchange after the optimizer step that carries the loss too. The
+  rest of the window is waiting for a neighbour's activations or gradients, or for the pipeline to
+  drain: the *measured bubble* of this stage, next to (S−1)/(M+S−1). Waiting for a stage that
+  started late (a slower optimizer step) is counted apart, ``start_wait`` (docs/architecture.md,
+  Pipeline parallelism).
 """
 
 from __future__ import annotations
@@ -51,14 +56,13 @@ def schedule_class(name: str) -> type:
     raise SplitError(f"--schedule {name!r} is not a pipeline schedule conveyor knows; use 1f1b or gpipe")
 
 
-class _TimedStage(PipelineStage):
-    """A ``PipelineStage`` that adds the time of every forward and backward chunk to ``clock[0]``."""
+class _Clock:
+    """Seconds of this stage's own work, summed: what a schedule's wall time minus this is waiting."""
 
-    def __init__(self, *args: Any, clock: list[float], sync: Callable[[], None] | None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._clock, self._sync = clock, sync
+    def __init__(self, sync: Callable[[], None] | None) -> None:
+        self.total, self._sync = 0.0, sync
 
-    def _timed(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self._sync is not None:
             self._sync()
         start = time.perf_counter()
@@ -67,16 +71,27 @@ class _TimedStage(PipelineStage):
         finally:
             if self._sync is not None:
                 self._sync()  # CUDA kernels run asynchronously: count them where they run
-            self._clock[0] += time.perf_counter() - start
+            self.total += time.perf_counter() - start
+
+
+class _TimedStage(PipelineStage):
+    """A ``PipelineStage`` whose forward and backward chunks and end-of-step gradient reduction run on ``clock``."""
+
+    def __init__(self, *args: Any, clock: _Clock, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._clock = clock
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        return self._timed(super().forward_one_chunk, *args, **kwargs)
+        return self._clock.run(super().forward_one_chunk, *args, **kwargs)
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        return self._timed(super().backward_one_chunk, *args, **kwargs)
+        return self._clock.run(super().backward_one_chunk, *args, **kwargs)
 
     def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        return self._timed(super().backward_weight_one_chunk, *args, **kwargs)
+        return self._clock.run(super().backward_weight_one_chunk, *args, **kwargs)
+
+    def perform_reduce_grad(self, *args: Any, **kwargs: Any) -> Any:
+        return self._clock.run(super().perform_reduce_grad, *args, **kwargs)
 
 
 class StageRunner:
@@ -93,8 +108,10 @@ class StageRunner:
         self._built: dict[tuple[int, bool], Any] = {}
         self._loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
         self._sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
-        self.clock = [0.0]  # compute seconds, summed over the run
-        self.seconds = {"compute": 0.0, "schedule": 0.0, "steps": 0}
+        self.clock = _Clock(self._sync)  # compute seconds, summed over the run
+        self.seconds = {"compute": 0.0, "window": 0.0, "start_wait": 0.0, "steps": 0}
+        self._left_at: float | None = None  # when the last step's end_step returned (on every stage at once)
+        self._step = (0.0, 0.0, 0.0)  # this step's schedule start and end (since _left_at) and compute seconds
 
     @property
     def is_first(self) -> bool:
@@ -105,20 +122,42 @@ class StageRunner:
         return self.index == self.num_stages - 1
 
     def train(self, inputs: torch.Tensor, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> Any:
-        """One schedule over ``inputs`` cut into microbatches; the mean microbatch loss on the last stage."""
+        """One schedule over ``inputs`` cut into microbatches; the batch-mean loss on the last stage, else None.
+        The step is over after :meth:`end_step`."""
         self._loss_fn = loss_fn
         schedule = self._schedule(inputs, training=True)
         losses: list[torch.Tensor] = []
-        before, start = self.clock[0], time.perf_counter()
+        before, start = self.clock.total, time.perf_counter()
         args = (inputs,) if self.is_first else ()
         schedule.step(*args, target=targets if self.is_last else None, losses=losses if self.is_last else None,
                       return_outputs=False)
         if self._sync is not None:
             self._sync()
-        self.seconds["schedule"] += time.perf_counter() - start
-        self.seconds["compute"] += self.clock[0] - before
+        end = time.perf_counter()
+        since = self._left_at if self._left_at is not None else start  # the first step: assume a common start
+        self._step = (start - since, end - since, self.clock.total - before)
+        # each microbatch's loss was divided by M (_call_loss): their sum is the batch mean
+        return torch.stack([loss.detach() for loss in losses]).sum() if self.is_last else None
+
+    def end_step(self, loss: torch.Tensor | None) -> torch.Tensor:
+        """After the optimizer step: the last stage's loss on every stage (the chief logs it), and the step's
+        timing. Every stage leaves this exchange at the same moment, so times since the previous one compare
+        across processes: the step's window runs from the latest stage's schedule start to the latest end;
+        a stage that started earlier waited for it (``start_wait``: a slower optimizer step or data load,
+        not the schedule's doing). Placed after the optimizer, not before, so that no stage waits for
+        the others' last backward before its own optimizer step (torch's loops do not either)."""
+        began, ended, compute = self._step
+        mine = torch.tensor([float(loss) if loss is not None else 0.0, began, ended], dtype=torch.float64,
+                            device=self.device)
+        every = [torch.empty_like(mine) for _ in range(self.num_stages)]
+        dist.all_gather(every, mine, group=self.group)
+        self._left_at = time.perf_counter()
+        latest_start, latest_end = (max(float(t[i]) for t in every) for i in (1, 2))
+        self.seconds["window"] += latest_end - latest_start
+        self.seconds["start_wait"] += latest_start - began
+        self.seconds["compute"] += compute
         self.seconds["steps"] += 1
-        return torch.stack([loss.detach() for loss in losses]).mean() if self.is_last else None
+        return loss if loss is not None else every[-1][0].float()
 
     def forward(self, inputs: torch.Tensor) -> Any:
         """Forward only (evaluation); the merged outputs on the last stage, None on the others."""
@@ -162,15 +201,17 @@ class StageRunner:
         # (torch's dynamic inference sets it as below; reproduction in docs/architecture.md, Pipeline).
         x, y = (t.detach().requires_grad_(training and t.is_floating_point()) for t in (x, y))
         stage = _TimedStage(self.module, self.index, self.num_stages, self.device, input_args=x, output_args=y,
-                            group=self.group, clock=self.clock, sync=self._sync)
+                            group=self.group, clock=self.clock)
         if not training:
             return _ScheduleForwardOnly(stage, chunks)
-        # scale_grads: the gradients of M mean-reduced microbatch losses, divided by M, are those of the
-        # batch-mean loss: the same update as the whole batch in one process.
-        return self.schedule_cls(stage, chunks, loss_fn=self._call_loss, scale_grads=True)
+        # The gradients of M mean-reduced microbatch losses, each divided by M, add up to those of the batch-mean
+        # loss: the same update as the whole batch in one process. Dividing the loss (_call_loss) rather than
+        # the gradients (scale_grads=True) spares a pass over every gradient at the end of each step.
+        return self.schedule_cls(stage, chunks, loss_fn=self._call_loss, scale_grads=False)
 
     def _call_loss(self, output: Any, target: Any) -> torch.Tensor:
-        return self._loss_fn(output, target)
+        # the schedule computes the loss between chunks; it is the last stage's work, not waiting
+        return self.clock.run(lambda: self._loss_fn(output, target) / self.microbatches)
 
 
 def all_reduce_mean(tensors: list[torch.Tensor], group: Any, size: int) -> None:

@@ -151,26 +151,22 @@ class PipelineStrategy(Strategy):
         with collective_guard(self.job, "pipeline schedule (stage sends and receives)"):
             loss = runner.train(inputs, targets, loss_fn)
         mark("forward_backward")
-        start = time.perf_counter()
-        with collective_guard(self.job, "pipeline gradient all-reduce and loss broadcast"):
-            if self.replicas > 1:
+        if self.replicas > 1:
+            start = time.perf_counter()
+            with collective_guard(self.job, "pipeline gradient all-reduce"):
                 params = [p for p in model.parameters() if p.requires_grad]
                 for p in params:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
                 all_reduce_mean([p.grad for p in params], self._stage_group, self.replicas)
-            loss = self._share_loss(loss, inputs)
-        self._comm += time.perf_counter() - start
+            self._comm += time.perf_counter() - start
         optimizer.step()
+        start = time.perf_counter()
+        with collective_guard(self.job, "pipeline loss exchange"):
+            loss = runner.end_step(loss)
+        self._comm += time.perf_counter() - start
         mark("optimizer")
         return loss
-
-    def _share_loss(self, loss: torch.Tensor | None, inputs: Any) -> torch.Tensor:
-        """The last stage's loss on every stage of the replica (the chief logs it; the trainer averages ranks)."""
-        buffer = loss if loss is not None else torch.zeros((), device=self.job.device)
-        last = self.replica * self.plan.num_stages + self.plan.num_stages - 1
-        dist.broadcast(buffer, src=last, group=self._pipe_group)
-        return buffer
 
     def summary_figures(self) -> dict[str, Any] | None:
         """``summary["pipeline"]``: per-stage compute, send/receive wait, measured and theoretical bubble."""
@@ -228,8 +224,9 @@ class PipelineStrategy(Strategy):
         return samples if self.stage == 0 else 0
 
     def comm_seconds(self) -> float:
-        """Seconds in the replicas' gradient all-reduce and the loss broadcast (stage sends and receives are
-        part of the schedule: see ``stats``)."""
+        """Seconds in the replicas' gradient all-reduce and the loss exchange after the optimizer step, which
+        waits for the pipeline's slowest stage (sends and receives are part of the schedule: see
+        ``summary_figures``)."""
         return self._comm
 
     def eval_forward(self, module: nn.Module, inputs: Any) -> Any:
