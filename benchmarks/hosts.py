@@ -29,16 +29,16 @@ shows what TCP itself gets of C (MTU-sized frames carry about 96 % payload). Goa
 ps_push_pull and gloo_allreduce >= 0.9 x the 1 Gbit/s cap.
 
 Training (``--epochs`` of examples/digits/train.py, batch 32 per worker, one thread per task, no
-checkpoint before the last): every job is real multi-host: one ``conveyor run --nnodes K --node-rank i
---rdzv host0:PORT --job-secret-file F`` per host (allreduce: host0, host1; ps-sync and ps-async: a third
-node ``-n 0 --ps 1`` on host2, where a ``conveyor run`` that refuses ``-n 0`` is worked around by
-starting each task on its host with the environment ``conveyor.launch.build_plan`` gives it; the
-table says which). Figures from the chief's summary.json: samples/s = N workers x batch / the chief's
-median step (robust to this shared machine's load spikes), wall samples/s = every worker's samples /
-the chief's training wall seconds; step and comm ms = medians of the chief's step total and communication
-(allreduce: DDP hook in-flight time, much of it overlapping backward; ps-*: push + pull + wait); "/ ref"
-= samples/s over the same strategy's at the reference cap (uncapped, else the fastest) in the same
-round. A strategy is link-bound at a cap when "/ ref" < 0.9; the table says from which cap on it is not.
+checkpoint before the last): every job is real multi-host, one ``conveyor run --nnodes K --node-rank i
+--rdzv host0:PORT --job-secret-file F`` per host (allreduce: host0, host1; ps-sync and ps-async: a
+third node ``-n 0 --ps 1`` on host2). Figures from the chief's summary.json: samples/s = N workers x
+batch / the chief's median step (robust to this shared machine's load spikes), wall samples/s = every
+worker's samples / the chief's training wall seconds; step and comm ms = medians of the chief's step
+total and communication (allreduce: DDP hook in-flight time, much of it overlapping backward; ps-*:
+push + pull + wait); link ms = the least time per step the busiest link needs at the cap for the
+model's bytes; "/ ref" = samples/s over the same strategy's at the reference cap (uncapped, else the
+fastest) in the same round. A strategy is link-bound at a cap when "/ ref" < 0.9; the table says from
+which cap on it is not. Each run records the 1-minute load; above twice the cores the report warns.
 """
 
 from __future__ import annotations
@@ -79,8 +79,6 @@ GOALS = (
     h.Goal("ps_push_pull >= 0.9 x the 1 Gbit/s link cap (payload, same run)", "ps_push_pull_vs_cap_1000", 0.9),
     h.Goal("gloo_allreduce >= 0.9 x the 1 Gbit/s link cap (payload, same run)", "gloo_allreduce_vs_cap_1000", 0.9),
 )
-LAUNCH_WORKAROUND = ("each task by hand on its host with the environment conveyor.launch.build_plan gives it "
-                     "(this conveyor run refuses -n 0 for a node of parameter servers only)")
 TRAINING_NOTE = (
     "training: samples/s = N workers x batch / the chief's median step (summary.json step_breakdown total); wall "
     "samples/s = every worker's samples / the chief's training wall seconds (summary.json); comm % = "
@@ -354,17 +352,6 @@ def script_args(settings: dict[str, Any]) -> list[str]:
             "--checkpoint-every", str(settings["checkpoint_every"])]
 
 
-def launcher_takes_ps_only_node() -> bool:
-    """Whether this conveyor's ``conveyor run`` accepts ``-n 0 --ps M`` (a node of parameter servers only)."""
-    from conveyor.launch import RunOptions
-
-    try:
-        RunOptions(script="train.py", data_dir="/data", output_dir="/out", workers=0, ps=1)
-    except ValueError:
-        return False
-    return True
-
-
 def node_launches(strategy: str, settings: dict[str, Any], dirs: tuple[Path, Path], secret_file: Path, port: int,
                   env: dict[str, str]) -> list[Launch]:
     """One ``conveyor run --nnodes K --node-rank i --rdzv host0:PORT --job-secret-file F`` per node."""
@@ -375,25 +362,6 @@ def node_launches(strategy: str, settings: dict[str, Any], dirs: tuple[Path, Pat
         "--job-secret-file", str(secret_file), "--max-restarts", "0", "--timeout", str(settings["timeout"]),
         "--data-dir", str(dirs[0]), "--output-dir", str(dirs[1]), str(EXAMPLE), *script_args(settings)], env)
         for rank, (hi, workers, ps) in enumerate(nodes)]
-
-
-def planned_launches(hosts: Any, strategy: str, settings: dict[str, Any], dirs: tuple[Path, Path], secret: bytes,
-                     port: int, env: dict[str, str]) -> list[Launch]:
-    """Every task of the job as the launcher plans it (``conveyor.launch.build_plan`` for the same nodes: the
-    same TF_CONFIG, torch variables and secret), each to be started on its host by this script: the workaround
-    for a ``conveyor run`` that refuses ``-n 0``. Task ports: ``port``; torch's store: ``port + 1`` on host0."""
-    from conveyor.launch import NodeInfo, RunOptions, build_plan
-
-    options = RunOptions(script=str(EXAMPLE), script_args=tuple(script_args(settings)), data_dir=str(dirs[0]),
-                         output_dir=str(dirs[1]), strategy=strategy, max_restarts=0, timeout=settings["timeout"],
-                         python=sys.executable)
-    nodes = [(hi, NodeInfo(hosts[hi].address, workers, ps, (port,))) for hi, workers, ps in job_nodes(strategy)]
-    launches = []
-    for rank, (hi, _) in enumerate(nodes):
-        plan = build_plan(options, [n for _, n in nodes], rank, master_addr=hosts[0].address, master_port=port + 1,
-                          secret=secret, environ=env)
-        launches += [Launch(hi, f"{t.task.type}-{t.task.index}", list(t.argv), dict(t.env)) for t in plan.tasks]
-    return launches
 
 
 def _wait_launches(bench: Bench, procs: list[tuple[Launch, subprocess.Popen]], timeout: float) -> str | None:
@@ -450,11 +418,8 @@ def run_training(bench: Bench, name: str, settings: dict[str, Any], data_dir: Pa
     folder = bench.next_dir(name)
     dirs = (data_dir, folder / "output")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    port = 29400 + 2 * (bench.jobs % 500)
-    by_launcher = strategy == "allreduce" or launcher_takes_ps_only_node()
-    launches = (node_launches(strategy, settings, dirs, secret_file, port, env) if by_launcher else
-                planned_launches(bench.hosts, strategy, settings, dirs, bytes.fromhex(secret_file.read_text()), port,
-                                 env))
+    port = 29400 + bench.jobs % 500  # a fresh rendezvous port per job: no TIME_WAIT from the last one
+    launches = node_launches(strategy, settings, dirs, secret_file, port, env)
     started = time.perf_counter()
     procs = []
     for launch in launches:
@@ -468,7 +433,6 @@ def run_training(bench: Bench, name: str, settings: dict[str, Any], data_dir: Pa
         return {"error": f"{error or 'no summary.json'}: {logs[-1500:]}"}
     run = summary_figures(json.loads(summary_path.read_text()), settings["batch_size"])
     run["launch_seconds"] = time.perf_counter() - started
-    run["launched_by"] = "conveyor run per host" if by_launcher else LAUNCH_WORKAROUND
     if run["strategy"] != strategy or run["world_size"] != len(WORKER_HOSTS):
         return {"error": f"summary.json says {run['strategy']!r}, world size {run['world_size']}", "summary": run}
     return run
@@ -525,7 +489,7 @@ def derive_training(res: dict[str, Any], caps: Sequence[float | None], strategie
                     model_bytes: int | None = None) -> dict[str, Any]:
     ref = reference_cap(caps)
     d: dict[str, Any] = {"reference_cap": cap_key(ref), "model_bytes": model_bytes, "by_strategy": {},
-                         "link_bound_below": {}, "launched_by": {}}
+                         "link_bound_below": {}}
     for strategy in strategies:
         ref_samples = res["samples"].get(contender(strategy, ref), [])
         rows = d["by_strategy"][strategy] = {}
@@ -542,8 +506,6 @@ def derive_training(res: dict[str, Any], caps: Sequence[float | None], strategie
                 "comm_ms": h.median(r.get("comm_ms") for r in runs),
                 "link_ms": link_ms(strategy, model_bytes, cap, len(WORKER_HOSTS)),
             }
-        d["launched_by"][strategy] = sorted({r["launched_by"] for c in caps for r in res["runs"].get(
-            contender(strategy, c), []) if r and "launched_by" in r})
         fractions = {k: v["vs_reference"] for k, v in rows.items()}
         d["link_bound_below"][strategy] = unbound_from(fractions, caps, cap_key(ref))
     return d
@@ -593,8 +555,6 @@ def format_training(d: dict[str, Any], caps: Sequence[float | None], settings: d
     lines = [head, "", h.format_rows(rows, left=(0, 1, 9, 10)), ""]
     for strategy, key in d["link_bound_below"].items():
         lines.append(f"{strategy:<10} {verdict(key, caps, d['reference_cap'])}")
-    for strategy, how in d["launched_by"].items():
-        lines.append(f"{strategy:<10} started as: {'; '.join(how) or '-'}")
     lines.append(TRAINING_NOTE)
     return "\n".join(lines)
 

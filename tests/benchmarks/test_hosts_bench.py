@@ -106,8 +106,7 @@ def test_training_table(bench):
         for cap, rate in zip(caps, rates, strict=True):
             samples[bench.contender(strategy, cap)] = [rate]
             runs[bench.contender(strategy, cap)] = [{"comm_share": 0.5, "step_ms": 40.0, "comm_ms": 20.0,
-                                                      "samples_per_second": rate - 10,
-                                                      "launched_by": "conveyor run per host"}]
+                                                      "samples_per_second": rate - 10}]
     d = bench.derive_training({"samples": samples, "runs": runs, "errors": []}, caps, bench.STRATEGIES, 605_224)
     assert d["link_bound_below"] == {"allreduce": "10000", "ps-sync": None, "ps-async": "1000"}
     assert d["by_strategy"]["ps-sync"]["10000"]["vs_reference"] == pytest.approx(0.6)
