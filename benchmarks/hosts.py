@@ -44,7 +44,6 @@ which cap on it is not. Each run records the 1-minute load; above twice the core
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -331,16 +330,6 @@ def transport_rounds(bench: Bench, caps: Sequence[float | None], settings: dict[
 # ==================================================================================================
 
 
-@dataclasses.dataclass(frozen=True)
-class Launch:
-    """One process of a training job: the host it runs on, a name for its log, its command and environment."""
-
-    host: int
-    name: str
-    argv: list[str]
-    env: dict[str, str]
-
-
 def job_nodes(strategy: str) -> list[tuple[int, int, int]]:
     """(host index, workers, ps) per node in node-rank order: a worker per worker host, ps-*: a ps-only node."""
     nodes = [(hi, 1, 0) for hi in WORKER_HOSTS]
@@ -352,35 +341,36 @@ def script_args(settings: dict[str, Any]) -> list[str]:
             "--checkpoint-every", str(settings["checkpoint_every"])]
 
 
-def node_launches(strategy: str, settings: dict[str, Any], dirs: tuple[Path, Path], secret_file: Path, port: int,
-                  env: dict[str, str]) -> list[Launch]:
-    """One ``conveyor run --nnodes K --node-rank i --rdzv host0:PORT --job-secret-file F`` per node."""
+def node_commands(strategy: str, settings: dict[str, Any], dirs: tuple[Path, Path], secret_file: Path,
+                  port: int) -> list[tuple[int, list[str]]]:
+    """(host index, argv): one ``conveyor run --nnodes K --node-rank i --rdzv host0:PORT --job-secret-file F``
+    per node."""
     nodes = job_nodes(strategy)
-    return [Launch(hi, f"host{hi}", [
+    return [(hi, [
         sys.executable, "-m", "conveyor.cli.main", "run", "-n", str(workers), *(["--ps", str(ps)] if ps else []),
         "--strategy", strategy, "--nnodes", str(len(nodes)), "--node-rank", str(rank), "--rdzv", f"host0:{port}",
         "--job-secret-file", str(secret_file), "--max-restarts", "0", "--timeout", str(settings["timeout"]),
-        "--data-dir", str(dirs[0]), "--output-dir", str(dirs[1]), str(EXAMPLE), *script_args(settings)], env)
+        "--data-dir", str(dirs[0]), "--output-dir", str(dirs[1]), str(EXAMPLE), *script_args(settings)])
         for rank, (hi, workers, ps) in enumerate(nodes)]
 
 
-def _wait_launches(bench: Bench, procs: list[tuple[Launch, subprocess.Popen]], timeout: float) -> str | None:
-    """Wait for every process; a failure or the deadline stops every host's processes. The error, if any."""
+def _wait_nodes(bench: Bench, procs: list[tuple[int, subprocess.Popen]], timeout: float) -> str | None:
+    """Wait for every node's launcher; a failure or the deadline stops every host's processes. The error, if any."""
     deadline = time.monotonic() + timeout
     error = None
     while error is None:
         running = [p for _, p in procs if p.poll() is None]  # polls every one, so each return code is known
-        failed = [(launch, p.returncode) for launch, p in procs if p.returncode]
+        failed = [(hi, p.returncode) for hi, p in procs if p.returncode]
         if failed:
-            error = ", ".join(f"{launch.name} on host{launch.host} exited {code}" for launch, code in failed)
+            error = ", ".join(f"the launcher on host{hi} exited {code}" for hi, code in failed)
         elif not running:
             return None
         elif time.monotonic() > deadline:
-            alive = ", ".join(f"{launch.name} on host{launch.host}" for launch, p in procs if p.poll() is None)
-            error = f"timed out after {timeout:.0f} s ({alive} still running)"
+            alive = ", ".join(f"host{hi}" for hi, p in procs if p.poll() is None)
+            error = f"timed out after {timeout:.0f} s (the launchers on {alive} still running)"
         else:
             time.sleep(0.05)
-    for hi in sorted({launch.host for launch, _ in procs}):  # the others would wait at a rendezvous or collective
+    for hi, _ in procs:  # the others would wait at a rendezvous or in a collective
         bench.hosts.kill_host(bench.hosts[hi])
     for _, p in procs:
         p.wait(timeout=30)
@@ -419,17 +409,16 @@ def run_training(bench: Bench, name: str, settings: dict[str, Any], data_dir: Pa
     dirs = (data_dir, folder / "output")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     port = 29400 + bench.jobs % 500  # a fresh rendezvous port per job: no TIME_WAIT from the last one
-    launches = node_launches(strategy, settings, dirs, secret_file, port, env)
     started = time.perf_counter()
     procs = []
-    for launch in launches:
-        with open(folder / f"{launch.name}.log", "wb") as log:
-            procs.append((launch, bench.hosts.popen(bench.hosts[launch.host], launch.argv, env=launch.env, cwd=ROOT,
-                                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)))
-    error = _wait_launches(bench, procs, timeout)
+    for hi, argv in node_commands(strategy, settings, dirs, secret_file, port):
+        with open(folder / f"host{hi}.log", "wb") as log:
+            procs.append((hi, bench.hosts.popen(bench.hosts[hi], argv, env=env, cwd=ROOT, stdout=log,
+                                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)))
+    error = _wait_nodes(bench, procs, timeout)
     summary_path = dirs[1] / "summary.json"
     if error or not summary_path.exists():
-        logs = " || ".join(f"{launch.name}: {_tail(folder / f'{launch.name}.log')}" for launch, _ in procs)
+        logs = " || ".join(f"host{hi}: {_tail(folder / f'host{hi}.log')}" for hi, _ in procs)
         return {"error": f"{error or 'no summary.json'}: {logs[-1500:]}"}
     run = summary_figures(json.loads(summary_path.read_text()), settings["batch_size"])
     run["launch_seconds"] = time.perf_counter() - started
