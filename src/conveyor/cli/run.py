@@ -198,10 +198,19 @@ def _supervisor(plan, options: RunOptions, peers=None) -> Supervisor:
                       restart_delay_cap=max(RESTART_DELAY_CAP, options.restart_delay), linger=options.linger)
 
 
+#: The flags every node of a job must give alike: each node plans its own tasks from them, so a difference
+#: would split the job (two pipeline cuts, two strategies) instead of failing at the rendezvous.
+AGREED_FLAGS = ("strategy", "chief", "max_restarts", "tf_flags", "share_gpus", "resume", "timeout",
+                "stages", "microbatches", "schedule", "split")
+
+
+def node_settings(options: RunOptions) -> dict:
+    """What this node publishes at the rendezvous for the others to compare (``AGREED_FLAGS``)."""
+    return {flag: getattr(options, flag) for flag in AGREED_FLAGS}
+
+
 def _run_node(args: argparse.Namespace, options: RunOptions, environ: dict[str, str], secret: bytes) -> int:
-    settings = {"strategy": options.strategy, "chief": options.chief, "max_restarts": options.max_restarts,
-                "tf_flags": options.tf_flags, "share_gpus": options.share_gpus,
-                "resume": options.resume, "timeout": options.timeout}
+    settings = node_settings(options)
     try:
         rdzv = join(args.rdzv, nnodes=args.nnodes, node_rank=args.node_rank, workers=options.workers, ps=options.ps,
                     settings=settings, secret=secret, timeout=options.timeout)
