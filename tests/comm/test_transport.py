@@ -16,6 +16,7 @@ from conveyor.comm.framing import encode, next_seq, sender_id
 from conveyor.comm.transport import (
     AddressInUseError,
     Client,
+    Deferred,
     RemoteError,
     Server,
     ServerUnavailable,
@@ -152,6 +153,37 @@ def test_the_handler_may_change_returned_tensors_in_place(address):
             assert (client.receive(pull).tensors[0] == step).all()
             client.receive(push)
         assert server.stats["dropped"] == 0 and client.stats["dropped"] == 0
+
+
+def test_a_handler_may_answer_later_from_another_call_or_from_the_tick(address):
+    held: list[tuple[Deferred, str, float]] = []  # only the serving thread touches it
+
+    def handler(message):
+        if message.kind == "hold":
+            held.append((Deferred(), message.header["until"], time.monotonic()))
+            return held[-1][0]
+        for entry in [e for e in held if e[1] == "release"]:
+            server.reply(entry[0], ("released", {}, [np.arange(3)]))
+            held.remove(entry)
+        return "ok", {}, []
+
+    def tick():
+        for entry in [e for e in held if e[1] == "tick" and time.monotonic() - e[2] >= 0.2]:
+            server.reply(entry[0], ("late", {}, []))
+            held.remove(entry)
+
+    with Server(address, KEY, handler, name="ps:0", tick=tick).start() as server, \
+            Client(address, KEY, name="ps:0", timeout=10) as client:
+        started = time.monotonic()
+        by_tick, by_call = client.send("hold", {"until": "tick"}), client.send("hold", {"until": "release"})
+        assert client.request("release").kind == "ok"
+        reply = client.receive(by_call)
+        assert reply.kind == "released" and (reply.tensors[0] == np.arange(3)).all()
+        assert client.receive(by_tick).kind == "late" and time.monotonic() - started >= 0.2
+        unbound = Deferred()  # no handler returned it: there is nothing to answer
+        with pytest.raises(RuntimeError, match="already answered"):
+            server.reply(unbound, ("x", {}, []))
+        wait_for(lambda: server.stats["replied"] == 3)  # counted just after the send
 
 
 def test_the_handler_may_close_the_server(address):

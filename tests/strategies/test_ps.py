@@ -332,6 +332,28 @@ def test_sync_averages_in_rank_order_and_applies_once(served) -> None:
     assert server.staleness == {0: 2}
 
 
+@pytest.mark.timeout(60)
+def test_a_held_pull_is_answered_by_the_commit_that_makes_it_ready_or_told_to_wait_after_its_hold(
+        served, monkeypatch) -> None:
+    server, (w0, w1) = served("sync")
+    model = nn.Linear(3, 2)
+    placement, _ = _init(w0, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    keys = [p.key for p in placement.pieces]
+    started = time.monotonic()
+    assert w0.request("pull", {"rank": 0, "step": 1, "hold": 200}).kind == "wait"  # nobody committed yet
+    assert time.monotonic() - started >= 0.2
+    for rank, worker in enumerate((w0, w1)):
+        worker.request("push", {"rank": rank, "step": 0, "read": 0, "keys": keys},
+                       [torch.ones(p.numel) for p in placement.pieces])
+    w0.request("commit", {"rank": 0, "step": 0, "read": 0})
+    monkeypatch.setattr("conveyor.strategies.ps.server.MAX_HOLD_MS", 60_000)  # a slow machine cannot expire it
+    held = w0.send("pull", {"rank": 0, "step": 1, "hold": 60_000})
+    w1.request("commit", {"rank": 1, "step": 0, "read": 0})  # step 0 is applied: the held pull is answered
+    reply = w0.receive(held)
+    assert reply.kind == "params" and reply.header["version"] == 1 and reply.header["held"] > 0
+    assert server.counters["pull_waits"] == 1 and server.counters["pulls"] == 1
+
+
 @pytest.mark.timeout(30)
 def test_ssp_pull_waits_beyond_the_bound_and_staleness_is_recorded(served) -> None:
     server, (w0, w1) = served("ssp", staleness=1)

@@ -56,6 +56,7 @@ from conveyor.errors import AddressInUseError, TransportError  # re-exported: th
 __all__ = [
     "AddressInUseError",
     "Client",
+    "Deferred",
     "RemoteError",
     "Server",
     "ServerUnavailable",
@@ -89,6 +90,27 @@ class ServerUnavailable(TransportError):
 
 class RemoteError(TransportError):
     """The server's handler raised while handling this request; the text is the server's exception."""
+
+
+class Deferred:
+    """What a handler returns to answer later: the server keeps the request's return address in it, and
+    :meth:`Server.reply` answers it from the serving thread (a later handler call, or the ``tick``).
+
+    The client's timeout still bounds the wait, so a handler that defers must answer well within it.
+    """
+
+    def __init__(self) -> None:
+        self._to: tuple[Any, Message] | None = None
+        self.answered = False
+
+    def bind(self, identity: Any, message: Message) -> None:
+        self._to = (identity, message)
+
+    def take(self) -> tuple[Any, Message]:
+        if self._to is None or self.answered:
+            raise RuntimeError("Server.reply: this request was already answered, or its handler has not returned yet")
+        self.answered = True
+        return self._to
 
 
 # --------------------------------------------------------------------------------------------- gate
@@ -408,10 +430,59 @@ class _Handshakes:
 # --------------------------------------------------------------------------------------------- server
 
 
+class _Outbox:
+    """How a server answers: check, sign and send a handler's result, and keep the trackers of the tensors
+    sent without copies, so that the next handler call can first wait until ZeroMQ has let go of them."""
+
+    def __init__(self, name: str, secret: bytes, sender: str, stats: Counter[str]) -> None:
+        self._name = name
+        self._secret = secret
+        self._sender = sender
+        self._stats = stats
+        self._unreleased: list[zmq.MessageTracker] = []
+
+    def failed(self, message: Message, exc: Exception) -> tuple[str, dict[str, Any], list[Any]]:
+        """The ``error`` reply for a handler that raised ``exc`` (counted and logged)."""
+        self._stats["handler_errors"] += 1
+        log.error("%s: handler failed on %r from %s", self._name, message.kind, message.sender, exc_info=exc)
+        return "error", {"error": f"{type(exc).__name__}: {exc}"[:4000], "request_kind": message.kind}, []
+
+    def send(self, sock: zmq.Socket, identity: Any, message: Message, result: Any, part_bytes: int) -> None:
+        """Answer ``message`` (from the peer ``identity``) with a handler's ``result``."""
+        try:
+            kind, header, tensors = _reply_parts(result)
+            tensors = [as_wire(t) for t in tensors]
+            encode(kind, header, secret=self._secret, sender=self._sender, seq=0)  # a bad header fails here, too
+        except Exception as exc:
+            kind, header, tensors = self.failed(message, exc)
+        try:
+            _, trackers = _send(sock, [identity], kind, header, tensors, secret=self._secret, sender=self._sender,
+                                recipient=message.sender, reply_to=message.seq, part_bytes=part_bytes, track=True)
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: the client left; EAGAIN: it stopped reading
+            self._stats["reply_failed"] += 1
+            log.warning("%s: could not reply to %s (%s)", self._name, message.sender, exc.strerror)
+            return
+        self._stats["replied"] += 1
+        self._unreleased.extend(trackers)
+
+    def wait_released(self) -> None:
+        """Wait until ZeroMQ has let go of earlier replies' tensors, so the handler may change them."""
+        for tracker in self._unreleased:
+            if not tracker.done:
+                try:
+                    tracker.wait(timeout=30.0)
+                except zmq.NotDone:
+                    log.warning("%s: an earlier reply is still being sent after 30 s; its client is not reading",
+                                self._name)
+        self._unreleased.clear()
+
+
 class Server:
     """A ROUTER socket bound to ``bind_address`` that answers signed requests with ``handler``.
 
-    ``handler(message) -> (kind, header, tensors)`` runs in the serving thread, one message at a time.
+    ``handler(message) -> (kind, header, tensors)`` runs in the serving thread, one message at a time; it
+    may return a :class:`Deferred` instead and answer later with :meth:`reply`. ``tick()``, if given, runs
+    in the serving thread after every batch of messages and at least every 50 ms (for deadlines).
     ``name`` is the task (``"ps:0"``): requests must be signed for it, replies are signed by it.
     ``max_skew`` is the clock difference tolerated (seconds); ``max_frame_bytes`` makes ZeroMQ disconnect
     a peer that sends a larger frame (``None``: no limit; set it to bound the memory a peer can make the
@@ -427,7 +498,8 @@ class Server:
 
     def __init__(self, bind_address: str, secret: bytes, handler: Handler, *, name: str, max_skew: float = 300.0,
                  max_frame_bytes: int | None = None, handshake_timeout: float = 10.0,
-                 wait_for_reply_buffers: bool = True, part_bytes: int = PART_BYTES) -> None:
+                 wait_for_reply_buffers: bool = True, part_bytes: int = PART_BYTES,
+                 tick: Callable[[], None] | None = None) -> None:
         host, port = split_address(bind_address, field=f"{name} address")
         check_secret(secret)
         if not handshake_timeout > 0:
@@ -436,6 +508,7 @@ class Server:
         self.address = bind_address
         self.sender = sender_id(name)
         self.handler = handler
+        self.tick = tick
         self.wait_for_reply_buffers = wait_for_reply_buffers
         self.part_bytes = part_bytes
         self._secret = bytes(secret)
@@ -443,7 +516,7 @@ class Server:
         self._stats: Counter[str] = Counter(dict.fromkeys(
             ("received", "replied", "handler_errors", "reply_failed", "internal_errors"), 0))  # fixed keys
         self._drops = _Drops(name)
-        self._unreleased: list[zmq.MessageTracker] = []
+        self._outbox = _Outbox(name, self._secret, self.sender, self._stats)
         self._stop = threading.Event()
         self._serving: threading.Thread | None = None  # the thread that owns the socket while serving
         self._done = threading.Event()  # set when serving ends
@@ -524,6 +597,7 @@ class Server:
                 return True
             if self._monitor in ready:
                 self._handshakes.follow(_drain_monitor(self._monitor))
+            self._tick()
             if self._sock not in ready:
                 limit = idle[0] if self.last_heard is not None else idle[1]
                 if limit is not None and time.monotonic() - self._active > limit:
@@ -544,6 +618,15 @@ class Server:
                     self._stats["internal_errors"] += 1
                     log.exception("%s: failed to serve a message; continuing", self.name)
         return True
+
+    def _tick(self) -> None:
+        if self.tick is None:
+            return
+        try:
+            self.tick()
+        except Exception:  # a bug here must not take the parameter server down
+            self._stats["internal_errors"] += 1
+            log.exception("%s: the tick failed; continuing", self.name)
 
     def _serve_one(self, frames: list[zmq.Frame]) -> None:
         self._stats["received"] += 1
@@ -568,37 +651,24 @@ class Server:
 
     def _answer(self, identity: Any, message: Message) -> None:
         if self.wait_for_reply_buffers:
-            self._wait_released()
+            self._outbox.wait_released()
         try:
-            kind, header, tensors = _reply_parts(self.handler(message))
-            tensors = [as_wire(t) for t in tensors]
-            encode(kind, header, secret=self._secret, sender=self.sender, seq=0)  # a bad header fails here, too
+            result = self.handler(message)
         except Exception as exc:
-            self._stats["handler_errors"] += 1
-            log.exception("%s: handler failed on %r from %s", self.name, message.kind, message.sender)
-            kind, header, tensors = "error", {"error": f"{type(exc).__name__}: {exc}"[:4000],
-                                              "request_kind": message.kind}, []
-        try:
-            _, trackers = _send(self._sock, [identity], kind, header, tensors, secret=self._secret,
-                                sender=self.sender, recipient=message.sender, reply_to=message.seq,
-                                part_bytes=self.part_bytes, track=True)
-        except zmq.ZMQError as exc:  # EHOSTUNREACH: the client left; EAGAIN: it stopped reading
-            self._stats["reply_failed"] += 1
-            log.warning("%s: could not reply to %s (%s)", self.name, message.sender, exc.strerror)
-            return
-        self._stats["replied"] += 1
-        self._unreleased.extend(trackers)
+            result = self._outbox.failed(message, exc)
+        if isinstance(result, Deferred):
+            result.bind(identity, message)
+        else:
+            self._outbox.send(self._sock, identity, message, result, self.part_bytes)
 
-    def _wait_released(self) -> None:
-        """Wait until ZeroMQ has let go of earlier replies' tensors, so the handler may change them."""
-        for tracker in self._unreleased:
-            if not tracker.done:
-                try:
-                    tracker.wait(timeout=30.0)
-                except zmq.NotDone:
-                    log.warning("%s: an earlier reply is still being sent after 30 s; its client is not reading",
-                                self.name)
-        self._unreleased.clear()
+    def reply(self, deferred: Deferred, result: Any) -> None:
+        """Answer the request whose handler returned ``deferred`` (from the serving thread: a handler or the tick).
+
+        The tensors of ``result`` follow the handler's rule: the server waits for ZeroMQ to let go of
+        them before it calls the handler again.
+        """
+        identity, message = deferred.take()
+        self._outbox.send(self._sock, identity, message, result, self.part_bytes)
 
     @property
     def stats(self) -> dict[str, Any]:

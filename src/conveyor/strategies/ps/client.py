@@ -2,8 +2,8 @@
 
     client = PSClient(["127.0.0.1:2222", "127.0.0.1:2223"], secret, rank=0, num_workers=2, sender="worker:0")
     client.connect(model, optimizer)     # placement, init of every server, first pull, autograd hooks
-    loss.backward()                      # each parameter's gradient is pushed as soon as it is accumulated
-    client.finish_step()                 # remaining pushes + commit to every server, then the pull
+    loss.backward()                      # gradients go into a bucket as backward makes them; a full one is pushed
+    client.finish_step()                 # the rest of the bucket + commit to every server, then the pull
 
 :class:`PSConnections` (the base) holds one transport client per ps task and asks the servers
 everything outside a step (checkpoint shards, state, statistics, data positions); :class:`PSClient`
@@ -31,6 +31,7 @@ from torch import nn
 
 from conveyor.comm.transport import Client, ServerUnavailable, TransportError
 from conveyor.strategies.ps import protocol as wire
+from conveyor.strategies.ps.buckets import DEFAULT_BUCKET_BYTES, GradientBuckets
 from conveyor.strategies.ps.optim import OptimizerSpec, group_hyperparameters
 from conveyor.strategies.ps.sharding import DEFAULT_CHUNK_BYTES, Placement, place
 
@@ -39,6 +40,7 @@ __all__ = ["PSClient", "PSConnections"]
 log = logging.getLogger(__name__)
 
 _SLEEP_MIN, _SLEEP_MAX = 0.0002, 0.005
+_HOLD = 1.0  # seconds a server may hold a pull that it cannot answer yet (then it says 'wait', asked again)
 
 
 class PSConnections:
@@ -160,7 +162,8 @@ class PSClient(PSConnections):
     """
 
     def __init__(self, addresses: Sequence[str], secret: bytes, *, rank: int, num_workers: int, sender: str,
-                 timeout: float = 300.0, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+                 timeout: float = 300.0, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         if chunk_bytes > DEFAULT_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes = {chunk_bytes} is over {DEFAULT_CHUNK_BYTES}: ps tasks started by "
                              f"conveyor.init() refuse frames much larger than their default pieces")
@@ -178,7 +181,8 @@ class PSClient(PSConnections):
         self.plan: int | None = None
         self.announce: int | None = None  # a plan to send with the next commit
         self._pending: list[tuple[int, int]] = []  # (server, request id) of pushes in flight
-        self._pushed: set[str] = set()  # parameters pushed this step
+        self._pushed: set[str] = set()  # parameters pushed (or waiting in the bucket) this step
+        self._buckets = GradientBuckets(self.num_servers, bucket_bytes)
         self._keep: list[torch.Tensor] = []  # gradient copies in flight (must not change until replied)
         self._params: dict[str, nn.Parameter] = {}
         self._trained: set[str] = set()
@@ -236,22 +240,27 @@ class PSClient(PSConnections):
         return hook
 
     def push(self, name: str, grad: torch.Tensor) -> None:
-        """Send the gradient of parameter ``name`` to the servers holding its pieces (replies: finish_step)."""
+        """Queue the gradient of parameter ``name`` for the servers holding its pieces; a full bucket leaves now.
+
+        Replies are collected by :meth:`finish_step`, which also sends what is left in the bucket.
+        """
         start = time.perf_counter()
         assert self.placement is not None
-        by_server: dict[int, tuple[list[str], list[torch.Tensor]]] = {}
         for piece, values in self.placement.split(name, grad.detach()):
-            copy = values.clone()  # the grad may be changed in place (accumulation) before the reply
-            keys, tensors = by_server.setdefault(piece.server, ([], []))
-            keys.append(piece.key)
-            tensors.append(copy)
-        for server, (keys, tensors) in by_server.items():
+            # a copy: the grad may be changed in place (accumulation) before the push's reply
+            self._buckets.add(piece.server, piece.key, values.clone())
+        self._pushed.add(name)
+        if self._buckets.full:
+            self._flush()
+        self.seconds["push"] += time.perf_counter() - start
+
+    def _flush(self) -> None:
+        """One push per server of what waits in the bucket."""
+        for server, keys, tensors in self._buckets.take():
             request = wire.Push(self.rank, self.step, self.read[server], keys, tensors)
             self._pending.append((server, self._send(server, request)))
             self._keep.extend(tensors)
             self.bytes_out[server] += sum(t.numel() * t.element_size() for t in tensors)
-        self._pushed.add(name)
-        self.seconds["push"] += time.perf_counter() - start
 
     def finish_step(self, prefetch: bool = False) -> None:
         """wire.Push what the hooks did not, commit the step on every server, then pull for the next step.
@@ -262,10 +271,10 @@ class PSClient(PSConnections):
         """
         self.finish_pull()
         start = time.perf_counter()
-        for name in self._trained:
-            param = self._params[name]
-            if name not in self._pushed and param.grad is not None:
+        for name, param in self._params.items():  # model order: the same pushes on every run
+            if name in self._trained and name not in self._pushed and param.grad is not None:
                 self.push(name, param.grad)
+        self._flush()
         hyper = group_hyperparameters(self._optimizer) if self._optimizer is not None else None
         changed = hyper if hyper != self._hyper else None
         self._hyper = hyper
@@ -296,7 +305,7 @@ class PSClient(PSConnections):
     def start_pull(self) -> None:
         """Send the pull for step ``self.step`` to every server; :meth:`finish_pull` collects it."""
         if self._pulls is None:
-            self._pulls = [(s, self._send(s, wire.Pull(self.rank, self.step))) for s in range(self.num_servers)]
+            self._pulls = [(s, self._send(s, self._pull_request())) for s in range(self.num_servers)]
 
     @torch.no_grad()
     def finish_pull(self) -> None:
@@ -317,8 +326,17 @@ class PSClient(PSConnections):
             param.copy_(self.placement.join(name, parts[name]).view_as(param))
         self.seconds["pull"] += time.perf_counter() - start
 
+    def _pull_request(self) -> wire.Pull:
+        """A pull the server may hold until it can answer (well within this client's timeout)."""
+        return wire.Pull(self.rank, self.step, hold=max(1, int(min(_HOLD, self.timeout / 4) * 1000)))
+
     def _collect_pull(self, ids: list[tuple[int, int]]) -> dict[int, wire.ParamsReply]:
-        """The pull's replies by server, asking again (0.2 ms, doubling up to 5 ms) while a server says wait."""
+        """The pull's replies by server, asking again (after 0.2 ms, doubling up to 5 ms) while a server says wait.
+
+        Servers hold a pull they cannot answer yet for up to a second (``Pull.hold``) and answer it the
+        moment a commit makes it ready, so 'wait' mostly means a second went by (or a server not yet
+        initialised); the time a reply says it was held counts as waiting for servers.
+        """
         replies: dict[int, wire.ParamsReply] = {}
         sleep = _SLEEP_MIN
         deadline = time.monotonic() + self.timeout
@@ -332,7 +350,10 @@ class PSClient(PSConnections):
                 else:
                     replies[s] = reply
             if not again:
-                self.seconds["pull"] += time.perf_counter() - start
+                took = time.perf_counter() - start
+                held = min(took, max(replies[s].held for s, _ in ids) / 1e6)  # a held pull waited for servers
+                self.seconds["wait"] += held
+                self.seconds["pull"] += took - held
                 break
             if time.monotonic() > deadline:
                 raise ServerUnavailable(f"ps task(s) {again} kept answering 'wait' to the pull for step "
@@ -340,7 +361,7 @@ class PSClient(PSConnections):
                                         name=f"ps:{again[0]}", address=self._links[again[0]].address)
             time.sleep(sleep)
             sleep = min(sleep * 2, _SLEEP_MAX)
-            ids = [(s, self._send(s, wire.Pull(self.rank, self.step))) for s in again]
+            ids = [(s, self._send(s, self._pull_request())) for s in again]
             self.seconds["wait"] += time.perf_counter() - start
         return replies
 

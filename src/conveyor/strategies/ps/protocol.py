@@ -231,10 +231,14 @@ class Pull(_Message):
     KIND = "pull"
     rank: int
     step: int
+    hold: int = 0  # ms the server may keep the pull before answering 'wait' (0, or absent: answer at once)
+
+    def to_header(self) -> dict[str, Any]:
+        return {"rank": self.rank, "step": self.step, **({"hold": self.hold} if self.hold else {})}
 
     @classmethod
     def _read(cls, f: _Fields, tensors: list[Any]) -> Pull:
-        return cls(f.rank(), f.whole("step"))
+        return cls(f.rank(), f.whole("step"), f.whole("hold", optional=True) or 0)
 
 
 @dataclass(frozen=True)
@@ -423,11 +427,15 @@ class ParamsReply(_Message):
     version: int  # what the values were read at (the ``read`` of the worker's next push and commit)
     keys: list[str]
     values: list[Any]
+    held: int = 0  # microseconds the server kept the pull until it could answer (absent: 0)
+
+    def to_header(self) -> dict[str, Any]:
+        return {"version": self.version, "keys": self.keys, **({"held": self.held} if self.held else {})}
 
     @classmethod
     def _read(cls, f: _Fields, tensors: list[Any]) -> ParamsReply:
         keys = f.items("keys", str, "piece keys")
-        return cls(f.whole("version"), keys, f.tensors("keys", keys, tensors))
+        return cls(f.whole("version"), keys, f.tensors("keys", keys, tensors), f.whole("held", optional=True) or 0)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from safetensors.torch import save as save_safetensors
 
 from conveyor.cluster.strategy_name import PS_MODES, parse_strategy
 from conveyor.comm.framing import MAX_HEADER_BYTES, MAX_TRAILER_BYTES, Message
-from conveyor.comm.transport import Server
+from conveyor.comm.transport import Deferred, Server
 from conveyor.errors import ConveyorError
 from conveyor.strategies.ps import protocol as wire
 from conveyor.strategies.ps.optim import OptimizerSpec, ServerOptimizer, mean_of_gradients
@@ -43,6 +43,7 @@ __all__ = ["MODES", "IdleTimeout", "ParameterServer", "ShardStore", "max_frame_b
 log = logging.getLogger(__name__)
 
 MODES = PS_MODES
+MAX_HOLD_MS = 2000  # the longest a server keeps a pull that asked to be held (the worker asks again after)
 
 
 def max_frame_bytes(chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
@@ -157,9 +158,11 @@ class ParameterServer:
         self.shard_files = ShardFiles(index, shards)
         self._grads: dict[int, dict[str, dict[int, torch.Tensor]]] = {}  # sync: step -> key -> rank -> grad
         self._commits: dict[int, set[int]] = {}
+        self._held: list[tuple[wire.Pull, Deferred, float]] = []  # pulls kept until ready, since when
         self._finished = threading.Event()
         self.server = Server(address, secret, self.handle, name=self.name, max_skew=max_skew,
-                             max_frame_bytes=max_frame_bytes(chunk_bytes), handshake_timeout=handshake_timeout)
+                             max_frame_bytes=max_frame_bytes(chunk_bytes), handshake_timeout=handshake_timeout,
+                             tick=self._answer_held)
 
     # -- lifetime ---------------------------------------------------------------------------------
 
@@ -206,13 +209,21 @@ class ParameterServer:
 
     # -- requests ---------------------------------------------------------------------------------
 
-    def handle(self, message: Message) -> tuple[str, dict[str, Any], list[Any]]:
+    def handle(self, message: Message) -> tuple[str, dict[str, Any], list[Any]] | Deferred:
         self.counters["requests"] += 1
         self.counters["bytes_in"] += sum(a.nbytes for a in message.tensors)
         request = wire.read_request(message.kind, message.header, message.torch_tensors(), num_workers=self.num_workers)
         if self.opt is None and not isinstance(request, (wire.Init, wire.Stats, wire.Done, wire.Ping)):
             return wire.WaitReply().encode()
-        kind, header, tensors = getattr(self, f"_on_{request.KIND}")(request).encode()
+        reply = getattr(self, f"_on_{request.KIND}")(request)
+        if isinstance(reply, Deferred):
+            return reply
+        if isinstance(request, wire.Commit):
+            self._answer_held()  # the commit may have made held pulls ready
+        return self._encoded(reply)
+
+    def _encoded(self, reply: Any) -> tuple[str, dict[str, Any], list[Any]]:
+        kind, header, tensors = reply.encode()
         self.counters["bytes_out"] += sum(int(t.numel() * t.element_size()) for t in tensors
                                           if isinstance(t, torch.Tensor))
         return kind, header, tensors
@@ -289,13 +300,38 @@ class ParameterServer:
             return step - min(self.clock) <= self.staleness_bound
         return True
 
-    def _on_pull(self, pull: wire.Pull) -> wire.ParamsReply | wire.WaitReply:
-        if not self._ready(pull.step):
-            self.counters["pull_waits"] += 1
-            return wire.WaitReply(self.version)
+    def _on_pull(self, pull: wire.Pull) -> wire.ParamsReply | wire.WaitReply | Deferred:
+        if self._ready(pull.step):
+            return self._params()
+        if pull.hold:
+            # Kept until a commit makes it ready (answered at once then) or its hold runs out (then 'wait'):
+            # no polling round trips, and the worker's own timeout still bounds the wait.
+            deferred = Deferred()
+            self._held.append((pull, deferred, time.monotonic()))
+            return deferred
+        self.counters["pull_waits"] += 1
+        return wire.WaitReply(self.version)
+
+    def _params(self, held: float = 0.0) -> wire.ParamsReply:
         self.counters["pulls"] += 1
         read = self.version if self.mode == "sync" else min(self.clock)
-        return wire.ParamsReply(read, list(self.keys), [self.opt.params[k] for k in self.keys])
+        return wire.ParamsReply(read, list(self.keys), [self.opt.params[k] for k in self.keys],
+                                held=int(held * 1e6))
+
+    def _answer_held(self) -> None:
+        """Answer the held pulls that became ready (their parameters) or ran out of time ('wait')."""
+        if not self._held:
+            return
+        now, still = time.monotonic(), []
+        for pull, deferred, since in self._held:
+            if self._ready(pull.step):
+                self.server.reply(deferred, self._encoded(self._params(held=now - since)))
+            elif now - since >= min(pull.hold, MAX_HOLD_MS) / 1000:
+                self.counters["pull_waits"] += 1
+                self.server.reply(deferred, self._encoded(wire.WaitReply(self.version)))
+            else:
+                still.append((pull, deferred, since))
+        self._held = still
 
     def _on_stats(self, stats: wire.Stats) -> wire.StatsReply:
         transport = self.server.stats
