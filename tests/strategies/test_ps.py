@@ -33,6 +33,7 @@ from conveyor.comm.transport import Client, RemoteError
 from conveyor.launch.ports import free_ports
 from conveyor.strategies import PSStrategy
 from conveyor.strategies.ps import OptimizerSpec, ServerOptimizer, mean_of_gradients, place
+from conveyor.strategies.ps.protocol import ParamsReply, read_reply
 from conveyor.strategies.ps.server import ParameterServer
 from conveyor.strategies.ps.task import shard_stores
 from conveyor.train.checkpoint import CheckpointManager
@@ -326,8 +327,9 @@ def test_sync_averages_in_rank_order_and_applies_once(served) -> None:
                                {p.key: v for p, v in zip(placement.pieces, [model.weight.reshape(-1),
                                                                             model.bias.reshape(-1)], strict=True)})
     expected.apply({k: mean_of_gradients([g[0][i], g[1][i]]) for i, k in enumerate(keys)})
-    assert reply.kind == "params" and reply.header["version"] == 1
-    for key, value in zip(reply.header["keys"], reply.torch_tensors(), strict=True):
+    params = read_reply(reply, ParamsReply, what="pull")  # the pieces may travel packed into one frame
+    assert params.version == 1 and params.keys == keys
+    for key, value in zip(params.keys, params.values, strict=True):
         assert torch.equal(value, expected.params[key])
     assert server.staleness == {0: 2}
 

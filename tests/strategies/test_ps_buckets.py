@@ -57,8 +57,7 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 6, generator=generator), torch.randn(8, 1, generator=generator)
 
 
-def _worker(rank: int, addresses: list[str], bucket_bytes: int, out: dict) -> None:
-    model = _model()
+def _worker(rank: int, model: nn.Module, addresses: list[str], bucket_bytes: int, out: dict) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     # chunk_bytes 256: the larger weights are cut into pieces on both servers
     client = PSClient(addresses, SECRET, rank=rank, num_workers=2, sender=f"worker:{rank}", timeout=30.0,
@@ -81,8 +80,9 @@ def _train(bucket_bytes: int) -> tuple[list[torch.Tensor], list[dict[str, int]]]
     servers = [ParameterServer(f"127.0.0.1:{p}", SECRET, index=i, num_workers=2, mode="sync").start()
                for i, p in enumerate(ports)]
     out: dict = {}
-    threads = [threading.Thread(target=_worker, args=(r, [f"127.0.0.1:{p}" for p in ports], bucket_bytes, out))
-               for r in range(2)]
+    models = [_model(), _model()]  # here: torch's global RNG is not for threads
+    threads = [threading.Thread(target=_worker, args=(r, models[r], [f"127.0.0.1:{p}" for p in ports], bucket_bytes,
+                                                      out)) for r in range(2)]
     try:
         for thread in threads:
             thread.start()

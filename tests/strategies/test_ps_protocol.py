@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conveyor.comm.framing import decode, encode
+from conveyor.strategies.ps.packing import PACK_BYTES
 from conveyor.strategies.ps.protocol import (
     REQUESTS,
     Commit,
@@ -198,6 +199,29 @@ def test_pieces_and_tensors_must_match() -> None:
         _refused("position", {"rank": 0}, tensors, "tensors")
     with pytest.raises(ProtocolError, match="header is a list"):
         read_request("pull", [1, 2], [])
+
+
+def test_many_small_pieces_travel_packed_and_come_back_one_per_key() -> None:
+    keys = [f"p{i}[0:{i + 1}]" for i in range(65)]
+    grads = [torch.arange(i + 1, dtype=torch.float32) for i in range(65)]
+    _, header, frames = Push(0, 1, 1, keys, grads).encode()
+    assert len(frames) == 1 and header["sizes"] == [g.numel() for g in grads]
+    back = _wire(Push(0, 1, 1, keys, grads))
+    assert back.keys == keys and all(torch.equal(a, b) for a, b in zip(back.grads, grads, strict=True))
+    # another dtype and a piece over PACK_BYTES start frames of their own; a lone piece travels as it is
+    big = torch.zeros(PACK_BYTES // 4 + 1)
+    values = [torch.ones(2), torch.ones(2), torch.ones(3, dtype=torch.float64), big, torch.ones(1)]
+    _, header, frames = ParamsReply(0, list("abcde"), values).encode()
+    assert [f.numel() for f in frames] == [4, 3, big.numel(), 1] and torch.equal(frames[3], values[4])
+    assert "sizes" not in Push(0, 1, 1, ["w"], [torch.ones(3)]).encode()[1]
+
+
+def test_packed_pieces_must_fill_their_frames_exactly() -> None:
+    header = {"rank": 0, "step": 1, "read": 1, "keys": ["a", "b"]}
+    for sizes, frames in (([2, 2], [torch.zeros(3)]), ([2, 1], [torch.zeros(2), torch.zeros(2)]),
+                          ([1, 2], [torch.zeros(2), torch.zeros(1)]), ([2, 0], [torch.zeros(2)]),
+                          ([1], [torch.zeros(1)]), ([1, 1], [torch.zeros((1, 2))]), ([1, 1], []), ("2", [])):
+        _refused("push", header | {"sizes": sizes}, frames, "sizes")
 
 
 def test_an_unknown_kind_is_refused_listing_the_known_ones() -> None:

@@ -280,6 +280,10 @@ class PSClient(PSConnections):
         self._hyper = hyper
         commits = [self._send(s, wire.Commit(self.rank, self.step, self.read[s], changed, self.announce))
                    for s in range(self.num_servers)]
+        self.step += 1
+        # Right behind the commit, not after its reply: a server handles a connection's requests in order,
+        # so the pull sees the commit, and the step costs one round trip to the servers instead of two.
+        self.start_pull()
         for server, rid in self._pending:
             self._receive(server, rid, wire.OkReply, what="push")
         self._pending.clear()
@@ -290,8 +294,6 @@ class PSClient(PSConnections):
         self._keep.clear()
         self._pushed.clear()
         self.seconds["push"] += time.perf_counter() - start
-        self.step += 1
-        self.start_pull()
         if not prefetch:
             self.finish_pull()
 

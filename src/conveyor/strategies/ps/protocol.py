@@ -27,6 +27,7 @@ import torch
 
 from conveyor.comm.framing import Message
 from conveyor.errors import ConveyorError
+from conveyor.strategies.ps.packing import pack, unpack
 
 __all__ = [
     "REQUESTS", "CommitReply", "Commit", "Done", "Init", "InitReply", "LoadState", "OkReply", "ParamsReply",
@@ -162,6 +163,29 @@ class _Message:
         return cls()  # a message without fields; the others read theirs
 
 
+class _Packed(_Message):
+    """A message with one flat piece per key, whose pieces may travel packed (:mod:`.packing`): then the
+    header's ``sizes`` lists each piece's element count, and the frames hold the pieces back to back."""
+
+    def encode(self) -> tuple[str, dict[str, Any], list[Any]]:
+        kind, header, values = super().encode()
+        frames, sizes = pack(values)
+        return kind, header if sizes is None else {**header, "sizes": sizes}, frames
+
+
+def _pieces(f: _Fields, keys: list[str], tensors: list[Any]) -> list[Any]:
+    """One value per key: the tensors as they are, or cut from packed frames as the header's ``sizes`` says."""
+    sizes = f.items("sizes", int, "whole numbers >= 1", optional=True)
+    if sizes is None:
+        return f.tensors("keys", keys, tensors)
+    if len(sizes) != len(keys):
+        raise f.fail("sizes", f"lists {len(sizes)} pieces for {len(keys)} keys")
+    try:
+        return unpack(sizes, tensors)
+    except ValueError as exc:
+        raise f.fail("sizes", str(exc)) from None
+
+
 # -- requests ----------------------------------------------------------------------------------------------------
 
 
@@ -189,7 +213,7 @@ class Init(_Message):
 
 
 @dataclass(frozen=True, eq=False)
-class Push(_Message):
+class Push(_Packed):
     KIND = "push"
     TENSORS = "grads"
     rank: int
@@ -202,7 +226,7 @@ class Push(_Message):
     def _read(cls, f: _Fields, tensors: list[Any]) -> Push:
         step = f.whole("step")
         keys = f.items("keys", str, "piece keys")
-        return cls(f.rank(), step, _read_version(f, step), keys, f.tensors("keys", keys, tensors))
+        return cls(f.rank(), step, _read_version(f, step), keys, _pieces(f, keys, tensors))
 
 
 @dataclass(frozen=True)
@@ -420,7 +444,7 @@ class SaveReply(_Message):
 
 
 @dataclass(frozen=True, eq=False)
-class ParamsReply(_Message):
+class ParamsReply(_Packed):
     KIND = "params"
     LABEL = "'params' reply"
     TENSORS = "values"
@@ -435,7 +459,7 @@ class ParamsReply(_Message):
     @classmethod
     def _read(cls, f: _Fields, tensors: list[Any]) -> ParamsReply:
         keys = f.items("keys", str, "piece keys")
-        return cls(f.whole("version"), keys, f.tensors("keys", keys, tensors), f.whole("held", optional=True) or 0)
+        return cls(f.whole("version"), keys, _pieces(f, keys, tensors), f.whole("held", optional=True) or 0)
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from conveyor.comm.transport import Deferred, Server
 from conveyor.errors import ConveyorError
 from conveyor.strategies.ps import protocol as wire
 from conveyor.strategies.ps.optim import OptimizerSpec, ServerOptimizer, mean_of_gradients
+from conveyor.strategies.ps.packing import PACK_BYTES
 from conveyor.strategies.ps.sharding import DEFAULT_CHUNK_BYTES
 
 __all__ = ["MODES", "IdleTimeout", "ParameterServer", "ShardStore", "max_frame_bytes"]
@@ -51,11 +52,11 @@ def max_frame_bytes(chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
 
     A ps message's frames are its header (at most ``MAX_HEADER_BYTES``), one frame per tensor, and the
     trailer (at most ``MAX_TRAILER_BYTES``). Every tensor is one placement piece (a gradient, a value,
-    or an optimizer state of the same size), and pieces are at most ``chunk_bytes`` (or one element).
-    The factor 2 is headroom for what this bound does not foresee: a frame over the limit costs its
-    connection (the request times out), so erring high is the safe side.
+    or an optimizer state of the same size), at most ``chunk_bytes`` (or one element), or pieces packed
+    into at most ``PACK_BYTES``. The factor 2 is headroom for what this bound does not foresee: a frame
+    over the limit costs its connection (the request times out), so erring high is the safe side.
     """
-    return 2 * max(chunk_bytes, MAX_HEADER_BYTES, MAX_TRAILER_BYTES, 64)
+    return 2 * max(chunk_bytes, PACK_BYTES, MAX_HEADER_BYTES, MAX_TRAILER_BYTES, 64)
 
 
 class IdleTimeout(ConveyorError, RuntimeError):
