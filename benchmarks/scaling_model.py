@@ -3,7 +3,7 @@
     python benchmarks/scaling_model.py                        # both parts (published: instant; measured: ~8 min)
     python benchmarks/scaling_model.py --part published       # the papers only (the tests' run)
     python benchmarks/scaling_model.py --part measured --quick   # 1 round of 10 steps
-    sudo python benchmarks/scaling_model.py --part measured --hosts 2 --caps 20,100,1000   # ~10 min
+    sudo python benchmarks/scaling_model.py --part measured --hosts 2 --caps 10,100,1000   # ~8 min
 
 Part "published": every case of ``benchmarks/scaling_published.json`` (each input names its source); the
 model (``conveyor.scaling``, default options) predicts the efficiency at the published worker count
@@ -52,7 +52,8 @@ PARTS = ("published", "measured")
 CONTENDERS = ("1-worker", "allreduce", "ps-sync")  # odd rounds reversed
 PREDICTED = ("allreduce", "ps-sync")
 HOST_STRATEGIES = ("allreduce", "ps-sync")  # --hosts 2: the first; --hosts 3: both, the ps on a host of its own
-DEFAULT_CAPS = "20,100,1000"  # Mbit/s: ResNet-20's ~1.1 MB of gradients take ~0.44 s at 20, ~9 ms at 1000
+DEFAULT_CAPS = "10,100,1000"  # Mbit/s: ResNet-20's ~1.1 MB of gradients take ~0.9 s at 10 (3x its compute on
+# one core here: communication-bound), ~90 ms at 100, ~9 ms at 1000 (compute-bound)
 WORKERS = 2
 PROBE_BYTES = 4 * 2**20
 PUBLISHED_GAP = 0.10
@@ -443,8 +444,7 @@ def derive_measured(res: dict[str, Any]) -> dict[str, Any]:
         nominal = [p[c] if p else None for p in res["predicted_nominal"]]
         d[f"{c}_predicted_nominal"] = h.median(nominal)
         d[f"{c}_ratio_nominal"] = h.median(h.paired(nominal, res["samples"][c]))
-        bounds = [b[c] for b in res.get("predicted_bound") or [] if b]
-        d[f"{c}_bound"] = statistics.mode(bounds) if bounds else None
+        d[f"{c}_bound_per_round"] = [b[c] if b else None for b in res["predicted_bound"]]
     d["compute_speed_per_round"] = [p["speed"] if p else None for p in res["probes"]]
     d["cpu_pressure_per_round"] = [p["cpu_pressure"] if p else None for p in res["probes"]]
     return d
@@ -462,7 +462,7 @@ def format_measured(d: dict[str, Any], site: Site, settings: dict[str, Any], rep
             f"step rate = workers x batch / chief's median step; wall rate = summary's samples_per_second; "
             f"predicted: this machine as probed (nominal: 2 idle cores, compute speed 1); bound: the model's")
     rows = [("job", "step rate", "wall rate", "predicted", "predicted / step rate", "per round",
-             "quiet rounds", "predicted / wall rate", "nominal", "nominal / step rate", "bound")]
+             "quiet rounds", "predicted / wall rate", "nominal", "nominal / step rate", "bound per round")]
     rows.append(("1 worker (the input)", h.fmt(d["median_step_rate"]["1-worker"], ".1f"),
                  h.fmt(d["median_wall_rate"]["1-worker"], ".1f"), "", "", "", "", "", "", "", ""))
     for c, label in site.labels.items():
@@ -471,7 +471,7 @@ def format_measured(d: dict[str, Any], site: Site, settings: dict[str, Any], rep
                      h.fmt(d[f"{c}_ratio"], ".3f"), h.fmt_all(d[f"{c}_ratio_per_round"], ".3f"),
                      h.fmt(d[f"{c}_ratio_quiet"], ".3f"), h.fmt(d[f"{c}_ratio_wall"], ".3f"),
                      h.fmt(d[f"{c}_predicted_nominal"], ".1f"), h.fmt(d[f"{c}_ratio_nominal"], ".3f"),
-                     d[f"{c}_bound"] or "-"))
+                     " ".join(b or "-" for b in d[f"{c}_bound_per_round"])))
     return "\n".join([head, "", h.format_rows(rows, left=(0, 5, 10))])
 
 
@@ -511,7 +511,7 @@ def measure_on_hosts(args: argparse.Namespace, settings: dict[str, Any], cores: 
         by_cap.setdefault(key, {})[strategy] = {
             "predicted_samples_per_second": d[f"{c}_predicted"],
             "measured_samples_per_second": d["median_step_rate"][c], "ratio": d[f"{c}_ratio"],
-            "ratio_quiet": d[f"{c}_ratio_quiet"], "bound": d[f"{c}_bound"]}
+            "ratio_quiet": d[f"{c}_ratio_quiet"], "bound_per_round": d[f"{c}_bound_per_round"]}
     block = {"hosts": args.hosts, "caps_mbit": [hosts_bench.cap_key(c) for c in args.caps], "links": links,
              "clusters": {c: vars(cl) for c, cl in site.clusters.items()}, "by_cap": by_cap, "measured": d,
              "order": res["order"], **rounds_fields(res)}
@@ -548,14 +548,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per job (default 600)")
     p.add_argument("--hosts", type=int, choices=(2, 3), default=None, metavar="K",
                    help="measured part: run the 2-worker jobs one worker per network-namespace host (root only): "
-                        "K = 2: allreduce; K = 3: also ps-sync, its ps on a third host (default: on this machine)")
+                        "K = 2: allreduce; K = 3: also ps-sync, its ps on a third host (default: on this machine; "
+                        "--repeats then defaults to 2)")
     p.add_argument("--caps", type=hosts_bench.parse_caps, default=None, metavar="MBIT,...",
                    help="with --hosts: the links' caps in Mbit/s per direction, each in turn, 'none' for uncapped "
                         f"(default {DEFAULT_CAPS})")
     p.add_argument("--probe", metavar="JSON", help=argparse.SUPPRESS)
     p.add_argument("--compute-probe", metavar="JSON", help=argparse.SUPPRESS)
-    args = h.settle(p, p.parse_args(argv), {"repeats": (3, 1), "steps": (30, 10)},
-                    positive=("repeats", "steps", "batch_size", "timeout"))
+    args = p.parse_args(argv)
+    h.settle(p, args, {"repeats": (3 if args.hosts is None else 2, 1), "steps": (30, 10)},
+             positive=("repeats", "steps", "batch_size", "timeout"))
     if args.caps is not None and args.hosts is None:
         p.error("--caps needs --hosts K (the caps are the namespace hosts' links)")
     if args.hosts is not None and args.part == "published":

@@ -3,7 +3,8 @@
 The measured part trains the CIFAR-10 example for minutes, so mostly what it is made of is checked here:
 the job commands, the description of this machine and of namespace hosts as clusters, and the prediction
 from a 1-worker summary. Every input of every published case must name where it comes from. As root, the
-``--hosts 2`` variant also runs end to end with tiny jobs (~35 s): a smoke run, not a validation.
+``--hosts 2`` variant also runs end to end with tiny jobs at one cap: a smoke run, not a validation (~40 s on
+an idle machine, mostly process start-up; ~100 s on a busy one).
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def test_parse_args(bench):
     assert (bench.parse_args(["--quick"]).repeats, bench.parse_args(["--quick"]).steps) == (1, 10)
     hosts = bench.parse_args(["--part", "measured", "--hosts", "3", "--caps", "10,none"])
     assert (hosts.hosts, hosts.caps) == (3, (10.0, None))
-    assert bench.parse_args(["--hosts", "2"]).caps == (20.0, 100.0, 1000.0)
+    default = bench.parse_args(["--hosts", "2"])
+    assert (default.caps, default.repeats, default.steps) == ((10.0, 100.0, 1000.0), 2, 30)
     for bad in (["--part", "papers"], ["--steps", "0"], ["--repeats", "0"], ["--hosts", "4"], ["--caps", "20"],
                 ["--hosts", "2", "--part", "published"], ["--hosts", "2", "--caps", "fast"]):
         with pytest.raises(SystemExit):
@@ -124,19 +126,16 @@ def test_namespace_hosts_as_clusters_one_per_cap(bench, tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 def test_quick_run_on_namespace_hosts_writes_the_hosts_block(bench, tmp_path):
-    argv = ["--part", "measured", "--hosts", "2", "--quick", "--caps", "20,1000", "--steps", "4", "--batch-size",
+    argv = ["--part", "measured", "--hosts", "2", "--quick", "--caps", "20", "--steps", "4", "--batch-size",
             "16", "--timeout", "90", "--out", str(tmp_path)]
     assert bench.main(argv) == 0
     report = json.loads((tmp_path / "scaling_model-latest.json").read_text())
     block = report["hosts"]
-    assert report["measured"] is None and block["caps_mbit"] == ["20", "1000"] and not report["errors"]
-    for key in ("20", "1000"):
-        row = block["by_cap"][key]["allreduce"]
-        assert row["predicted_samples_per_second"] > 0 and row["measured_samples_per_second"] > 0, row
-        assert 0 < block["links"][key]["bus_bandwidth"] and 0 < block["links"][key]["latency"] < 0.1
-    assert block["links"]["20"]["bus_bandwidth"] < 4e6 < 4e7 < block["links"]["1000"]["bus_bandwidth"]  # the caps hold
-    assert [g["name"].split(":")[0] for g in report["goals"]] == [
-        "measured 2 workers allreduce on hosts @ 20 Mbit/s", "measured 2 workers allreduce on hosts @ 1 Gbit/s"]
+    assert report["measured"] is None and block["caps_mbit"] == ["20"] and not report["errors"]
+    row = block["by_cap"]["20"]["allreduce"]
+    assert row["predicted_samples_per_second"] > 0 and row["measured_samples_per_second"] > 0, row
+    assert 1e6 < block["links"]["20"]["bus_bandwidth"] < 4e6 and 0 < block["links"]["20"]["latency"] < 0.1  # 2.5 MB/s
+    assert [g["name"].split(":")[0] for g in report["goals"]] == ["measured 2 workers allreduce on hosts @ 20 Mbit/s"]
 
 
 def test_rounds_on_a_site_predict_each_job_from_the_rounds_one_worker_run(bench, monkeypatch, tmp_path):
@@ -162,6 +161,7 @@ def test_rounds_on_a_site_predict_each_job_from_the_rounds_one_worker_run(bench,
     # each round's prediction at the round's compute speed (0.5: 2 s of compute a step), not the nominal 1
     assert d["allreduce@20_predicted"] < 0.6 * d["allreduce@20_predicted_nominal"]
     assert d["allreduce@20_error"] == pytest.approx(abs(d["allreduce@20_predicted"] / (128 / 1.28) - 1))
+    assert d["allreduce@20_bound_per_round"] == ["compute", "compute"]
     table = bench.format_measured(d, site, {"steps": 4, "batch_size": 64}, 2)
     assert "2 workers allreduce on hosts @ 20 Mbit/s" in table and "20 Mbit/s: 2.40 MB/s" in table
     goal = bench.goals([], d, site.labels)[0]
