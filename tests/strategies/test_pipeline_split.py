@@ -83,12 +83,14 @@ def test_every_bad_split_names_the_value_and_the_fix(kwargs, message) -> None:
         plan_split(mlp(), **kwargs)
 
 
-def test_a_model_that_is_not_sequential_is_refused_with_the_fix() -> None:
+def test_a_stage_count_alone_cannot_cut_a_model_that_is_not_sequential() -> None:
     class Net(nn.Module):
         def forward(self, x):
             return x
 
-    with pytest.raises(SplitError, match=r"splits an nn.Sequential, and the model is a Net: write it as"):
+    with pytest.raises(SplitError, match=r"--stages 2 alone cuts an nn.Sequential between its layers, and the model is "
+                                         r"a Net.*name where each later stage begins instead, as split points "
+                                         r"\(conveyor run --split blocks.2,head, or job.prepare"):
         plan_split(Net(), stages=2)
 
 
