@@ -11,7 +11,8 @@ torch's schedules and stage communication do the work (``torch.distributed.pipel
   cross each cut at its first step by sending them with ``send_object_list`` — pickle on the wire,
   which conveyor does not accept (docs/architecture.md#no-pickle). Every stage of a replica is given
   the same batch, so each one computes every cut's shape itself from a copy of the whole model on the
-  meta device (no memory, no arithmetic) and builds its stage *static*: only tensors cross.
+  meta device (no memory, no arithmetic) and builds its stage *static*: only tensors cross. (A traced
+  split's stage, ``traced.TracedRunner``, takes the shapes from its trace.)
 - **A stage per batch size.** A static stage's receive buffers have the microbatch's shape; a batch
   of another size (the last of an epoch, an evaluation batch) gets its own stage and schedule,
   built once and kept.
