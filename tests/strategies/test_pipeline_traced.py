@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.distributed.pipelining._IR import _modify_graph_op_device
 
 from conveyor.strategies.pipeline.split import SplitError, TracedPlan, plan_split
 from conveyor.strategies.pipeline.strategy import PipelineStrategy
@@ -115,6 +116,35 @@ def test_the_traced_stages_keep_the_models_names_and_compose_to_its_forward() ->
     for graph in graphs:
         y = graph(y)
     assert torch.equal(y, model(x))
+
+
+class Positions(nn.Module):
+    """Token ids in; positions made in forward on the input's device (meta while tracing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(10, 8), nn.Embedding(6, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return self.head(x)
+
+
+def test_tensors_made_in_forward_on_the_inputs_device_are_made_on_the_stages() -> None:
+    model = Positions()
+    pipe = TracedSplit(model, plan_split(model, split_points=["blocks.1"])).trace(
+        torch.zeros(2, 6, dtype=torch.long, device="meta"), training=True)
+    graphs = [pipe.split_gm.get_submodule(node.target) for node in stage_nodes(pipe)]
+    real = dict(model.named_parameters())
+    for graph in graphs:
+        attach_tensors(graph, real)
+        _modify_graph_op_device(graph, torch.device("cpu"))  # as TracedRunner does: the trace said "meta"
+    x = torch.randint(0, 10, (3, 6))
+    assert torch.equal(graphs[1](graphs[0](x)), model(x))
 
 
 def test_a_stage_keeps_its_tensors_and_the_rest_go_to_the_meta_device() -> None:
