@@ -9,7 +9,8 @@
 ``N`` processes with ``S`` stages make ``N / S`` pipeline replicas (pipeline × data parallel); rank
 ``r`` runs stage ``r % S`` of replica ``r // S``, and rank 0 (the chief) is replica 0's first stage.
 Every stage of a replica reads the replica's shard (``job.data_shard``). ``prepare`` keeps this
-stage's layers (the others go to the meta device) and rebuilds the optimizer over them; a step runs
+stage's layers (the others go to the meta device) and rebuilds the optimizer over them (a model that
+is not an nn.Sequential: at its first batch, when its split is traced, ``traced.py``); a step runs
 torch's schedule over the microbatches, averages each stage's gradients over its replicas, and equals
 one process training the whole model on the replicas' combined batch. Rank layout, data, splits and
 the numbers: ``docs/architecture.md``, "Pipeline parallelism".
@@ -258,7 +259,7 @@ class PipelineStrategy(Strategy):
         self.module.load_model_state_dict(dict(state["model"]))
         optimizer.load_state_dict(state["optimizer"])
 
-    def _plan(self) -> SplitPlan:
+    def _plan(self) -> SplitPlan | TracedPlan:
         if self.plan is None or self.module is None:
             raise RuntimeError("strategy 'pipeline': call job.prepare(model, optimizer) first")
         return self.plan
