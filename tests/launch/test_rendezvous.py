@@ -90,6 +90,27 @@ def test_settings_that_differ_between_nodes_are_refused_naming_the_flag():
         close(results)
 
 
+
+def test_every_node_publishes_the_pipeline_flags_so_two_different_cuts_are_refused():
+    from conveyor.cli.run import node_settings
+    from conveyor.launch import RunOptions
+
+    def options(microbatches: int) -> RunOptions:
+        return RunOptions(script="train.py", data_dir="/data", output_dir="/out", workers=2, strategy="pipeline",
+                          stages=2, microbatches=microbatches)
+
+    mine = node_settings(options(4))
+    assert {"stages": 2, "microbatches": 4, "schedule": None, "split": None}.items() <= mine.items()
+    endpoint = f"127.0.0.1:{free_ports(1)[0]}"
+    theirs = node_settings(options(8))
+    results = join_all(endpoint, [dict(node_rank=0, settings=mine), dict(node_rank=1, settings=theirs)])
+    try:
+        for r in results:
+            assert isinstance(r, RendezvousError)
+            assert "node 1 has --microbatches = 8 but node 0 has 4; start every node with the same" in str(r)
+    finally:
+        close(results)
+
 def test_secret_files_must_hold_the_same_secret():
     endpoint = f"127.0.0.1:{free_ports(1)[0]}"
     results = join_all(endpoint, [dict(node_rank=0, secret=b"a" * 32), dict(node_rank=1, secret=b"b" * 32)])
