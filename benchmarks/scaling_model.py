@@ -29,8 +29,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -260,19 +258,12 @@ def job_command(contender: str, settings: dict[str, Any], out_dir: Path) -> list
 
 def run_job(contender: str, settings: dict[str, Any], out_dir: Path, timeout: float) -> dict[str, Any]:
     """One `conveyor run` job; its summary.json (``{"error": ...}`` on failure)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    # Its own session, so that a timeout can stop the launcher and every task it started, and nothing else.
-    proc = subprocess.Popen(job_command(contender, settings, out_dir), env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
+    code, output = h.run_launcher(job_command(contender, settings, out_dir), timeout, cwd=ROOT)
+    if code is None:
         return {"error": f"timed out after {timeout:.0f} s: {output.strip()[-600:]}"}
     path = out_dir / "summary.json"
-    if proc.returncode or not path.exists():
-        return {"error": f"conveyor run exited {proc.returncode}: {output.strip()[-800:]}"}
+    if code or not path.exists():
+        return {"error": f"conveyor run exited {code}: {output.strip()[-800:]}"}
     summary = json.loads(path.read_text())
     summary["path"] = str(path)
     return summary
