@@ -55,6 +55,7 @@ import harness as h  # noqa: E402
 from conveyor.data import AUTOTUNE, Dataset, TFRecordDataset  # noqa: E402
 from conveyor.data.cifar import convert_cifar  # noqa: E402
 from conveyor.data.records import TFRecordReader  # noqa: E402
+from conveyor.fileio import atomic_write  # noqa: E402
 from pipeline import CpuProbe, make_images  # noqa: E402
 
 HERE = Path(__file__).resolve()
@@ -117,7 +118,7 @@ def prepare_data(root: Path, train_images: int, shards: int) -> dict[str, Any]:
                     "files": [*one, *sharded], "archive_bytes": archive.stat().st_size,
                     "train_bytes": sum(os.path.getsize(f) for f in sharded),
                     "seconds": round(time.perf_counter() - started, 2)}
-        manifest_path.write_text(json.dumps(manifest, indent=1))
+        atomic_write(manifest_path, json.dumps(manifest, indent=1).encode(), fsync=False)
     return manifest
 
 

@@ -37,7 +37,11 @@ def _points(values: Mapping[str, Any], workers: Sequence[int]) -> tuple[list[int
     return [k for k, _ in pts], [v for _, v in pts]
 
 
-def _save(fig, path: Path) -> Path:
+def _save(fig, ax, path: Path, title: str) -> Path:
+    """Title, grid and legend as both plots have them, then the PNG."""
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -63,10 +67,7 @@ def plot_input_scaling(d: dict[str, Any], contenders: Sequence[str], workers: Se
         ax.set_xlabel("workers (processes, one simulated accelerator each)")
         ax.set_ylabel("samples/s, whole job")
         ax.set_ylim(bottom=0)
-        ax.set_title(title, fontsize=10)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="best")
-        return _save(fig, path)
+        return _save(fig, ax, path, title)
     finally:
         plt.close(fig)
 
@@ -93,9 +94,6 @@ def plot_allreduce_scaling(d: dict[str, Any], workers: Sequence[int], path: Path
         ax.set_ylabel(f"speedup over {d['baseline_workers']} worker(s)")
         ax.set_xlim(0.5, top + 0.5)
         ax.set_ylim(0, top + 0.5)
-        ax.set_title(title, fontsize=10)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="best")
-        return _save(fig, path)
+        return _save(fig, ax, path, title)
     finally:
         plt.close(fig)

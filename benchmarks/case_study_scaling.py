@@ -20,8 +20,6 @@ from __future__ import annotations
 import json
 import os
 import resource
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -58,19 +56,7 @@ def job_command(world: int, settings: dict[str, Any], out_dir: Path, data_dir: P
 
 
 def _launch(cmd: list[str], cpus: list[int] | None, per_worker: int, timeout: float) -> tuple[int | None, str]:
-    """Run the launcher in its own session (so a timeout stops every task); (exit status or None, output)."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(per_worker), "PYTHONUNBUFFERED": "1"}
-    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, preexec_fn=pin)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        return None, output
-    return proc.returncode, output
-
+    return h.run_launcher(cmd, timeout, threads=per_worker, cwd=ROOT, cpus=cpus)
 
 class JobCpu:
     """CPU seconds of the finished child processes (the launcher and, waited for by it, its tasks) and of the

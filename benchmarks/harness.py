@@ -12,7 +12,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
+import signal
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -45,6 +48,26 @@ class ContenderFailed(RuntimeError):
     def __init__(self, message: str, run: Any = None) -> None:
         super().__init__(message)
         self.run = run
+
+
+def run_launcher(cmd: Sequence[str], timeout: float, *, threads: int = 1, cwd: Path | None = None,
+                 cpus: Sequence[int] | None = None) -> tuple[int | None, str]:
+    """Run a launcher (``conveyor run``) to its end; (exit status, or None on a timeout, and its output).
+
+    It runs in a session of its own, so that a timeout stops the launcher and every task it started and
+    nothing else; ``threads`` is each task's OMP_NUM_THREADS, ``cpus`` the cores it is confined to.
+    """
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    proc = subprocess.Popen(list(cmd), env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, preexec_fn=pin)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        return None, output
+    return proc.returncode, output
 
 
 def round_order(names: Sequence[str], rnd: int, reverse_odd: bool = True) -> list[str]:

@@ -234,6 +234,8 @@ def gloo(config: dict[str, Any]) -> None:
                        timeout=config["timeout"])
     try:
         result = ps_bench.time_allreduce(config["bytes"], config["iters"])
+        if config.get("small_iters"):  # and a 4-byte one: the link's per-message latency (scaling_model.py's probe)
+            result["small_median_s"] = ps_bench.time_allreduce(4, config["small_iters"])["median_s"]
     finally:
         dist.destroy_process_group()
     if config["rank"] == 0:
@@ -341,17 +343,25 @@ def script_args(settings: dict[str, Any]) -> list[str]:
             "--checkpoint-every", str(settings["checkpoint_every"])]
 
 
-def node_commands(strategy: str, settings: dict[str, Any], dirs: tuple[Path, Path], secret_file: Path,
+def node_commands(strategy: str, script: Sequence[str], launcher: Sequence[str], secret_file: Path,
                   port: int) -> list[tuple[int, list[str]]]:
     """(host index, argv): one ``conveyor run --nnodes K --node-rank i --rdzv host0:PORT --job-secret-file F``
-    per node."""
+    per node, with the launcher's further flags ``launcher`` (folders, timeout), then SCRIPT and its arguments."""
     nodes = job_nodes(strategy)
     return [(hi, [
         sys.executable, "-m", "conveyor.cli.main", "run", "-n", str(workers), *(["--ps", str(ps)] if ps else []),
         "--strategy", strategy, "--nnodes", str(len(nodes)), "--node-rank", str(rank), "--rdzv", f"host0:{port}",
-        "--job-secret-file", str(secret_file), "--max-restarts", "0", "--timeout", str(settings["timeout"]),
-        "--data-dir", str(dirs[0]), "--output-dir", str(dirs[1]), str(EXAMPLE), *script_args(settings)])
+        "--job-secret-file", str(secret_file), "--max-restarts", "0", *launcher, *script])
         for rank, (hi, workers, ps) in enumerate(nodes)]
+
+
+def job_secret_file(folder: Path) -> Path:
+    """A fresh job secret in ``folder``, readable by its owner only: every node's launcher reads the same file,
+    as on real hosts."""
+    path = folder / "job.secret"
+    path.write_text(secrets.token_hex(32))
+    path.chmod(0o600)
+    return path
 
 
 def _wait_nodes(bench: Bench, procs: list[tuple[int, subprocess.Popen]], timeout: float) -> str | None:
@@ -400,28 +410,40 @@ def summary_figures(s: dict[str, Any], batch_size: int) -> dict[str, Any]:
                                        "bytes_in_per_server")}}
 
 
-def run_training(bench: Bench, name: str, settings: dict[str, Any], data_dir: Path, secret_file: Path,
-                 timeout: float) -> dict[str, Any]:
-    """One multi-host training job at its cap; the figures of its summary.json (``{"error"}`` on failure)."""
+def run_nodes(bench: Bench, name: str, script: Sequence[str], launcher: Sequence[str], secret_file: Path,
+              timeout: float, output_dir: Path | None = None) -> dict[str, Any]:
+    """One multi-host job (contender ``strategy@cap``) at its cap, one launcher per host (:func:`node_commands`);
+    the chief's summary.json with its ``path`` (``{"error"}`` with every host's log tail on failure)."""
     strategy, key = split_contender(name)
     bench.at(None if key == "none" else float(key))
     folder = bench.next_dir(name)
-    dirs = (data_dir, folder / "output")
+    output_dir = output_dir or folder / "output"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     port = 29400 + bench.jobs % 500  # a fresh rendezvous port per job: no TIME_WAIT from the last one
-    started = time.perf_counter()
     procs = []
-    for hi, argv in node_commands(strategy, settings, dirs, secret_file, port):
+    for hi, argv in node_commands(strategy, script, [*launcher, "--output-dir", str(output_dir)], secret_file, port):
         with open(folder / f"host{hi}.log", "wb") as log:
             procs.append((hi, bench.hosts.popen(bench.hosts[hi], argv, env=env, cwd=ROOT, stdout=log,
                                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)))
     error = _wait_nodes(bench, procs, timeout)
-    summary_path = dirs[1] / "summary.json"
-    if error or not summary_path.exists():
+    path = output_dir / "summary.json"
+    if error or not path.exists():
         logs = " || ".join(f"host{hi}: {_tail(folder / f'host{hi}.log')}" for hi, _ in procs)
         return {"error": f"{error or 'no summary.json'}: {logs[-1500:]}"}
-    run = summary_figures(json.loads(summary_path.read_text()), settings["batch_size"])
+    return {**json.loads(path.read_text()), "path": str(path)}
+
+
+def run_training(bench: Bench, name: str, settings: dict[str, Any], data_dir: Path, secret_file: Path,
+                 timeout: float) -> dict[str, Any]:
+    """One multi-host digits job at its cap; the figures of its summary.json (``{"error"}`` on failure)."""
+    started = time.perf_counter()
+    summary = run_nodes(bench, name, [str(EXAMPLE), *script_args(settings)],
+                        ["--timeout", str(settings["timeout"]), "--data-dir", str(data_dir)], secret_file, timeout)
+    if "error" in summary:
+        return summary
+    run = summary_figures(summary, settings["batch_size"])
     run["launch_seconds"] = time.perf_counter() - started
+    strategy, _ = split_contender(name)
     if run["strategy"] != strategy or run["world_size"] != len(WORKER_HOSTS):
         return {"error": f"summary.json says {run['strategy']!r}, world size {run['world_size']}", "summary": run}
     return run
@@ -432,9 +454,7 @@ def training_rounds(bench: Bench, caps: Sequence[float | None], strategies: Sequ
     # A strategy's caps back to back: "/ ref" compares neighbours, which this machine's drift hits alike.
     names = [contender(s, cap) for s in strategies for cap in caps]
     data_dir = bench.tmp / "data"  # shared by every job: the first chief writes the digits' TFRecord shards
-    secret_file = bench.tmp / "job.secret"  # every node's launcher reads the same one, as on real hosts
-    secret_file.write_text(secrets.token_hex(32))
-    secret_file.chmod(0o600)
+    secret_file = job_secret_file(bench.tmp)
 
     def measure(name: str, rnd: int) -> tuple[float, dict[str, Any]]:
         res = run_training(bench, name, settings, data_dir, secret_file, timeout)

@@ -60,8 +60,6 @@ import argparse
 import json
 import math
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -190,21 +188,14 @@ def run_job(contender: str, settings: dict[str, Any], data_dir: Path, out_dir: P
             timeout: float) -> dict[str, Any]:
     """One `conveyor run` job; the figures of its summary.json (``{"error": ...}`` on failure)."""
     cmd = job_command(contender, settings, data_dir, out_dir)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     started = time.perf_counter()
-    # Its own session, so that a timeout can stop the launcher and every task it started, and nothing else.
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
+    code, output = h.run_launcher(cmd, timeout, cwd=ROOT)
+    if code is None:
         return {"error": f"timed out after {timeout:.0f} s: {output.strip()[-600:]}"}
     launcher_seconds = time.perf_counter() - started
     summary_path = out_dir / "summary.json"
-    if proc.returncode or not summary_path.exists():
-        return {"error": f"conveyor run exited {proc.returncode}"
+    if code or not summary_path.exists():
+        return {"error": f"conveyor run exited {code}"
                          f"{'' if summary_path.exists() else ', no summary.json'}: {output.strip()[-800:]}"}
     s = json.loads(summary_path.read_text())
     wall = float(s["wall_seconds"])

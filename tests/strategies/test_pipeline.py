@@ -29,6 +29,7 @@ pytestmark = pytest.mark.multiprocess
 
 BATCH = 8  # per replica
 STEPS = 10
+RESUME_AT = 4  # test_traced_stages_resume_...: the step the checkpoint is taken at
 MICROBATCHES = 4
 
 DIGITS = Path(__file__).resolve().parents[2] / "examples" / "digits" / "train.py"
@@ -39,9 +40,40 @@ DIGITS_EPOCHS = 5  # of the three-stage run: accuracy 0.994 (4 epochs gave 0.975
 # -- shared by the workers and the reference ----------------------------------------------------------------------
 
 
-def make_model() -> nn.Module:
+def make_model(kind: str = "plain") -> nn.Module:
+    """``plain``: an nn.Sequential (cut between layers); ``traced``: a model with its own forward (cut by tracing)."""
     torch.manual_seed(0)
+    if kind == "traced":
+        return Residual()
     return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(self.norm(x)))
+
+
+class Residual(nn.Module):
+    """Not an nn.Sequential: an embedding, residual blocks iterated in forward, a final norm and a head; the
+    embedding is added back before the norm, so two tensors cross a cut between blocks."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(4))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = e = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h + e))
 
 
 def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
@@ -62,8 +94,8 @@ def batches(replicas: int, replica: int):
         yield x[rows], y[rows]
 
 
-def reference(replicas: int) -> dict[str, torch.Tensor]:
-    model = make_model()
+def reference(replicas: int, kind: str = "plain") -> dict[str, torch.Tensor]:
+    model = make_model(kind)
     optimizer = make_optimizer(model)
     for x, y in batches(1, 0) if replicas == 1 else _combined(replicas):
         optimizer.zero_grad()
@@ -132,11 +164,13 @@ def assert_equal_to(state: dict[str, torch.Tensor], expected: dict[str, torch.Te
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_two_stages_equal_one_process(tmp_path: Path, schedule: str) -> None:
-    results = launch("plain", tmp_path, world=2, stages=2, schedule=schedule)
+@pytest.mark.parametrize("kind", ["plain", "traced"])  # traced: Residual, cut before blocks.2 by split points
+def test_two_stages_equal_one_process(tmp_path: Path, schedule: str, kind: str) -> None:
+    results = launch(kind, tmp_path, world=2, stages=2, schedule=schedule)
     assert all(r is not None for r in results), logs(tmp_path, 2)
-    expected = reference(1)
-    assert not torch.allclose(expected["0.weight"], make_model().state_dict()["0.weight"]), "training must move it"
+    expected = reference(1, kind)
+    first = next(iter(expected))
+    assert not torch.allclose(expected[first], make_model(kind).state_dict()[first]), "training must move it"
     assert_equal_to(merged(results, 0, 2), expected)
     assert [r["stage"] for r in results] == [0, 1] and all(r["data_shard"] == [1, 0] for r in results)
     assert results[0]["losses"] == pytest.approx(results[1]["losses"])  # the last stage's loss, shared
@@ -150,6 +184,24 @@ def test_two_stages_by_two_replicas_equal_one_process_on_the_combined_batch(tmp_
     for replica in range(2):
         assert_equal_to(merged(results, replica, 2), expected)
     assert [r["data_shard"] for r in results] == [[2, 0], [2, 0], [2, 1], [2, 1]]
+
+
+@pytest.mark.timeout(150)
+def test_traced_stages_resume_from_their_checkpoint_parts_and_evaluate(tmp_path: Path) -> None:
+    results = launch("traced-resume", tmp_path, world=2, stages=2, schedule="1f1b",
+                     extra_env={"CONVEYOR_PIPELINE_SPLIT": "blocks.2"})
+    assert all(r is not None for r in results), logs(tmp_path, 2)
+    assert_equal_to(merged(results, 0, 2), reference(1, "traced"))  # 4 steps, a restore, 6 more: as 10 in one go
+    saved = [r["saved"] for r in results]  # the whole model's names, each in one stage's part
+    assert sorted(saved[0] + saved[1]) == sorted(make_model("traced").state_dict())
+    assert all(key.startswith(("embed.", "blocks.0.", "blocks.1.")) for key in saved[0])
+    assert results[0]["header"]["split"] == {"split_points": ["blocks.2"]}
+    model = make_model("traced")
+    model.load_state_dict(reference(1, "traced"))
+    with torch.no_grad():
+        expected = model.eval()(make_data(1)[0][:6])
+    assert results[0]["outputs"] is None
+    assert torch.allclose(torch.tensor(results[1]["outputs"]), expected, rtol=0, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -184,9 +236,10 @@ def test_three_uneven_stages_train_the_digits_example_with_the_trainer(tmp_path:
 # -- the workers --------------------------------------------------------------------------------------------------
 
 
-def run_plain(job, out: Path) -> dict:
-    model = make_model()
-    model, optimizer = job.prepare(model, make_optimizer(model))
+def run_plain(job, out: Path, kind: str = "plain") -> dict:
+    model = make_model(kind)
+    split = ["blocks.2"] if kind == "traced" else None  # the Python API; test_traced_* uses --split's variable
+    model, optimizer = job.prepare(model, make_optimizer(model), split=split)
     replicas, replica = job.data_shard
     losses = []
     for x, y in batches(replicas, replica):
@@ -195,10 +248,38 @@ def run_plain(job, out: Path) -> dict:
     return {"params": params, "losses": losses, "stage": job.strategy.stage, "data_shard": list(job.data_shard)}
 
 
+def run_traced_resume(job, out: Path) -> dict:
+    """Train RESUME_AT steps, checkpoint the stage (through the bytes a checkpoint part is), then a fresh model
+    and optimizer restore it before their first batch and train the rest; then a forward-only pass on a batch
+    of another size, in eval mode (a trace of its own)."""
+    from conveyor.train.state_io import state_from_bytes, state_to_bytes
+
+    strategy, steps = job.strategy, list(batches(1, 0))
+    model = make_model("traced")
+    model, optimizer = job.prepare(model, make_optimizer(model))
+    for x, y in steps[:RESUME_AT]:
+        job.train_step(model, optimizer, nn.functional.mse_loss, x, y)
+    trees = strategy.checkpoint_parts(model, optimizer)
+    parts = {name: state_to_bytes(tree) for name, tree in trees.items()}
+    header, _ = strategy.save_optimizer(optimizer, None, RESUME_AT)
+    model = make_model("traced")
+    model, optimizer = job.prepare(model, make_optimizer(model))
+    header = json.loads(json.dumps(header))  # as a checkpoint holds it
+    strategy.restore_checkpoint(model, optimizer, header, lambda name: state_from_bytes(*parts[name]))
+    for x, y in steps[RESUME_AT:]:
+        job.train_step(model, optimizer, nn.functional.mse_loss, x, y)
+    params = {k: v.tolist() for k, v in model.model_state_dict().items()}
+    model.eval()
+    outputs = strategy.eval_forward(model, make_data(1)[0][:6])
+    return {"params": params, "stage": strategy.stage, "outputs": None if outputs is None else outputs.tolist(),
+            "saved": sorted(trees[f"stage-{strategy.stage}"]["model"]),
+            "header": header}
+
+
 def worker_main(scenario: str, out: Path) -> None:
     rank = int(os.environ["RANK"])
     with conveyor.init() as job:
-        result = run_plain(job, out)
+        result = run_traced_resume(job, out) if scenario == "traced-resume" else run_plain(job, out, scenario)
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     sys.stdout.flush()
     sys.stderr.flush()

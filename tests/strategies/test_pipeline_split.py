@@ -83,12 +83,14 @@ def test_every_bad_split_names_the_value_and_the_fix(kwargs, message) -> None:
         plan_split(mlp(), **kwargs)
 
 
-def test_a_model_that_is_not_sequential_is_refused_with_the_fix() -> None:
+def test_a_stage_count_alone_cannot_cut_a_model_that_is_not_sequential() -> None:
     class Net(nn.Module):
         def forward(self, x):
             return x
 
-    with pytest.raises(SplitError, match=r"splits an nn.Sequential, and the model is a Net: write it as"):
+    with pytest.raises(SplitError, match=r"--stages 2 alone cuts an nn.Sequential between its layers, and the model is "
+                                         r"a Net.*name where each later stage begins instead, as split points "
+                                         r"\(conveyor run --split blocks.2,head, or job.prepare"):
         plan_split(Net(), stages=2)
 
 
@@ -99,3 +101,15 @@ def test_a_batch_must_cut_into_equal_microbatches() -> None:
         check_microbatches(30, 4)
     with pytest.raises(SplitError, match=r"a batch of 2 sample\(s\).*--microbatches 2"):
         check_microbatches(2, 4)
+
+
+@pytest.mark.parametrize("cls", [torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW])
+def test_the_stage_optimizer_is_the_same_class_and_hyperparameters_over_the_stage(cls) -> None:
+    from conveyor.strategies.pipeline.strategy import _stage_optimizer
+
+    model = mlp()
+    optimizer = cls(model.parameters(), lr=0.01, weight_decay=0.1)  # AdamW records a default AdamW() refuses
+    stage = _stage_optimizer(optimizer, model[2])
+    assert type(stage) is cls and [len(g["params"]) for g in stage.param_groups] == [2]
+    assert {k: v for k, v in stage.param_groups[0].items() if k != "params"} == \
+        {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}

@@ -44,11 +44,17 @@ MAKE_SECRET = (f"make one with `openssl rand -hex 32 > job.secret && chmod 600 j
                f"every node and pass --job-secret-file job.secret (or set {JOB_SECRET_FILE_VAR} to its path, or "
                f"{JOB_SECRET_VAR} to its hex digits, e.g. from a Kubernetes Secret)")
 
+SPLIT_HELP = ("where each later stage begins: the modules to cut before (named_modules names, in forward order), "
+              "instead of a balanced --stages. A model that is not an nn.Sequential (its own forward: blocks in a "
+              "ModuleList, residuals) is cut this way only: torch.export traces it at the first batch and the "
+              "stages are cut from the graph")
+
 EXAMPLES = """\
 examples:
   conveyor run -n 2 train.py --epochs 1
   conveyor run -n 4 --ps 2 --strategy ps-async train.py
   conveyor run -n 4 --strategy pipeline --stages 2 --microbatches 8 train.py   # 2 replicas x 2 stages
+  conveyor run -n 2 --strategy pipeline --split blocks.2 train.py    # a model with its own forward: traced
   conveyor run --dry-run -n 2 train.py --epochs 1
   conveyor run -n 8 --bind socket train.py       # one task per GPU, each on one socket's cores
   conveyor run --chief -n 3 --ps 1 --linger 5 tf2_ps_train.py     # TF2 parameter-server tutorial pattern
@@ -135,8 +141,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pipe.add_argument("--microbatches", type=int, default=None, metavar="M",
                       help="microbatches per batch (default 2*S); the batch size must be a multiple of M")
     pipe.add_argument("--schedule", default=None, metavar="NAME", help="1f1b (default) or gpipe")
-    pipe.add_argument("--split", default=None, metavar="NAME,NAME",
-                      help="the layers to cut before (named_modules names), instead of a balanced --stages")
+    pipe.add_argument("--split", default=None, metavar="NAME,NAME", help=SPLIT_HELP)
     nodes = parser.add_argument_group("several machines")
     nodes.add_argument("--nnodes", type=int, default=None, metavar="K",
                        help="machines in the job (default 1; in an srun step: the step's nodes)")

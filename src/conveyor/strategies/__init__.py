@@ -14,14 +14,22 @@ from conveyor.cluster.strategy_name import NAMES, parse_strategy
 from conveyor.strategies.allreduce import AllReduceStrategy
 from conveyor.strategies.base import Strategy, check_optimizer
 from conveyor.strategies.local import LocalStrategy
-from conveyor.strategies.pipeline.strategy import PipelineStrategy
 from conveyor.strategies.ps.strategy import PSStrategy
 
 __all__ = ["NAMES", "AllReduceStrategy", "LocalStrategy", "PSStrategy", "PipelineStrategy", "Strategy",
            "check_optimizer", "get_strategy"]
 
-_IMPLEMENTED: dict[str, type[Strategy]] = {"local": LocalStrategy, "allreduce": AllReduceStrategy,
-                                           "pipeline": PipelineStrategy}
+_IMPLEMENTED: dict[str, type[Strategy]] = {"local": LocalStrategy, "allreduce": AllReduceStrategy}
+
+
+def __getattr__(name: str):
+    # The pipeline strategy is imported when asked for: torch.distributed.pipelining brings in torch._dynamo,
+    # DTensor and sympy, 1.4 s of CPU that every task of every other strategy would pay at start.
+    if name == "PipelineStrategy":
+        from conveyor.strategies.pipeline.strategy import PipelineStrategy
+
+        return PipelineStrategy
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def get_strategy(name: str) -> Strategy:
@@ -30,4 +38,6 @@ def get_strategy(name: str) -> Strategy:
     parsed = parse_strategy(name)
     if parsed.uses_ps:
         return PSStrategy(parsed.mode, parsed.staleness)
+    if parsed.kind == "pipeline":
+        return __getattr__("PipelineStrategy")()
     return _IMPLEMENTED[parsed.kind]()

@@ -11,7 +11,8 @@ torch's schedules and stage communication do the work (``torch.distributed.pipel
   cross each cut at its first step by sending them with ``send_object_list`` — pickle on the wire,
   which conveyor does not accept (docs/architecture.md#no-pickle). Every stage of a replica is given
   the same batch, so each one computes every cut's shape itself from a copy of the whole model on the
-  meta device (no memory, no arithmetic) and builds its stage *static*: only tensors cross.
+  meta device (no memory, no arithmetic) and builds its stage *static*: only tensors cross. (A traced
+  split's stage, ``traced.TracedRunner``, takes the shapes from its trace.)
 - **A stage per batch size.** A static stage's receive buffers have the microbatch's shape; a batch
   of another size (the last of an epoch, an evaluation batch) gets its own stage and schedule,
   built once and kept.
@@ -26,6 +27,7 @@ torch's schedules and stage communication do the work (``torch.distributed.pipel
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -74,12 +76,10 @@ class _Clock:
             self.total += time.perf_counter() - start
 
 
-class _TimedStage(PipelineStage):
-    """A ``PipelineStage`` whose forward and backward chunks and end-of-step gradient reduction run on ``clock``."""
+class _Timed:
+    """Runs a stage's forward and backward chunks and end-of-step gradient reduction on ``self._clock``."""
 
-    def __init__(self, *args: Any, clock: _Clock, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._clock = clock
+    _clock: _Clock
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         return self._clock.run(super().forward_one_chunk, *args, **kwargs)
@@ -94,6 +94,14 @@ class _TimedStage(PipelineStage):
         return self._clock.run(super().perform_reduce_grad, *args, **kwargs)
 
 
+class _TimedStage(_Timed, PipelineStage):
+    """A ``PipelineStage`` (static shapes, given as examples) timed on ``clock``."""
+
+    def __init__(self, *args: Any, clock: _Clock, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._clock = clock
+
+
 class StageRunner:
     """Stage ``index`` of ``plan`` in this process (module docstring); ``group`` is this replica's pipeline."""
 
@@ -104,8 +112,7 @@ class StageRunner:
         self.microbatches = int(microbatches)
         self.schedule_cls = schedule_class(schedule)
         self._meta_model = meta_model
-        self._meta_stages = [plan.stage_module(meta_model, i) for i in range(plan.num_stages)]
-        self._built: dict[tuple[int, bool], Any] = {}
+        self._built: dict[tuple, Any] = {}
         self._loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
         self._sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
         self.clock = _Clock(self._sync)  # compute seconds, summed over the run
@@ -178,11 +185,14 @@ class StageRunner:
         return self.plan.describe(self._meta_model, sizes)
 
     def _schedule(self, inputs: torch.Tensor, training: bool) -> Any:
-        n = int(inputs.shape[0])
-        key = (n, training)
+        key = self._key(int(inputs.shape[0]), training)
         if key not in self._built:
             self._built[key] = self._build(inputs, training)
         return self._built[key]
+
+    def _key(self, n: int, training: bool) -> tuple:
+        """What a stage and schedule are built once for: a static stage's buffers hold one batch size."""
+        return (n, training)
 
     def _build(self, inputs: torch.Tensor, training: bool) -> Any:
         if training:
@@ -190,7 +200,16 @@ class StageRunner:
             check_microbatches(len(inputs), chunks)
         else:  # forward only: any equal cut works, so the largest count up to M that divides the batch
             chunks = next(m for m in range(min(self.microbatches, len(inputs)), 0, -1) if len(inputs) % m == 0)
-        x = inputs[: len(inputs) // chunks].to("meta")
+        stage = self._stage(inputs[: len(inputs) // chunks].to("meta"), training)
+        if not training:
+            return _ScheduleForwardOnly(stage, chunks)
+        # The gradients of M mean-reduced microbatch losses, each divided by M, add up to those of the batch-mean
+        # loss: the same update as the whole batch in one process. Dividing the loss (_call_loss) rather than
+        # the gradients (scale_grads=True) spares a pass over every gradient at the end of each step.
+        return self.schedule_cls(stage, chunks, loss_fn=self._call_loss, scale_grads=False)
+
+    def _stage(self, x: torch.Tensor, training: bool) -> Any:
+        """This stage for microbatches like ``x`` (on the meta device), its shapes computed on the meta model."""
         with torch.no_grad():
             for stage in self._meta_stages[: self.index]:
                 x = stage(x)
@@ -200,14 +219,16 @@ class StageRunner:
         # previous stage's backward fails with "grad can be implicitly created only for scalar outputs"
         # (torch's dynamic inference sets it as below; reproduction in docs/architecture.md, Pipeline).
         x, y = (t.detach().requires_grad_(training and t.is_floating_point()) for t in (x, y))
-        stage = _TimedStage(self.module, self.index, self.num_stages, self.device, input_args=x, output_args=y,
-                            group=self.group, clock=self.clock)
-        if not training:
-            return _ScheduleForwardOnly(stage, chunks)
-        # The gradients of M mean-reduced microbatch losses, each divided by M, add up to those of the batch-mean
-        # loss: the same update as the whole batch in one process. Dividing the loss (_call_loss) rather than
-        # the gradients (scale_grads=True) spares a pass over every gradient at the end of each step.
-        return self.schedule_cls(stage, chunks, loss_fn=self._call_loss, scale_grads=False)
+        return _TimedStage(self.module, self.index, self.num_stages, self.device, input_args=x, output_args=y,
+                           group=self.group, clock=self.clock)
+
+    @functools.cached_property
+    def _meta_stages(self) -> list[nn.Module]:
+        return [self.plan.stage_module(self._meta_model, i) for i in range(self.num_stages)]
+
+    def layers(self) -> list[list[str]]:
+        """Each stage's layers, for the summary."""
+        return self.plan.signature()
 
     def _call_loss(self, output: Any, target: Any) -> torch.Tensor:
         # the schedule computes the loss between chunks; it is the last stage's work, not waiting

@@ -5,14 +5,15 @@
     stage = plan.stage_module(model, index)                     # the layers of stage `index`, run in order
     print(plan.describe(activation_bytes))                      # the start-up table
 
-The model must be an ``nn.Sequential`` (nested ones are fine): its forward is then the layers one after
-another, so a cut between two layers is a cut of the computation and the activation that crosses it is
-the output of the layer before. A split point names a layer by its ``named_modules`` name; naming a
-layer inside a nested Sequential (``"blocks.4"``) opens that Sequential into its children. A stage count
-opens nothing: the top-level layers are grouped into that many contiguous stages so that the largest
-stage's parameter bytes are as small as they can be (the linear-partition problem, solved exactly).
+An ``nn.Sequential`` (nested ones are fine) is cut between its layers: its forward is the layers one
+after another, so the activation that crosses a cut is the output of the layer before. A split point
+names a layer by its ``named_modules`` name; naming a layer inside a nested Sequential (``"blocks.4"``)
+opens it. A stage count opens nothing: the top-level layers are grouped into that many contiguous
+stages so that the largest stage's parameter bytes are as small as they can be (linear partition).
 
-Every bad split raises :class:`SplitError` naming the value and the fix.
+Any other model is cut by split points only, giving a :class:`TracedPlan`: each names a module whose
+call in forward begins a stage. Nothing can be read off the module tree, so ``traced.py`` cuts the
+traced computation at the first batch. Every bad split raises :class:`SplitError` naming the fix.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from torch import nn
 
 from conveyor.fileio import format_bytes
 
-__all__ = ["SplitError", "SplitPlan", "StageModule", "check_microbatches", "meta_copy", "plan_split"]
+__all__ = ["SplitError", "SplitPlan", "StageModule", "TracedPlan", "check_microbatches", "describe_stages", "meta_copy",
+           "plan_from_signature", "plan_split"]
 
 
 class SplitError(ValueError):
@@ -59,14 +61,53 @@ class SplitPlan:
     def describe(self, model: nn.Module, activation_bytes: Sequence[int] | None = None) -> str:
         """The start-up table: each stage's layers, parameter bytes and (when known) activation bytes."""
         modules = dict(model.named_modules())
-        rows = [("stage", "layers", "parameters", "activations / microbatch")]
-        for i, names in enumerate(self.stages):
-            size = sum(_param_bytes(modules[n]) for n in names)
-            act = "?" if activation_bytes is None else format_bytes(activation_bytes[i])
-            rows.append((str(i), _layer_list(names), format_bytes(size), act))
-        widths = [max(len(r[c]) for r in rows) for c in range(4)]
-        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
-        return "pipeline split:\n" + "\n".join("  " + line for line in lines)
+        return describe_stages([(names, sum(_param_bytes(modules[n]) for n in names),
+                                 None if activation_bytes is None else activation_bytes[i])
+                                for i, names in enumerate(self.stages)])
+
+    def resume_flags(self) -> str:
+        """The flags that cut a model this way again (named in the refusal of another split's checkpoint)."""
+        return f"--stages {self.num_stages}, or --split naming the first layer of each later stage"
+
+
+@dataclass(frozen=True)
+class TracedPlan:
+    """Split points of a model that is not an nn.Sequential: stage ``i > 0`` begins where forward calls
+    ``points[i - 1]``. What each stage holds is known once the model is traced (``traced.TracedSplit``)."""
+
+    points: tuple[str, ...]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.points) + 1
+
+    def signature(self) -> dict[str, list[str]]:
+        """The split as JSON (written into checkpoints and compared on resume): the points themselves."""
+        return {"split_points": list(self.points)}
+
+    def short(self) -> str:
+        """One line naming the split: "input.. | blocks.2.. | head.." (where each stage begins)."""
+        return " | ".join(f"{name}.." for name in ("input", *self.points))
+
+    def resume_flags(self) -> str:
+        return "--split " + ",".join(self.points)
+
+
+def plan_from_signature(signature: object) -> SplitPlan | TracedPlan:
+    """The plan a checkpoint's ``split`` entry (a plan's :meth:`signature`) describes."""
+    if isinstance(signature, dict):
+        return TracedPlan(tuple(signature["split_points"]))
+    return SplitPlan(tuple(tuple(names) for names in signature))
+
+
+def describe_stages(rows: Sequence[tuple[Sequence[str], int, int | None]]) -> str:
+    """The start-up table from each stage's (layers, parameter bytes, activation bytes per microbatch or None)."""
+    table = [("stage", "layers", "parameters", "activations / microbatch")]
+    for i, (names, size, act) in enumerate(rows):
+        table.append((str(i), _layer_list(names), format_bytes(size), "?" if act is None else format_bytes(act)))
+    widths = [max(len(r[c]) for r in table) for c in range(4)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in table]
+    return "pipeline split:\n" + "\n".join("  " + line for line in lines)
 
 
 class StageModule(nn.Module):
@@ -102,25 +143,45 @@ class StageModule(nn.Module):
 
 
 def plan_split(model: nn.Module, *, stages: int | None = None,
-               split_points: Sequence[str] | None = None) -> SplitPlan:
+               split_points: Sequence[str] | None = None) -> SplitPlan | TracedPlan:
     """The split of ``model`` (module docstring): by ``split_points`` or into ``stages`` balanced stages.
 
-    With both, they must agree (``len(split_points) + 1 == stages``).
+    With both, they must agree (``len(split_points) + 1 == stages``). A model that is not an
+    ``nn.Sequential`` takes split points only, and gets a :class:`TracedPlan`.
     """
-    if not isinstance(model, nn.Sequential):
-        raise SplitError(f"pipeline parallelism splits an nn.Sequential, and the model is a {type(model).__name__}: "
-                         f"write it as nn.Sequential(...) of its layers (a block that must stay whole can be one "
-                         f"layer), so that cutting between two layers cuts the computation")
     if split_points is not None:
         points = list(split_points)
         if stages is not None and len(points) + 1 != stages:
             raise SplitError(f"--stages {stages} but {len(points)} split point(s) {points} make {len(points) + 1} "
                              f"stages: give {stages - 1} split point(s), or --stages {len(points) + 1}")
-        return _by_names(model, points)
+        if not points:
+            raise SplitError("split = []: name at least one layer to cut before (or use --stages 1 for no pipeline)")
+        return _by_names(model, points) if isinstance(model, nn.Sequential) else _traced(model, points)
+    if not isinstance(model, nn.Sequential):
+        given = f"--stages {stages} alone" if stages is not None else "a split without split points"
+        raise SplitError(f"{given} cuts an nn.Sequential between its layers, and the model is a "
+                         f"{type(model).__name__}, whose forward decides the order: name where each later stage "
+                         f"begins instead, as split points (conveyor run --split blocks.2,head, or job.prepare(model, "
+                         f"optimizer, split=['blocks.2', 'head'])), or write the model as an nn.Sequential")
     if stages is None:
         raise SplitError("the pipeline strategy needs a split: --stages S (conveyor run) or "
                          "job.prepare(model, optimizer, split=[...names to cut before...])")
     return _by_count(model, stages)
+
+
+def _traced(model: nn.Module, points: list[str]) -> TracedPlan:
+    """Split points of a model that is not an nn.Sequential, checked by name (the trace checks the rest)."""
+    modules = dict(model.named_modules())
+    for i, point in enumerate(points):
+        if point in points[:i]:
+            raise SplitError(f"split point {point!r} is named twice in {points}: name each module once, in the "
+                             f"order forward calls them")
+        if not point or point not in modules:
+            names = [n for n in modules if n]
+            raise SplitError(f"split point {point!r} is not a submodule of the model (a {type(model).__name__}); "
+                             f"its submodules are {_layer_list(names)}: name the module whose call in forward begins "
+                             f"each later stage, by its named_modules name")
+    return TracedPlan(tuple(points))
 
 
 def _by_count(model: nn.Sequential, stages: int) -> SplitPlan:
@@ -161,8 +222,6 @@ def _balanced_bounds(sizes: list[int], parts: int) -> list[int]:
 
 
 def _by_names(model: nn.Sequential, points: list[str]) -> SplitPlan:
-    if not points:
-        raise SplitError("split = []: name at least one layer to cut before (or use --stages 1 for no pipeline)")
     layers = _opened_layers(model, points)
     index = {name: i for i, name in enumerate(layers)}
     cuts = []

@@ -9,7 +9,8 @@
 ``N`` processes with ``S`` stages make ``N / S`` pipeline replicas (pipeline × data parallel); rank
 ``r`` runs stage ``r % S`` of replica ``r // S``, and rank 0 (the chief) is replica 0's first stage.
 Every stage of a replica reads the replica's shard (``job.data_shard``). ``prepare`` keeps this
-stage's layers (the others go to the meta device) and rebuilds the optimizer over them; a step runs
+stage's layers (the others go to the meta device) and rebuilds the optimizer over them (a model that
+is not an nn.Sequential: at its first batch, when its split is traced, ``traced.py``); a step runs
 torch's schedule over the microbatches, averages each stage's gradients over its replicas, and equals
 one process training the whole model on the replicas' combined batch. Rank layout, data, splits and
 the numbers: ``docs/architecture.md``, "Pipeline parallelism".
@@ -17,6 +18,7 @@ the numbers: ``docs/architecture.md``, "Pipeline parallelism".
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import time
@@ -33,7 +35,15 @@ from conveyor.comm.process_group import collective_guard
 from conveyor.strategies.base import Strategy, check_optimizer
 from conveyor.strategies.pipeline.figures import pipeline_figures
 from conveyor.strategies.pipeline.runner import StageRunner, all_reduce_mean, schedule_class
-from conveyor.strategies.pipeline.split import SplitError, SplitPlan, StageModule, meta_copy, plan_split
+from conveyor.strategies.pipeline.split import (
+    SplitError,
+    SplitPlan,
+    TracedPlan,
+    meta_copy,
+    plan_from_signature,
+    plan_split,
+)
+from conveyor.strategies.pipeline.traced import TracedRunner, TracedSplit, TracedStage
 
 __all__ = ["ENV", "PipelineStrategy"]
 
@@ -59,9 +69,11 @@ class PipelineStrategy(Strategy):
         schedule_class(self.schedule)  # a bad name fails here, before any process group
         self.stage = self.replica = 0
         self.replicas = 1
-        self.plan: SplitPlan | None = None
+        self.plan: SplitPlan | TracedPlan | None = None
         self.runner: StageRunner | None = None
-        self.module: StageModule | None = None
+        self.module: Any = None  # a split.StageModule, or a traced.TracedStage
+        self._optimizer: Any = None
+        self._restored: dict[str, Any] | None = None  # a traced stage's checkpoint part, loaded at its first batch
         self._pipe_group: Any = None
         self._stage_group: Any = None
         self._comm = 0.0
@@ -119,18 +131,46 @@ class PipelineStrategy(Strategy):
         check_optimizer(model, optimizer)
         points = list(split) if split is not None else self.split
         self.plan = plan = plan_split(model, stages=self.stages, split_points=points)
+        if isinstance(plan, TracedPlan):
+            return self._prepare_traced(model, optimizer, plan)
         meta_model = meta_copy(model)
         for i in range(plan.num_stages):  # this process keeps only its own stage's tensors
             if i != self.stage:
                 plan.stage_module(model, i).to("meta")
         self.module = module = plan.stage_module(model, self.stage).to(job.device)
-        if self.replicas > 1:  # replicas of a stage start from replica 0's values, as DDP does
-            with collective_guard(job, "pipeline stage broadcast from replica 0"):
-                for tensor in [*module.parameters(), *module.buffers()]:
-                    dist.broadcast(tensor.data, src=self.stage, group=self._stage_group)
+        self._broadcast_stage()
         self.runner = StageRunner(module, meta_model, plan, self.stage, self._pipe_group, job.device,
                                   microbatches=int(self.microbatches), schedule=self.schedule)
         return module, _stage_optimizer(optimizer, module)
+
+    def _prepare_traced(self, model: nn.Module, optimizer: Any, plan: TracedPlan) -> tuple[nn.Module, Any]:
+        """The whole model and an optimizer over all of it, until the first batch decides the stage (traced.py)."""
+        self.module = module = TracedStage(model)
+        self._optimizer = stage_optimizer = _stage_optimizer(optimizer, model)
+        self.runner = TracedRunner(module, TracedSplit(model, plan), self.stage, self._pipe_group, self.job.device,
+                                   microbatches=int(self.microbatches), schedule=self.schedule,
+                                   adopted=self._adopted)
+        return module, stage_optimizer
+
+    def _adopted(self) -> None:
+        """A traced stage's first batch: the optimizer keeps its parameters (empty groups stay, so that an LR
+        scheduler's per-group lists still line up), replicas start from replica 0, a restored part is loaded."""
+        own = {id(p) for p in self.module.parameters()}
+        for group in self._optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) in own]
+        if not any(group["params"] for group in self._optimizer.param_groups):
+            raise SplitError("this pipeline stage has no parameter the optimizer updates; move a split point so that "
+                             "every stage holds trainable layers")
+        self._broadcast_stage()
+        if self._restored is not None:
+            self._load_part(self._restored, self._optimizer)
+            self._restored = None
+
+    def _broadcast_stage(self) -> None:
+        if self.replicas > 1:  # replicas of a stage start from replica 0's values, as DDP does
+            with collective_guard(self.job, "pipeline stage broadcast from replica 0"):
+                for tensor in [*self.module.parameters(), *self.module.buffers()]:
+                    dist.broadcast(tensor.data, src=self.stage, group=self._stage_group)
 
     def check_prepared(self, model: nn.Module) -> None:
         if self.module is None or model is not self.module:
@@ -175,7 +215,7 @@ class PipelineStrategy(Strategy):
         mine = {"stage": self.stage, **self.runner.seconds}
         reports = [json.loads(b) for b in self.job.all_gather_bytes(json.dumps(mine).encode())]
         return {"pipeline": pipeline_figures(reports, stages=self.plan.num_stages, microbatches=int(self.microbatches),
-                                             schedule=self.schedule, split=self.plan.signature())}
+                                             schedule=self.schedule, split=self.runner.layers())}
 
     # -- checkpoints: one part per stage (replica 0's), the chief's optimizer entry names them -------
 
@@ -203,18 +243,23 @@ class PipelineStrategy(Strategy):
         if not (isinstance(saved_optimizer, dict) and saved_optimizer.get("format") == _CHECKPOINT_FORMAT):
             raise ValueError("it was not written by the pipeline strategy (it holds the whole model): resume it with "
                              "the strategy that wrote it")
-        saved = SplitPlan(tuple(tuple(names) for names in saved_optimizer["split"]))
+        saved = plan_from_signature(saved_optimizer["split"])
         if saved != plan:
             raise ValueError(f"it was written with the split [{saved.short()}] ({saved.num_stages} stages) and this "
                              f"job splits [{plan.short()}] ({plan.num_stages} stages): resume with the split that "
-                             f"wrote it (--stages {saved.num_stages}, or --split naming the first layer of each "
-                             f"later stage)")
+                             f"wrote it ({saved.resume_flags()})")
         state = read_part(f"stage-{self.stage}")
-        self.module.load_model_state_dict(dict(state["model"]))
-        optimizer.load_state_dict(state["optimizer"])
+        if isinstance(self.runner, TracedRunner) and not self.runner.ready:
+            self._restored = state  # loaded when the first batch has decided what this stage holds
+        else:
+            self._load_part(state, optimizer)
         return True
 
-    def _plan(self) -> SplitPlan:
+    def _load_part(self, state: Any, optimizer: Any) -> None:
+        self.module.load_model_state_dict(dict(state["model"]))
+        optimizer.load_state_dict(state["optimizer"])
+
+    def _plan(self) -> SplitPlan | TracedPlan:
         if self.plan is None or self.module is None:
             raise RuntimeError("strategy 'pipeline': call job.prepare(model, optimizer) first")
         return self.plan
@@ -257,7 +302,10 @@ def _stage_optimizer(optimizer: Any, module: nn.Module) -> Any:
     if not groups:
         raise SplitError("this pipeline stage has no parameter the optimizer updates; move a split point so that "
                          "every stage holds trainable layers")
-    return type(optimizer)(groups, **optimizer.defaults)
+    # Only the defaults the constructor takes: some classes record more (torch's AdamW records
+    # decoupled_weight_decay, which AdamW() refuses); every group carries its values anyway.
+    accepted = inspect.signature(type(optimizer)).parameters
+    return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
 
 
 def _env_int(name: str) -> int | None:
