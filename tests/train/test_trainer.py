@@ -212,9 +212,17 @@ def test_max_steps_runs_as_many_epochs_as_needed(tmp_path, monkeypatch):
 # resume
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """`run` with its defaults, never interrupted: (summary, seen, params), the reference of the resume tests."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        return run(tmp_path_factory.mktemp("reference"), monkeypatch)
+
+
 @pytest.mark.parametrize("crash_after", [4, 7])  # 4: resume from step 3 in epoch 0; 7: from step 6 in epoch 1
-def test_resume_sees_the_same_samples_and_ends_with_the_same_weights(tmp_path, monkeypatch, crash_after):
-    ref_summary, ref_seen, ref_params = run(tmp_path / "reference", monkeypatch)
+def test_resume_sees_the_same_samples_and_ends_with_the_same_weights(tmp_path, monkeypatch, crash_after,
+                                                                      uninterrupted):
+    ref_summary, ref_seen, ref_params = uninterrupted
     assert ref_summary["steps"] == 10 and sorted(ref_seen) == list(range(1, 11))
 
     out = tmp_path / "crashed"
@@ -258,8 +266,8 @@ def test_resume_of_a_finished_run_does_nothing_more(tmp_path, monkeypatch, capsy
     assert summary["steps"] == 15 and sorted(seen) == list(range(11, 16))
 
 
-def test_no_resume_starts_over(tmp_path, monkeypatch):
-    _, ref_seen, ref_params = run(tmp_path / "reference", monkeypatch)
+def test_no_resume_starts_over(tmp_path, monkeypatch, uninterrupted):
+    _, ref_seen, ref_params = uninterrupted
     run(tmp_path / "out", monkeypatch, crash_after=7)
     summary, seen, params = run(tmp_path / "out", monkeypatch, resume=False)
     assert summary["resumed_from_step"] is None and seen == ref_seen
