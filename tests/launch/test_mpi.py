@@ -157,8 +157,12 @@ class Runs:
         return env | {DATA_DIR_VAR: str(self.base / name / "data"), OUTPUT_DIR_VAR: str(self.out(name))}
 
     def _popen(self, name: str, argv: list[str], env: dict[str, str]) -> None:
-        self.procs[name] = subprocess.Popen(argv, env=env, cwd=self.base, stdout=subprocess.PIPE,
-                                            stderr=subprocess.STDOUT, text=True)
+        # A TMPDIR per run: mpiruns started together race to create Open MPI's session directory
+        # /tmp/ompi.<host>.<uid>, and the loser fails at orte_init with "mkdir ... File exists".
+        tmp = self.base / name / "tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.procs[name] = subprocess.Popen(argv, env=env | {"TMPDIR": str(tmp)}, cwd=self.base,
+                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 @pytest.fixture(scope="module")
