@@ -135,6 +135,10 @@ def test_a_torchrun_ddp_script_gives_the_same_result_under_conveyor_run_as_under
             argv = [sys.executable, "-m", "conveyor.cli.main", "run", "-n", "2", "--output-dir", str(out / "o"),
                     "--max-restarts", "0", *args]
         code, log = run_to_end(argv, tmp_path, clean_env())
+        if launcher == "torchrun" and code != 0 and "terminate called without an active exception" in log:
+            # torchrun's own run of the script sometimes aborts at exit in torch's C++ (seen twice in ~10 CI
+            # runs); the reference is torchrun's result, so take its second run rather than fail on torch's crash.
+            code, log = run_to_end(argv, tmp_path, clean_env())
         assert code == 0, log
         assert "OMP_NUM_THREADS" in log  # both say that they chose one thread per process
         envs = [json.loads((out / f"env-{rank}.json").read_text()) for rank in (0, 1)]
