@@ -4,8 +4,9 @@
     python benchmarks/case_study.py --workers 1,2,4,8,16      # on a 16-core host
     python benchmarks/case_study.py --quick                   # smoke run: tiny data, model and step counts
     python benchmarks/case_study.py --parts input --repeats 5 --compute-ms 20
+    python benchmarks/case_study.py --parts gpu --gpu-cores 1,2,4,8,16   # on a GPU host
 
-Three parts (`--parts`, default all), each a module of its own:
+Four parts (`--parts`, default all), each a module of its own:
 
 1. `input` (benchmarks/case_study_input.py): samples/s of a job of K worker processes against K, for the
    old approach (one file, sequential map, prefetch 1; with and without sharding the records before the map)
@@ -18,11 +19,15 @@ Three parts (`--parts`, default all), each a module of its own:
 3. `strategies` (benchmarks/case_study_strategies.py): parameter servers against all-reduce, sync against
    async, with a straggler: one table from the JSON of benchmarks/ps_training.py, ps.py and allreduce.py
    (each run here with --quick first when its JSON is missing, unless --no-run-missing).
+4. `gpu` (benchmarks/case_study_gpu.py): on a CUDA device, the CIFAR example's ResNet-20 and a ResNet-50 on the
+   chexnet-like JPEGs of benchmarks/pipeline.py, fed by conveyor's pipeline and by torch's DataLoader on
+   1, 2, 4, ... cores: samples/s, GPU idle fraction, and the cores per GPU each needs to keep the GPU busy.
+   Skipped, with the reason in the report, where there is no CUDA device (`--gpu-device cpu`: a smoke run).
 
 Rounds are interleaved (every point of a part once per round, odd rounds reversed); medians over rounds;
 ratios are paired within a round. Output: the tables on stdout; `<out>/case_study-<stamp>.json` and
-`case_study-latest.json` (machine, config, every sample, derived values, tables), `<out>/input_scaling.png`
-and `<out>/allreduce_scaling.png` (default `<out>` = runs/case_study).
+`case_study-latest.json` (machine, config, every sample, derived values, tables), `<out>/input_scaling.png`,
+`<out>/allreduce_scaling.png` and `<out>/gpu_feeding.png` (default `<out>` = runs/case_study).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by file path
+import case_study_gpu as gpu  # noqa: E402
 import case_study_input as inp  # noqa: E402
 import case_study_plots as plots  # noqa: E402
 import case_study_scaling as scaling  # noqa: E402
@@ -43,9 +49,12 @@ import harness as h  # noqa: E402
 from machine import cpu_cores, write_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("input", "allreduce", "strategies")
+PARTS = ("input", "allreduce", "strategies", "gpu")
+REPORT_KEYS = {"input": "input_pipeline", "allreduce": "allreduce_scaling", "strategies": "strategies",
+               "gpu": "gpu_feeding"}
 DEFAULT_OUT = ROOT / "runs" / "case_study"
-QUICK = "tiny data (1,024 images), batch 32, 4 timed batches; ResNet-8, batch 8, 3 steps; 1 round"
+QUICK = ("tiny data (1,024 images), batch 32, 4 timed batches; ResNet-8, batch 8, 3 steps; GPU: 1 core, 3 steps; "
+         "1 round")
 
 
 def worker_counts(text: str) -> tuple[int, ...]:
@@ -98,19 +107,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help=f"the benchmarks' JSON (default {h.RESULTS_DIR})")
     g.add_argument("--run-missing", action=argparse.BooleanOptionalAction, default=True,
                    help="run a benchmark whose JSON is missing with --quick first (default yes)")
+    gpu.add_arguments(p, default_workers(cpu_cores()), worker_counts)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per job (default 300)")
     args = h.settle(p, p.parse_args(argv), {
         "repeats": (3, 1), "batch": (128, 32), "batches": (100, 4), "warmup": (5, 2), "train_images": (10_000, 1024),
-        "steps": (20, 3), "model_batch": (64, 8), "depth": (20, 8)},
+        "steps": (20, 3), "model_batch": (64, 8), "depth": (20, 8), "gpu_steps": (60, 3), "gpu_warmup": (10, 1)},
         positive=("repeats", "batch", "batches", "train_images", "steps", "model_batch", "cores_per_worker",
-                  "timeout"), non_negative=("warmup",))
+                  "timeout", "gpu_steps"), non_negative=("warmup", "gpu_warmup"))
     args.workers = args.workers or worker_counts(default_workers(cpu_cores()))
+    args.gpu_cores = args.gpu_cores or ((1,) if args.quick else worker_counts(default_workers(cpu_cores())))
     args.shards = args.shards or max(4 if args.quick else 16, max(args.workers))
     args.data = args.data or args.out / "data"
     if args.compute_ms is not None and not args.compute_ms >= 0:
         p.error("--compute-ms must be >= 0")
     if args.depth < 8 or (args.depth - 2) % 6:
         p.error(f"--depth must be 6n+2 (8, 20, 32, ...), got {args.depth}")
+    if max(args.gpu_cores) > cpu_cores():
+        p.error(f"--gpu-cores {max(args.gpu_cores)} is more than the {cpu_cores()} cores this process may use")
+    if not 0 < args.gpu_enough <= 1:
+        p.error(f"--gpu-enough must be in (0, 1], got {args.gpu_enough}")
     if args.shards < max(args.workers):
         p.error(f"--shards {args.shards} gives some of {max(args.workers)} workers no file; use >= the most workers")
     return args
@@ -180,26 +195,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"CIFAR-10 case study: parts {','.join(args.parts)}, {args.repeats} round(s), {cores} cores, "
           f"load {machine['loadavg_start']}")
     report: dict[str, Any] = {"benchmark": "case_study", "command": h.command_line("case_study", argv)}
-    parts = {"input": ("input_pipeline", lambda: run_input(args, cores)),
-             "allreduce": ("allreduce_scaling", lambda: run_allreduce(args, cores)),
-             "strategies": ("strategies", lambda: run_strategies(args))}
-    for part in PARTS:
-        key, run = parts[part]
-        report[key] = run() if part in args.parts else None
+    parts = {"input": lambda: run_input(args, cores), "allreduce": lambda: run_allreduce(args, cores),
+             "strategies": lambda: run_strategies(args), "gpu": lambda: gpu.run_part(args)}
+    for part, key in REPORT_KEYS.items():
+        report[key] = parts[part]() if part in args.parts else None
     report["machine"] = h.machine_end(machine)
     report["config"] = {"parts": list(args.parts), "workers": list(args.workers), "repeats": args.repeats,
                         "quick": args.quick, "timeout": args.timeout, "results": str(args.results)}
-    report["errors"] = [f"{key}: {e}" for key in ("input_pipeline", "allreduce_scaling", "strategies")
-                        for e in (report[key] or {}).get("errors", [])]
-    report["plots"] = {key: report[key]["plot"] for key in ("input_pipeline", "allreduce_scaling")
-                       if report[key] and report[key]["plot"]}
+    done = [key for key in REPORT_KEYS.values() if report[key]]
+    report["errors"] = [f"{key}: {e}" for key in done for e in report[key].get("errors", [])]
+    report["plots"] = {key: report[key]["plot"] for key in done if report[key].get("plot")}
     report["wall_seconds"] = time.perf_counter() - started
-    for key in ("input_pipeline", "allreduce_scaling", "strategies"):
-        if report[key]:
-            print(f"\n{report[key]['table']}")
+    for key in done:
+        print(f"\n{report[key]['table']}")
     if report["errors"]:
         print("\nerrors:\n  " + "\n  ".join(report["errors"]))
-    if any(report[k] and report[k]["plot"] is None for k in ("input_pipeline", "allreduce_scaling")):
+    if any("plot" in report[k] and report[k]["plot"] is None and not report[k].get("skipped") for k in done):
         print("\nno plots: matplotlib is missing (pip install 'conveyor[plots]')")
     path = write_results("case_study", report, args.out)
     shown = ", ".join(report["plots"].values())

@@ -1,7 +1,8 @@
-"""The CIFAR-10 case study's two figures, drawn from its derived values (matplotlib, `conveyor[plots]`).
+"""The CIFAR-10 case study's figures, drawn from its derived values (matplotlib, `conveyor[plots]`).
 
     plot_input_scaling(derived, contenders, workers, path, title)     # samples/s against workers
     plot_allreduce_scaling(derived, workers, path, title)             # speedup against workers
+    plot_gpu_feeding(derived, cores, enough, path, title)             # share of the GPU's own rate against cores
 
 Each returns the path written, or None when matplotlib is missing (the caller says so once).
 Missing points (a failed measurement) are left out of the lines, not drawn as zero.
@@ -94,6 +95,29 @@ def plot_allreduce_scaling(d: dict[str, Any], workers: Sequence[int], path: Path
         ax.set_ylabel(f"speedup over {d['baseline_workers']} worker(s)")
         ax.set_xlim(0.5, top + 0.5)
         ax.set_ylim(0, top + 0.5)
+        return _save(fig, ax, path, title)
+    finally:
+        plt.close(fig)
+
+
+def plot_gpu_feeding(d: dict[str, Any], cores: Sequence[int], enough: float, path: Path, title: str) -> Path | None:
+    """Per workload, each feeder's samples/s as a share of the device-only rate, against the input's cores."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(7.2, 4.4))
+    try:
+        for workload, dw in d.items():
+            for feeder, style in (("conveyor", "o-"), ("dataloader", "s--")):
+                xs, ys = _points(dw[feeder]["of_ceiling"], cores)
+                ax.plot(xs, ys, style, label=f"{workload}: {feeder} "
+                        f"(ceiling {dw['ceiling_samples_per_second']:.0f} samples/s)")
+        ax.axhline(enough, color="gray", linestyle=":", linewidth=1, label=f"{enough:.0%} of the ceiling")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(list(cores), [str(k) for k in cores])
+        ax.set_xlabel("CPU cores for the input (and the training loop)")
+        ax.set_ylabel("samples/s / the rate with the batch on the device")
+        ax.set_ylim(0, 1.1)
         return _save(fig, ax, path, title)
     finally:
         plt.close(fig)

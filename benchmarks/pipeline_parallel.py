@@ -3,6 +3,7 @@
     python benchmarks/pipeline_parallel.py                 # 2048 x 64 MLP + Adam, 2 rounds, ~7-8 min on 2 cores
     python benchmarks/pipeline_parallel.py --quick         # tiny MLP, M = 16 only, 1 round (a test runs it, ~20 s)
     python benchmarks/pipeline_parallel.py --repeats 3 --steps 6 --four-stages --out /tmp/bench-results
+    python benchmarks/pipeline_parallel.py --device cuda   # on a host with >= 2 GPUs: one process per GPU, NCCL
 
 Workload: an ``nn.Sequential`` of ``--depth`` blocks, each ``Linear(W, W)`` + ReLU (the last a plain
 Linear), W = ``--width``; MSE against a fixed random target; ``Adam(lr=1e-4, fused=True)``. Default W
@@ -62,6 +63,12 @@ Measured besides (all from inside the processes):
   the stage holds at once: the quantity 1F1B bounds by S and GPipe does not. Chosen over RSS growth
   because CPU RSS includes allocator caching and Adam's temporaries, and torch tracks no CPU memory.
 
+``--device cuda`` runs every process on its own GPU (rank r on ``cuda:r``; one_process on ``cuda:0``), the
+2-process groups on NCCL, and compares peak GPU memory (``torch.cuda.max_memory_allocated``, reset when set-up
+ends) beside the RSS. It needs 2 GPUs (4 for the 4-stage run): NCCL refuses two ranks on one GPU, so stages
+cannot share one. With fewer the run is skipped and its JSON says why. Without ``--device cuda`` the processes
+see no GPU (``CUDA_VISIBLE_DEVICES=""``), so the CPU figures mean the same on a GPU host.
+
 Output: aligned tables and PASS/FAIL goal lines on stdout; JSON (machine incl. load average, config,
 every sample, derived values, goals) in ``<out>/pipeline_parallel-<timestamp>.json`` and
 ``<out>/pipeline_parallel-latest.json`` (default ``benchmarks/results/``).
@@ -85,6 +92,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by file path
 import harness as h  # noqa: E402
+from machine import write_results  # noqa: E402
 
 NAME = "pipeline_parallel"
 HERE = Path(__file__).resolve()
@@ -97,6 +105,7 @@ CONTENDERS_SPEC = (  # round order; odd rounds reversed, so the compared pair al
 CONTENDERS = tuple(c.name for c in CONTENDERS_SPEC)
 SCHEDULES = ("gpipe", "1f1b")
 STAGES = 2
+LINKS = {"cpu": "gloo on 127.0.0.1", "cuda": "NCCL, one GPU per process"}
 GOALS = (
     h.Goal("memory: largest process with 2 stages / one-process peak RSS", "memory_ratio_2", 0.6, "<="),
     h.Goal("bubble: max |measured - (S-1)/(M+S-1)| over stages, schedules, M >= 4", "bubble_max_gap", 0.05, "<="),
@@ -145,10 +154,12 @@ class Memory:
     parent reports the parent's peak as its own. When set-up ends, the peak is reset (``/proc/self/clear_refs``),
     which tells the peak of set-up (building the model, cutting it) from the peak of training."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: Any = None) -> None:
         self.phases: dict[str, float] = {}
         self.setup_peak: float | None = None
         self.reset = False
+        self.device = device if device is not None and device.type == "cuda" else None
+        self.gpu_setup_peak: float | None = None
 
     @staticmethod
     def _status(key: str) -> float:
@@ -167,6 +178,11 @@ class Memory:
     def setup_done(self) -> None:
         self.mark("ready")
         self.setup_peak = self._status("VmHWM")
+        if self.device is not None:
+            import torch
+            torch.cuda.synchronize(self.device)
+            self.gpu_setup_peak = torch.cuda.max_memory_allocated(self.device) / 2**20
+            torch.cuda.reset_peak_memory_stats(self.device)
         try:
             Path("/proc/self/clear_refs").write_text("5")
             self.reset = True
@@ -176,8 +192,13 @@ class Memory:
     def report(self) -> dict[str, Any]:
         train = self._status("VmHWM")
         peak = max(train, self.setup_peak or 0.0)
-        return {"peak_rss_mb": peak, "setup_peak_rss_mb": self.setup_peak, "train_peak_rss_mb": train,
-                "rss_mb": dict(self.phases), "peak_reset": self.reset}
+        out = {"peak_rss_mb": peak, "setup_peak_rss_mb": self.setup_peak, "train_peak_rss_mb": train,
+               "rss_mb": dict(self.phases), "peak_reset": self.reset}
+        if self.device is not None:
+            import torch
+            gpu_train = torch.cuda.max_memory_allocated(self.device) / 2**20
+            out |= {"peak_gpu_mb": max(gpu_train, self.gpu_setup_peak or 0.0), "train_peak_gpu_mb": gpu_train}
+        return out
 
 
 class SavedBytes:
@@ -242,8 +263,12 @@ def saved_activations(step: Callable[[], Any], params, microbatches: int) -> dic
 
 
 def timed_steps(step: Callable[[], Any], warmup: int, steps: int, barrier: Callable[[], None],
-                after_warmup: Callable[[], None] = lambda: None) -> dict[str, Any]:
-    """`warmup` untimed steps, then `steps` timed ones between two barriers."""
+                after_warmup: Callable[[], None] = lambda: None, device: Any = None) -> dict[str, Any]:
+    """`warmup` untimed steps, then `steps` timed ones between two barriers; on a GPU each step's time
+    includes its kernels (synchronized after each)."""
+    if device is not None and device.type == "cuda":
+        import torch
+        step = _synchronized(step, lambda: torch.cuda.synchronize(device))
     for _ in range(warmup):
         step()
     after_warmup()
@@ -258,12 +283,31 @@ def timed_steps(step: Callable[[], Any], warmup: int, steps: int, barrier: Calla
     return {"wall_s": wall, "step_ms": [1e3 * x for x in times], "step_ms_median": 1e3 * sorted(times)[len(times) // 2]}
 
 
+def _synchronized(step: Callable[[], Any], sync: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        step()
+        sync()
+    return run
+
+
+def device_of(config: dict[str, Any]):
+    """This process's device: its own GPU (cuda:rank) with --device cuda, else the CPU."""
+    import torch
+
+    if config.get("device") != "cuda":
+        return torch.device("cpu")
+    device = torch.device("cuda", config.get("rank", 0))
+    torch.cuda.set_device(device)
+    return device
+
+
 def run_one_process(config: dict[str, Any], mem: Memory) -> dict[str, Any]:
     from torch import nn
 
-    model = make_model(config["width"], config["depth"])
+    device = mem.device or device_of(config)
+    model = make_model(config["width"], config["depth"]).to(device)
     optimizer = make_optimizer(model.parameters())
-    x, y = make_batch(config["width"], config["batch"])
+    x, y = (t.to(device) for t in make_batch(config["width"], config["batch"]))
     mem.mark("built")
     mem.setup_done()
 
@@ -272,15 +316,16 @@ def run_one_process(config: dict[str, Any], mem: Memory) -> dict[str, Any]:
         nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
 
-    return {"rank": 0, **timed_steps(step, config["warmup"], config["steps"], lambda: None)}
+    return {"rank": 0, **timed_steps(step, config["warmup"], config["steps"], lambda: None, device=device)}
 
 
 @contextlib.contextmanager
 def _two_processes(config: dict[str, Any]):
-    """A plain gloo group of the 2 processes (rank 0 hosts the tcp:// store, so it leaves last)."""
+    """A plain group of the 2 processes, gloo (NCCL on GPUs); rank 0 hosts the tcp:// store, so it leaves last."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{config['port']}", rank=config["rank"],
+    backend = "nccl" if config.get("device") == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{config['port']}", rank=config["rank"],
                             world_size=STAGES)
     try:
         yield dist
@@ -296,7 +341,7 @@ def _own_half(config: dict[str, Any], mem: Memory):
     blocks = list(make_model(config["width"], config["depth"]))
     mem.mark("built")
     cut = config["split"]
-    module = nn.Sequential(*(blocks[:cut] if config["rank"] == 0 else blocks[cut:]))
+    module = nn.Sequential(*(blocks[:cut] if config["rank"] == 0 else blocks[cut:])).to(device_of(config))
     del blocks
     return module, make_optimizer(module.parameters())
 
@@ -308,7 +353,8 @@ def run_two_halves(config: dict[str, Any], mem: Memory) -> dict[str, Any]:
 
     with _two_processes(config) as dist:
         module, optimizer = _own_half(config, mem)
-        x, y = make_batch(config["width"], config["batch"])
+        device = device_of(config)
+        x, y = (t.to(device) for t in make_batch(config["width"], config["batch"]))
         x.requires_grad_(config["rank"] > 0)  # as a later pipeline stage, which computes its input's gradient
         mem.setup_done()
 
@@ -317,7 +363,8 @@ def run_two_halves(config: dict[str, Any], mem: Memory) -> dict[str, Any]:
             nn.functional.mse_loss(module(x), y).backward()
             optimizer.step()
 
-        return {"rank": config["rank"], **timed_steps(step, config["warmup"], config["steps"], dist.barrier)}
+        return {"rank": config["rank"], **timed_steps(step, config["warmup"], config["steps"], dist.barrier,
+                                                      device=device)}
 
 
 def run_bare(config: dict[str, Any], mem: Memory) -> dict[str, Any]:
@@ -329,9 +376,10 @@ def run_bare(config: dict[str, Any], mem: Memory) -> dict[str, Any]:
     rank, width, m = config["rank"], config["width"], config["microbatches"]
     with _two_processes(config) as dist:
         module, optimizer = _own_half(config, mem)
-        x, y = make_batch(width, config["batch"])
-        example = torch.empty(config["batch"] // m, width)
-        stage = PipelineStage(module, rank, STAGES, torch.device("cpu"),
+        device = device_of(config)
+        x, y = (t.to(device) for t in make_batch(width, config["batch"]))
+        example = torch.empty(config["batch"] // m, width, device=device)
+        stage = PipelineStage(module, rank, STAGES, device,
                               input_args=example.clone().requires_grad_(rank > 0),
                               output_args=example.clone().requires_grad_())
         schedule = Schedule1F1B(stage, m, loss_fn=nn.functional.mse_loss, scale_grads=True)
@@ -345,7 +393,7 @@ def run_bare(config: dict[str, Any], mem: Memory) -> dict[str, Any]:
                 schedule.step(target=y, losses=[])
             optimizer.step()
 
-        return {"rank": rank, **timed_steps(step, config["warmup"], config["steps"], dist.barrier)}
+        return {"rank": rank, **timed_steps(step, config["warmup"], config["steps"], dist.barrier, device=device)}
 
 
 def run_conveyor(config: dict[str, Any], mem: Memory) -> dict[str, Any]:
@@ -358,7 +406,7 @@ def run_conveyor(config: dict[str, Any], mem: Memory) -> dict[str, Any]:
         model = make_model(config["width"], config["depth"])  # the whole model, as a user's script builds it
         mem.mark("built")
         model, optimizer = job.prepare(model, make_optimizer(model.parameters()))  # keeps this stage's layers
-        x, y = make_batch(config["width"], config["batch"])
+        x, y = (t.to(job.device) for t in make_batch(config["width"], config["batch"]))
         runner = job.strategy.runner
         mem.setup_done()
 
@@ -368,8 +416,8 @@ def run_conveyor(config: dict[str, Any], mem: Memory) -> dict[str, Any]:
         def reset() -> None:  # the summary's figures then cover the timed steps only
             runner.seconds = {k: 0 for k in runner.seconds}
 
-        result = {"rank": job.rank, "stage": job.strategy.stage,
-                  **timed_steps(step, config["warmup"], config["steps"], job.barrier, reset)}
+        result = {"rank": job.rank, "stage": job.strategy.stage, "device": str(job.device),
+                  **timed_steps(step, config["warmup"], config["steps"], job.barrier, reset, device=job.device)}
         result["figures"] = job.strategy.summary_figures()["pipeline"]
         if config.get("activations"):
             result["activations"] = saved_activations(step, list(model.parameters()), runner.microbatches)
@@ -384,7 +432,8 @@ def worker(config: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     import conveyor  # noqa: F401  (every contender pays the same import floor)
 
-    mem = Memory()
+    # The conveyor contender's device is conveyor's choice (its own GPU by local rank); the others', this one's.
+    mem = Memory(device_of({**config, "rank": config.get("rank", int(os.environ.get("LOCAL_RANK", 0)))}))
     mem.mark("import")
     run = {"one_process": run_one_process, "two_halves": run_two_halves,
            "bare_pipelining": run_bare}.get(config["contender"], run_conveyor)
@@ -399,18 +448,19 @@ def worker(config: dict[str, Any]) -> None:
 # ==================================================================================================
 
 
-def _base_env() -> dict[str, str]:
+def _base_env(device: str) -> dict[str, str]:
     from conveyor.launch import OWNED_VARS
 
     env = {k: v for k, v in os.environ.items() if k not in OWNED_VARS and not k.startswith("CONVEYOR_")}
-    return env | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env |= {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return env if device == "cuda" else env | {"CUDA_VISIBLE_DEVICES": ""}
 
 
 def _launches(config: dict[str, Any], workdir: Path) -> list[tuple[list[str], dict[str, str]]]:
     """(argv, env) of each process of the run `config` describes."""
     from conveyor.launch import RunOptions, free_ports, local_plan
 
-    env, kind = _base_env(), config["contender"]
+    env, kind = _base_env(config.get("device", "cpu")), config["contender"]
     if kind == "one_process":
         return [([sys.executable, str(HERE), "--worker", json.dumps(config)], env)]
     if kind in ("two_halves", "bare_pipelining"):
@@ -476,6 +526,8 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     head = ranks[0]
     keep = {k: head[k] for k in ("samples_per_s", "wall_s", "step_ms", "step_ms_median") if k in head}
     keep["peak_rss_mb"] = [r["peak_rss_mb"] for r in ranks]
+    if all("peak_gpu_mb" in r for r in ranks):
+        keep["peak_gpu_mb"] = [r["peak_gpu_mb"] for r in ranks]
     keep["memory"] = [{k: r.get(k) for k in ("setup_peak_rss_mb", "train_peak_rss_mb", "rss_mb", "peak_reset")}
                       for r in ranks]
     keep["threads"] = [r["threads"] for r in ranks]
@@ -616,6 +668,7 @@ def derive(res: dict[str, Any], sweep: dict[str, Any], four: dict[str, Any] | No
     if four and "peak_rss_mb" in four:
         memory["conveyor_4_stages"] = _largest_process([four])
     peak = {c: m["peak_rss_mb"] for c, m in memory.items()}
+    gpu_peak = {c: h.median(max(r["peak_gpu_mb"]) for r in runs[c] if "peak_gpu_mb" in r) for c in CONTENDERS}
     ideal = STAGES * (1 - theory(STAGES, m))
     rows, max_gap = _bubble_rows(sweep)
     for r in rows:  # each sweep run's rate against its own ideal, S (1 - b(M)) one_process
@@ -631,6 +684,7 @@ def derive(res: dict[str, Any], sweep: dict[str, Any], four: dict[str, Any] | No
         "step_ms": {c: h.median(r["step_ms_median"] for r in runs[c]) for c in CONTENDERS},
         "peak_rss_mb": peak, "memory": memory,
         "peak_rss_mb_4_stages": four_peak,
+        "peak_gpu_mb": gpu_peak, "memory_ratio_2_gpu": h.ratio(gpu_peak["conveyor_pipeline"], gpu_peak["one_process"]),
         "memory_ratio_2": h.ratio(peak["conveyor_pipeline"], peak["one_process"]),
         "memory_ratio_2_bare": h.ratio(peak["bare_pipelining"], peak["one_process"]),
         "memory_ratio_4": h.ratio(four_peak, peak["one_process"]),
@@ -700,7 +754,8 @@ def format_table(res: dict[str, Any], d: dict[str, Any], config: dict[str, Any],
     head = (f"pipeline_parallel benchmark: MLP {config['depth']} x Linear({config['width']}) + Adam "
             f"({config['params']:,} params, {config['state_mb']:.0f} MB params+grads+Adam), batch {config['batch']}, "
             f"{config['steps']} timed steps after {config['warmup']} warm-up, {repeats} round(s), "
-            f"1 thread/process, gloo on 127.0.0.1; pipelines: 2 stages cut before block {config['split']}, 1F1B, M={m}")
+            f"1 thread/process, {LINKS[config.get('device', 'cpu')]}"
+            f"; pipelines: 2 stages cut before block {config['split']}, 1F1B, M={m}")
     four = d["peak_rss_mb_4_stages"]
     lines = [head, "", h.format_rows(_throughput_rows(res, d), left=(0, 8)), "",
              f"conveyor_pipeline / bare_pipelining     {h.fmt(d['conveyor_vs_bare'], '.3f')}  (per round "
@@ -718,6 +773,9 @@ def format_table(res: dict[str, Any], d: dict[str, Any], config: dict[str, Any],
              f"x{h.fmt(d['memory_ratio_2_bare'], '.3f')}; above the imports x"
              f"{h.fmt(d['memory_ratio_2_above_import'], '.3f')}), 4 stages "
              + (f"{four:.0f} MB (x{h.fmt(d['memory_ratio_4'], '.3f')})" if four else "not run (--four-stages)"),
+             *([f"peak GPU memory, largest process: 1 stage {h.fmt(d['peak_gpu_mb']['one_process'], '.0f')} MB, "
+                f"2 stages {h.fmt(d['peak_gpu_mb']['conveyor_pipeline'], '.0f')} MB "
+                f"(x{h.fmt(d['memory_ratio_2_gpu'], '.3f')})"] if config.get("device") == "cuda" else []),
              "", "bubble (conveyor's summary figures over the timed steps; wait = send/recv wait) and stage 0's "
              "saved activations (saved_tensors_hooks, one extra step):", "",
              h.format_rows(_sweep_rows(d), left=(0,)), "",
@@ -739,6 +797,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="M of the bubble sweep, comma-separated (default 2,4,8,16; --quick 16)")
     p.add_argument("--four-stages", action="store_true", help="also a 4-stage run (memory), even on < 4 cores")
     p.add_argument("--timeout", type=float, default=None, help="seconds per run before it is stopped (default 900)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu (default; the processes see no GPU) or cuda: one GPU per process, NCCL (needs 2 GPUs)")
     p.add_argument("--contenders", type=h.contender_names(CONTENDERS), default=CONTENDERS,
                    help=f"comma-separated subset of {','.join(CONTENDERS)}")
     p.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)
@@ -756,6 +816,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker is not None:
@@ -765,9 +831,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     params = args.depth * (args.width * args.width + args.width)
     config = {"width": args.width, "depth": args.depth, "batch": args.batch, "steps": args.steps,
               "warmup": args.warmup, "microbatches": args.microbatches, "split": args.depth // 2,
-              "params": params, "state_mb": 16 * params / 1e6}
+              "params": params, "state_mb": 16 * params / 1e6, "device": args.device}
     machine = h.machine_start(("torch",))
-    four_wanted = args.four_stages or machine["cores"] >= 4
+    gpus = cuda_devices() if args.device == "cuda" else 0
+    if args.device == "cuda" and gpus < STAGES:
+        reason = (f"--device cuda needs {STAGES} GPUs (one process per GPU: NCCL refuses two ranks on one GPU); "
+                  f"this machine has {gpus}")
+        print(f"skipped: {reason}")
+        report = {"benchmark": NAME, "command": h.command_line(NAME, argv), "machine": h.machine_end(machine),
+                  "config": config, "skipped": reason}
+        path = write_results(NAME, report, args.out)
+        print(f"JSON: {path}")
+        return 0
+    four_wanted = (args.four_stages or machine["cores"] >= 4) and (args.device == "cpu" or gpus >= 4)
     print(f"MLP {args.depth} x {args.width}: {params:,} params ({config['state_mb']:.0f} MB with grads and Adam), "
           f"batch {args.batch}, {args.repeats} round(s), {machine['cores']} cores, load {machine['loadavg_start']}")
     with tempfile.TemporaryDirectory(prefix="conveyor-pipeline-bench-") as tmp:

@@ -20,13 +20,18 @@ _FOREIGN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR
             "OMP_NUM_THREADS")
 
 
-def local_job_envs(out: Path, world: int, strategy: str) -> list[dict[str, str]]:
+def local_job_envs(out: Path, world: int, strategy: str, *, gpus: bool = False) -> list[dict[str, str]]:
     """Each training task's environment for a one-machine job of ``world`` tasks, as `conveyor run` gives it:
-    this process's environment without any launcher's variables, plus the task's own."""
+    this process's environment without any launcher's variables, plus the task's own.
+
+    Without ``gpus`` the tasks see no GPU, so that a test comparing with a CPU reference trains on the CPU on a
+    GPU host too; the tests written for GPUs ask for them."""
     ports = free_ports(world + 1)
     spec = local_cluster(num_workers=world, num_ps=0, ports=ports[:world])
     base = {k: v for k, v in os.environ.items()
             if k not in _FOREIGN and not k.startswith(("CONVEYOR_", "SLURM_", "TORCHELASTIC_"))}
+    if not gpus:
+        base["CUDA_VISIBLE_DEVICES"] = ""
     return [base | task_environment(spec, task, secret=b"test-secret", data_dir=out / "data",
                                     output_dir=out / "output", master_addr="127.0.0.1", master_port=ports[world],
                                     strategy=strategy, local_rank=rank, local_world_size=world)

@@ -4,12 +4,14 @@
     conveyor data convert cifar-10-binary.tar.gz data/cifar10 --shards 8
     conveyor run -n 2 --data-dir data --output-dir runs/cifar10 examples/cifar10/train.py --epochs 30
     conveyor run -n 2 --ps 1 --strategy ps-sync --data-dir data examples/cifar10/train.py   # or ps-async, ps-ssp:4
+    conveyor run -n 2 --strategy pipeline --stages 2 --data-dir data examples/cifar10/train.py
     python examples/cifar10/train.py --synthetic --max-steps 20             # no data needed: a smoke test
 
 The script runs under whatever strategy the job has (`conveyor run --strategy allreduce|ps-sync|
-ps-async|ps-ssp:K`; `pipeline` is recognised by conveyor but not implemented yet — the model is an
-`nn.Sequential` of 11 blocks, stem, 9 residual blocks and head, so a stage count will be all a
-pipeline split needs). Each worker reads its own shards of `<data-dir>/cifar10/train-*.tfrecord`,
+ps-async|ps-ssp:K|pipeline`). The model is an `nn.Sequential` of a stem, 3n residual blocks and a
+head, so `--strategy pipeline --stages S` needs nothing more (the stages are balanced by parameter
+bytes; `--split 4,8` cuts before those blocks); the stages call the blocks directly, so the model's
+bfloat16 autocast does not reach them and pipelined runs train in float32. Each worker reads its own shards of `<data-dir>/cifar10/train-*.tfrecord`,
 decodes (PNG, or the raw 3,072-byte planes of `--image-format raw` and of TensorFlow's own
 generator), pads by 4 and crops back to 32×32 at random, flips half the images, and normalises, in
 forked worker processes (their RNGs are reseeded per batch, so a resumed job sees the same crops).

@@ -229,3 +229,81 @@ def test_quick_allreduce_job(bench, tmp_path, capsys):
     assert finite_positive(part["samples"]["1"][0]) and part["derived"]["speedup"]["1"] == 1.0
     assert part["reference"] == {"2": 1.7, "4": 3.5, "8": 6.2} and part["table"] in capsys.readouterr().out
     assert (out / "allreduce_scaling.png").read_bytes().startswith(PNG)
+
+
+# ------------------------------------------------------------------------------------ part 4
+
+
+def test_gpu_part_is_skipped_with_the_reason_without_cuda(bench, tmp_path, capsys, monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "out"
+    assert bench.main(["--quick", "--parts", "gpu", "--out", str(out)]) == 0
+    part = _report(out)["gpu_feeding"]
+    assert part["skipped"].startswith("no CUDA device") and "--gpu-device cpu" in part["skipped"]
+    assert part["errors"] == [] and "skipped" in capsys.readouterr().out
+
+
+def test_gpu_derive_table_and_plot(bench, tmp_path):
+    gpu = bench.gpu
+    names = gpu.points(("cifar",), (1, 2))
+    assert names == ["cifar/device@2", "cifar/conveyor@1", "cifar/dataloader@1", "cifar/conveyor@2",
+                     "cifar/dataloader@2"]
+    rates = {"cifar/device@2": [1000.0, 1000.0], "cifar/conveyor@1": [500.0, 600.0],
+             "cifar/dataloader@1": [250.0, 300.0], "cifar/conveyor@2": [960.0, 980.0],
+             "cifar/dataloader@2": [500.0, math.nan]}
+    runs = {k: [None if math.isnan(x) else {"device_idle_fraction": 1 - x / 1000} for x in v] for k, v in rates.items()}
+    d = gpu.derive({"samples": rates, "runs": runs}, ("cifar",), (1, 2), enough=0.95)["cifar"]
+    assert d["ceiling_samples_per_second"] == 1000.0 and d["ceiling_idle_fraction"] == 0.0
+    assert d["conveyor"]["of_ceiling"] == {"1": 0.55, "2": 0.97} and d["conveyor"]["cores_needed"] == 2
+    assert d["dataloader"]["cores_needed"] is None and d["dataloader"]["samples_per_second"]["2"] == 500.0
+    assert d["conveyor_vs_dataloader"] == {"1": 2.0, "2": pytest.approx(960 / 500)}
+    assert d["conveyor"]["device_idle_fraction"]["1"] == pytest.approx(0.45)
+    settings = {"device_name": "NVIDIA Test", "steps": 60, "warmup": 10,
+                "workloads": {"cifar": {"model": "ResNet-20", "batch": 128, "size": 32}}}
+    table = gpu.format_table({"cifar": d}, settings, (1, 2), 0.95)
+    assert "conveyor 2, dataloader more than 2" in table and "NVIDIA Test" in table
+    pytest.importorskip("matplotlib")
+    path = bench.plots.plot_gpu_feeding({"cifar": d}, (1, 2), 0.95, tmp_path / "gpu.png", "t")
+    assert path.read_bytes().startswith(PNG)
+
+
+def test_gpu_resnet50_is_resnet50_sized(bench):
+    model = bench.gpu.resnet50()
+    assert sum(p.numel() for p in model.parameters()) == 25_557_032  # torchvision's resnet50, 1,000 classes
+
+
+def test_gpu_dataloader_share_gives_every_worker_records(bench, tmp_path):
+    from torch.utils.data import DataLoader
+
+    from conveyor.data.records import TFRecordWriter
+    files = []
+    for f in range(2):
+        files.append(str(tmp_path / f"f{f}.tfrecord"))
+        with TFRecordWriter(files[-1]) as w:
+            for i in range(6):
+                w.write(bytes([f * 10 + i]))
+    for share in (files, files[:1]):  # 2 workers: a file each; on one file, every other record each
+        loader = DataLoader(bench.gpu.RecordShare(share, lambda r: r[0]), batch_size=None, num_workers=2)
+        it = iter(loader)
+        got = [int(next(it)) for _ in range(6 * len(share))]
+        del it
+        assert sorted(got) == [0, 1, 2, 3, 4, 5, 10, 11, 12, 13, 14, 15][:6 * len(share)], len(share)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)  # three fresh processes importing torch, a few steps of a ResNet-20 on the CPU
+def test_quick_gpu_part_on_the_cpu(bench, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "out"
+    assert bench.main(["--quick", "--parts", "gpu", "--gpu-device", "cpu", "--gpu-workloads", "cifar",
+                       "--out", str(out), "--data", str(tmp_path / "data")]) == 0
+    report = _report(out)
+    part = report["gpu_feeding"]
+    assert report["errors"] == [] and part["config"]["device_name"] == "cpu (smoke run)"
+    assert sorted(part["samples"]) == ["cifar/conveyor@1", "cifar/dataloader@1", "cifar/device@1"]
+    for name, (run,) in part["runs"].items():
+        assert finite_positive(run["samples_per_second"]) and 0 <= run["device_idle_fraction"] < 1, name
+        assert run["busy_seconds"] <= run["wall_seconds"] and not run["amp"]
+    assert part["derived"]["cifar"]["conveyor"]["of_ceiling"]["1"] > 0
+    assert part["table"] in capsys.readouterr().out and (out / "gpu_feeding.png").read_bytes().startswith(PNG)

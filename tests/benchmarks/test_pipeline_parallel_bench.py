@@ -81,3 +81,17 @@ def test_quick_run_writes_json(bench, tmp_path, capsys):
         assert ("PASS " if g["pass"] else "FAIL ") + g["name"] in printed
     assert not goals["throughput: conveyor_pipeline / bare_pipelining (ratio of medians)"]["pass"]
     assert report["table"] in printed and "1f1b" in report["table"]
+
+
+def test_cuda_without_two_gpus_is_skipped_with_the_reason(bench, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "cuda_devices", lambda: 1)
+    assert bench.main(["--quick", "--device", "cuda", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "pipeline_parallel-latest.json").read_text())
+    assert report["skipped"] == ("--device cuda needs 2 GPUs (one process per GPU: NCCL refuses two ranks on one "
+                                 "GPU); this machine has 1") and report["config"]["device"] == "cuda"
+    assert "skipped" in capsys.readouterr().out and "runs" not in report
+
+
+def test_cpu_runs_hide_the_gpus_and_cuda_runs_keep_them(bench):
+    assert bench._base_env("cpu")["CUDA_VISIBLE_DEVICES"] == ""
+    assert bench._base_env("cuda").get("CUDA_VISIBLE_DEVICES") != ""

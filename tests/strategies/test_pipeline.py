@@ -115,15 +115,17 @@ def _combined(replicas: int):
 
 
 def launch(scenario: str, out: Path, *, world: int, stages: int, schedule: str, deadline: float = 90.0,
-           extra_env: dict[str, str] | None = None, command: list[str] | None = None) -> list[dict | None]:
+           extra_env: dict[str, str] | None = None, command: list[str] | None = None,
+           gpus: bool = False) -> list[dict | None]:
     """Run SCENARIO on ``world`` processes as `conveyor run --strategy pipeline` would; each rank's JSON.
 
-    ``command``: another script to run instead (its JSON, if any, is not read)."""
+    ``command``: another script to run instead (its JSON, if any, is not read). ``gpus``: the tasks see this
+    machine's GPUs (otherwise none, so they train on the CPU like the reference)."""
     out.mkdir(parents=True, exist_ok=True)
     from taskrun import local_job_envs, wait_all  # here: this file also runs as the workers' script, outside pytest
 
     procs = []
-    for rank, env in enumerate(local_job_envs(out, world, "pipeline")):
+    for rank, env in enumerate(local_job_envs(out, world, "pipeline", gpus=gpus)):
         env |= {"CONVEYOR_TIMEOUT": "60", "CONVEYOR_PIPELINE_STAGES": str(stages),
                 "CONVEYOR_PIPELINE_MICROBATCHES": str(MICROBATCHES), "CONVEYOR_PIPELINE_SCHEDULE": schedule,
                 **(extra_env or {})}
@@ -153,10 +155,14 @@ def merged(results: list[dict | None], replica: int, stages: int) -> dict[str, t
     return state
 
 
-def assert_equal_to(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+def assert_equal_to(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], atol: float = 1e-5) -> None:
     assert sorted(state) == sorted(expected)
     for key, value in expected.items():
-        assert torch.allclose(state[key], value, rtol=0, atol=1e-5), (key, (state[key] - value).abs().max())
+        assert torch.allclose(state[key], value, rtol=0, atol=atol), (key, (state[key] - value).abs().max())
+
+
+def cuda_devices() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 # -- tests --------------------------------------------------------------------------------------------------------
@@ -204,6 +210,32 @@ def test_traced_stages_resume_from_their_checkpoint_parts_and_evaluate(tmp_path:
     assert torch.allclose(torch.tensor(results[1]["outputs"]), expected, rtol=0, atol=1e-5)
 
 
+# One stage per GPU, NCCL between them: the GPU path of the issue. NCCL refuses two ranks of one communicator on
+# one GPU ("Duplicate GPU detected", ncclInvalidUsage), so stages sharing a GPU cannot use it; the strategy
+# refuses that job with the fix, which the second test checks where there is any GPU.
+TWO_GPUS = "needs 2 CUDA devices (one pipeline stage per GPU over NCCL; NCCL refuses two ranks on one GPU): " \
+           f"this machine has {cuda_devices()}"
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(cuda_devices() < 2, reason=TWO_GPUS)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_two_stages_on_two_gpus_over_nccl_equal_one_process(tmp_path: Path, schedule: str) -> None:
+    results = launch("plain", tmp_path, world=2, stages=2, schedule=schedule, gpus=True)
+    assert all(r is not None for r in results), logs(tmp_path, 2)
+    assert [r["device"] for r in results] == ["cuda:0", "cuda:1"] and {r["backend"] for r in results} == {"nccl"}
+    assert_equal_to(merged(results, 0, 2), reference(1), atol=1e-4)  # CUDA's float kernels sum in another order
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(cuda_devices() < 1, reason="needs a CUDA device: checks the refusal of stages sharing one GPU")
+def test_stages_sharing_one_gpu_are_refused_naming_the_fix(tmp_path: Path) -> None:
+    results = launch("plain", tmp_path, world=2, stages=2, schedule="1f1b", gpus=True,
+                     extra_env={"CUDA_VISIBLE_DEVICES": "0", "CONVEYOR_SHARE_GPUS": "1"})
+    assert results == [None, None]
+    assert "pipeline stages on shared GPUs" in logs(tmp_path, 2) and "one stage per GPU" in logs(tmp_path, 2)
+
+
 @pytest.fixture(scope="module")
 def digits_data(tmp_path_factory) -> Path:
     """One data folder for every digits run here: the first run's chief writes the TFRecord shards (scikit-learn
@@ -242,10 +274,12 @@ def run_plain(job, out: Path, kind: str = "plain") -> dict:
     model, optimizer = job.prepare(model, make_optimizer(model), split=split)
     replicas, replica = job.data_shard
     losses = []
-    for x, y in batches(replicas, replica):
-        losses.append(float(job.train_step(model, optimizer, nn.functional.mse_loss, x, y)))
+    for x, y in batches(replicas, replica):  # a plain loop moves its batches to the task's device itself
+        losses.append(float(job.train_step(model, optimizer, nn.functional.mse_loss, x.to(job.device),
+                                           y.to(job.device))))
     params = {k: v.tolist() for k, v in model.model_state_dict().items()}
-    return {"params": params, "losses": losses, "stage": job.strategy.stage, "data_shard": list(job.data_shard)}
+    return {"params": params, "losses": losses, "stage": job.strategy.stage, "data_shard": list(job.data_shard),
+            "device": str(job.device), "backend": torch.distributed.get_backend()}
 
 
 def run_traced_resume(job, out: Path) -> dict:
