@@ -510,6 +510,12 @@ def run_dataloader(files: Sequence[str], wl: Workload, n_records: int, warmup_ba
     it = iter(loader)
     try:
         return _time_batches(it, wl, n_records, warmup_batches, "dataloader", info)
+    except BaseException:
+        # After re-raising a worker's exception, torch sends its workers no shutdown word: each waits for one
+        # on its index queue until its 5-second status check, and the iterator's __del__ joins them one by one.
+        for worker in getattr(it, "_workers", ()):
+            worker.terminate()
+        raise
     finally:
         del it  # shuts the workers down (refcount -> _MultiProcessingDataLoaderIter.__del__)
 
