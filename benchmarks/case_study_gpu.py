@@ -140,7 +140,7 @@ def feeder(config: dict[str, Any], fn: Callable[[bytes], Any], batch: int, devic
 
     if config["feeder"] == CEILING:
         shape = (batch, 3, config["size"], config["size"])
-        images = torch.randn(shape, device=device).contiguous(memory_format=torch.channels_last)
+        images = torch.randn(shape, device=device)  # laid out as the feeders' batches are (NCHW)
         labels = torch.randint(0, 10, (batch,), device=device)
         return iter(lambda: (images, labels), None), lambda: None
     pin = device.type == "cuda"
@@ -156,7 +156,7 @@ def feeder(config: dict[str, Any], fn: Callable[[bytes], Any], batch: int, devic
                                          num_workers=config["cores"], pin_memory=pin, persistent_workers=False)
     raw = iter(loader)
     moved = ((x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in raw)
-    return moved, lambda: raw._shutdown_workers() if hasattr(raw, "_shutdown_workers") else None
+    return moved, raw._shutdown_workers  # num_workers >= 1: always the multiprocessing iterator
 
 
 class StepTimer:

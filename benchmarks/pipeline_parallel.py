@@ -1,8 +1,8 @@
 """Pipeline-parallel benchmark: conveyor's pipeline strategy against one process, two free halves and a bare loop.
 
-    python benchmarks/pipeline_parallel.py                 # 2048 x 64 MLP + Adam, 2 rounds, ~7-8 min on 2 cores
+    python benchmarks/pipeline_parallel.py                 # 2048 x 64 MLP + Adam, 2 rounds, ~12 min on 2 cores
     python benchmarks/pipeline_parallel.py --quick         # tiny MLP, M = 16 only, 1 round (a test runs it, ~20 s)
-    python benchmarks/pipeline_parallel.py --repeats 3 --steps 6 --four-stages --out /tmp/bench-results
+    python benchmarks/pipeline_parallel.py --repeats 3 --steps 8 --four-stages --out /tmp/bench-results
     python benchmarks/pipeline_parallel.py --device cuda   # on a host with >= 2 GPUs: one process per GPU, NCCL
 
 Workload: an ``nn.Sequential`` of ``--depth`` blocks, each ``Linear(W, W)`` + ReLU (the last a plain
@@ -38,6 +38,13 @@ thread a 2048-wide Linear with fewer rows is bound by reading its weights and ad
 weight gradient into ``.grad``, so smaller microbatches cost more per sample — the sweep's samples/s
 column shows it) and are interleaved (order reversed every other round); medians and per-round paired
 ratios are reported. The ideal is S (1 - (S-1)/(M+S-1)) x one_process.
+
+conveyor against the bare loop is also measured **paired** (``--paired-steps``, default 8): both in one pair
+of processes started as ``conveyor run`` starts them — conveyor's stage through ``job.prepare``, and a second
+copy of the model's half under a bare ``PipelineStage`` + ``Schedule1F1B`` on the default group — one step
+of each in turn (order alternating), a barrier after every step, rank 0 timing each. Separate runs of the two
+differed by up to 10 % per round here from the machine alone (other processes, one core slower than the
+other for a while), which the paired steps share; the throughput goal is judged on them.
 
 Measured besides (all from inside the processes):
 
@@ -109,7 +116,8 @@ LINKS = {"cpu": "gloo on 127.0.0.1", "cuda": "NCCL, one GPU per process"}
 GOALS = (
     h.Goal("memory: largest process with 2 stages / one-process peak RSS", "memory_ratio_2", 0.6, "<="),
     h.Goal("bubble: max |measured - (S-1)/(M+S-1)| over stages, schedules, M >= 4", "bubble_max_gap", 0.05, "<="),
-    h.Goal("throughput: conveyor_pipeline / bare_pipelining (ratio of medians)", "conveyor_vs_bare", 0.97),
+    h.Goal("throughput: conveyor_pipeline / bare_pipelining, step by step in the same 2 processes",
+           "conveyor_vs_bare_paired", 0.97),
     h.Goal("throughput: conveyor_pipeline / (S x (1 - bubble) x one_process)", "conveyor_vs_ideal", 0.85),
     h.Goal("activations: 1F1B stage 0 at the largest M, microbatches held (about S)", "act_1f1b", 1.25 * STAGES,
            "<="),
@@ -426,6 +434,56 @@ def run_conveyor(config: dict[str, Any], mem: Memory) -> dict[str, Any]:
         job.shutdown()
 
 
+def run_paired(config: dict[str, Any], mem: Memory) -> dict[str, Any]:
+    """conveyor's pipeline and the bare loop in the same 2 processes, one step of each in turn (the order
+    alternating), a barrier after every step: each step's time on rank 0 is the whole pipeline's, and both
+    see the same machine at the same moment, which separate runs on a shared 2-core machine do not."""
+    import torch
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    import conveyor
+
+    job = conveyor.init()
+    try:
+        model = make_model(config["width"], config["depth"])
+        model, optimizer = job.prepare(model, make_optimizer(model.parameters()))
+        rank, device, m = job.rank, job.device, config["microbatches"]
+        x, y = (t.to(device) for t in make_batch(config["width"], config["batch"]))
+        module, bare_optimizer = _own_half({**config, "rank": rank}, mem)
+        example = torch.empty(config["batch"] // m, config["width"], device=device)
+        stage = PipelineStage(module, rank, STAGES, device, input_args=example.clone().requires_grad_(rank > 0),
+                              output_args=example.clone().requires_grad_())  # on the default group: both ranks
+        schedule = Schedule1F1B(stage, m, loss_fn=nn.functional.mse_loss, scale_grads=True)
+        sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+        def bare_step() -> None:
+            bare_optimizer.zero_grad(set_to_none=True)
+            if rank == 0:
+                schedule.step(x)
+            else:
+                schedule.step(target=y, losses=[])
+            bare_optimizer.step()
+
+        steps = {"conveyor": lambda: job.train_step(model, optimizer, nn.functional.mse_loss, x, y),
+                 "bare": bare_step}
+        for _ in range(config["warmup"]):
+            for step in steps.values():
+                step()
+        job.barrier()
+        times: dict[str, list[float]] = {name: [] for name in steps}
+        for i in range(config["steps"]):
+            for name in (("conveyor", "bare") if i % 2 == 0 else ("bare", "conveyor")):
+                t = time.perf_counter()
+                steps[name]()
+                sync()
+                job.barrier()
+                times[name].append(time.perf_counter() - t)
+        return {"rank": rank, "paired_seconds": times, "wall_s": sum(times["conveyor"])}
+    finally:
+        job.shutdown()
+
+
 def worker(config: dict[str, Any]) -> None:
     import torch
 
@@ -436,7 +494,7 @@ def worker(config: dict[str, Any]) -> None:
     mem = Memory(device_of({**config, "rank": config.get("rank", int(os.environ.get("LOCAL_RANK", 0)))}))
     mem.mark("import")
     run = {"one_process": run_one_process, "two_halves": run_two_halves,
-           "bare_pipelining": run_bare}.get(config["contender"], run_conveyor)
+           "bare_pipelining": run_bare, "paired": run_paired}.get(config["contender"], run_conveyor)
     result = run(config, mem)
     result.update({**mem.report(), "threads": torch.get_num_threads(),
                    "samples_per_s": config["batch"] * config["steps"] / result["wall_s"]})
@@ -579,6 +637,22 @@ def run_sweep(config: dict[str, Any], sweep: Sequence[int], timeout: float, tmp:
     return out
 
 
+def run_paired_steps(config: dict[str, Any], steps: int, timeout: float, tmp: Path) -> dict[str, Any]:
+    """conveyor against the bare loop step by step in the same processes (run_paired): rank 0's step times,
+    each pair's bare / conveyor time, and the ratio of their sums (conveyor's throughput / bare's)."""
+    cfg = {**config, "contender": "paired", "stages": STAGES, "schedule": "1f1b", "steps": steps}
+    try:
+        seconds = run_processes(cfg, tmp / "paired", timeout)[0]["paired_seconds"]
+    except h.ContenderFailed as e:
+        print(f"  paired steps FAILED: {e}")
+        return {"error": str(e)}
+    ratio = sum(seconds["bare"]) / sum(seconds["conveyor"])
+    per_pair = [b / c for c, b in zip(seconds["conveyor"], seconds["bare"], strict=True)]
+    print(f"  paired steps: conveyor / bare throughput {ratio:.3f} over {steps} pairs "
+          f"(per pair {' '.join(f'{r:.3f}' for r in per_pair)})")
+    return {"steps": steps, "seconds": seconds, "per_pair": per_pair, "conveyor_vs_bare": ratio}
+
+
 def run_four_stages(config: dict[str, Any], timeout: float, tmp: Path) -> dict[str, Any]:
     cfg = {**config, "contender": "conveyor_pipeline", "stages": 4, "schedule": "1f1b",
            "microbatches": max(config["microbatches"], 4)}
@@ -660,7 +734,8 @@ def _activations(rows: list[dict[str, Any]], schedule: str) -> dict[str, Any] | 
     return {"microbatches": top["microbatches"], **top["activations"]}
 
 
-def derive(res: dict[str, Any], sweep: dict[str, Any], four: dict[str, Any] | None, m: int) -> dict[str, Any]:
+def derive(res: dict[str, Any], sweep: dict[str, Any], four: dict[str, Any] | None, m: int,
+           paired: dict[str, Any] | None = None) -> dict[str, Any]:
     s = {c: list(res["samples"].get(c, [])) for c in CONTENDERS}
     runs = {c: [r for r in res["runs"].get(c, []) if r is not None] for c in CONTENDERS}
     med = {c: h.median(v) for c, v in s.items()}
@@ -690,6 +765,8 @@ def derive(res: dict[str, Any], sweep: dict[str, Any], four: dict[str, Any] | No
         "memory_ratio_4": h.ratio(four_peak, peak["one_process"]),
         "memory_ratio_2_above_import": h.ratio(above["conveyor_pipeline"], above["one_process"]),
         "conveyor_vs_bare": h.ratio(med["conveyor_pipeline"], med["bare_pipelining"]),
+        "conveyor_vs_bare_paired": (paired or {}).get("conveyor_vs_bare"),
+        "conveyor_vs_bare_per_pair": (paired or {}).get("per_pair", []),
         "conveyor_vs_bare_per_round": h.paired(s["conveyor_pipeline"], s["bare_pipelining"]),
         "ideal_speedup": ideal,
         "conveyor_vs_ideal": h.ratio(med["conveyor_pipeline"], ideal * med["one_process"]),
@@ -758,8 +835,10 @@ def format_table(res: dict[str, Any], d: dict[str, Any], config: dict[str, Any],
             f"; pipelines: 2 stages cut before block {config['split']}, 1F1B, M={m}")
     four = d["peak_rss_mb_4_stages"]
     lines = [head, "", h.format_rows(_throughput_rows(res, d), left=(0, 8)), "",
-             f"conveyor_pipeline / bare_pipelining     {h.fmt(d['conveyor_vs_bare'], '.3f')}  (per round "
-             f"{h.fmt_all(d['conveyor_vs_bare_per_round'], '.3f')})",
+             f"conveyor_pipeline / bare_pipelining     {h.fmt(d['conveyor_vs_bare'], '.3f')}  (separate runs, ratio of "
+             f"medians; per round {h.fmt_all(d['conveyor_vs_bare_per_round'], '.3f')})",
+             f"  the same, step by step in one pair of processes {h.fmt(d['conveyor_vs_bare_paired'], '.3f')}  (per "
+             f"pair {h.fmt_all(d['conveyor_vs_bare_per_pair'], '.3f') or 'not run'})",
              f"conveyor_pipeline / (S(1-b) one_process) {h.fmt(d['conveyor_vs_ideal'], '.3f')}  (S(1-b) = "
              f"{d['ideal_speedup']:.3f}; per round {h.fmt_all(d['conveyor_vs_ideal_per_round'], '.3f')}; bare "
              f"{h.fmt(d['bare_vs_ideal'], '.3f')})",
@@ -790,11 +869,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=None, help="Linear width (default 2048; --quick 256)")
     p.add_argument("--depth", type=int, default=None, help="blocks (default 64; --quick 4)")
     p.add_argument("--batch", type=int, default=None, help="rows per step (default 256; --quick 32)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps (default 3; --quick 2)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="timed steps (default 6; --quick 2): with 3, one core running a few %% slower than the "
+                   "other for a few seconds decided the bubble's gap to theory")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 1; --quick 1)")
     p.add_argument("--microbatches", type=int, default=None, help="M of the throughput rounds (default 2; --quick 16)")
     p.add_argument("--sweep", type=lambda t: tuple(int(x) for x in t.split(",")), default=None,
                    help="M of the bubble sweep, comma-separated (default 2,4,8,16; --quick 16)")
+    p.add_argument("--paired-steps", type=int, default=None,
+                   help="steps of each in the paired conveyor/bare run (default 8; --quick 2; 0: not run)")
     p.add_argument("--four-stages", action="store_true", help="also a 4-stage run (memory), even on < 4 cores")
     p.add_argument("--timeout", type=float, default=None, help="seconds per run before it is stopped (default 900)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -803,10 +886,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help=f"comma-separated subset of {','.join(CONTENDERS)}")
     p.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)
     args = h.settle(p, p.parse_args(argv), {"width": (2048, 256), "depth": (64, 4), "batch": (256, 32),
-                                            "steps": (3, 2), "warmup": (1, 1), "microbatches": (2, 16),
-                                            "sweep": ((2, 4, 8, 16), (16,)), "repeats": (2, 1), "timeout": (900, 120)},
+                                            "steps": (6, 2), "warmup": (1, 1), "microbatches": (2, 16),
+                                            "sweep": ((2, 4, 8, 16), (16,)), "repeats": (2, 1), "timeout": (900, 120),
+                                            "paired_steps": (8, 2)},
                     positive=("width", "depth", "batch", "steps", "microbatches", "repeats", "timeout"),
-                    non_negative=("warmup",))
+                    non_negative=("warmup", "paired_steps"))
     for m in (args.microbatches, *args.sweep):
         if m < 1 or args.batch % m:
             p.error(f"--batch {args.batch} must be divisible by every M (got M = {m})")
@@ -848,11 +932,12 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"batch {args.batch}, {args.repeats} round(s), {machine['cores']} cores, load {machine['loadavg_start']}")
     with tempfile.TemporaryDirectory(prefix="conveyor-pipeline-bench-") as tmp:
         res = run_rounds(config, args.repeats, args.timeout, Path(tmp), args.contenders)
+        paired = run_paired_steps(config, args.paired_steps, args.timeout, Path(tmp)) if args.paired_steps else None
         last = [r for r in res["runs"].get("conveyor_pipeline", []) if r is not None and "figures" in r]
         sweep = run_sweep(config, args.sweep, args.timeout, Path(tmp),
                           {f"1f1b/{args.microbatches}": last[-1]} if last else None)
         four = run_four_stages(config, args.timeout, Path(tmp)) if four_wanted else None
-    d = derive(res, sweep, four, args.microbatches)
+    d = derive(res, sweep, four, args.microbatches, paired)
     gs = h.evaluate_goals(GOALS, d)
     table = format_table(res, d, config, args.repeats)
     report = {
@@ -863,7 +948,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "contenders": {c.name: c.label for c in CONTENDERS_SPEC}, "order": res["order"],
                    "activation_method": "saved_tensors_hooks: live saved bytes (each tensor once, "
                                         "parameters excluded), peak / (step total / M)"},
-        "sweep": sweep, "four_stages": four,
+        "sweep": sweep, "four_stages": four, "paired": paired,
     }
     h.publish_run(NAME, report, res, d, gs, table, started, h.format_goals(gs), args.out)
     return 0

@@ -21,7 +21,7 @@ def test_parse_args(bench):
     args = bench.parse_args([])
     assert (args.width, args.depth, args.batch, args.microbatches, args.sweep) == (2048, 64, 256, 2, (2, 4, 8, 16))
     quick = bench.parse_args(["--quick"])
-    assert (quick.width, quick.depth, quick.repeats, quick.sweep) == (256, 4, 1, (16,))
+    assert (quick.width, quick.depth, quick.repeats, quick.sweep, quick.paired_steps) == (256, 4, 1, (16,), 2)
     for bad in (["--batch", "30"], ["--sweep", "2,7"], ["--depth", "3"], ["--steps", "0"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
@@ -44,7 +44,7 @@ def test_saved_bytes_counts_each_saved_tensor_once_and_frees_it(bench):
 
 def test_theory_and_goals_are_data(bench):
     assert bench.theory(2, 2) == pytest.approx(1 / 3) and bench.theory(2, 16) == pytest.approx(1 / 17)
-    assert {g.key for g in bench.GOALS} == {"memory_ratio_2", "bubble_max_gap", "conveyor_vs_bare",
+    assert {g.key for g in bench.GOALS} == {"memory_ratio_2", "bubble_max_gap", "conveyor_vs_bare_paired",
                                             "conveyor_vs_ideal", "act_1f1b", "act_gpipe_share"}
 
 
@@ -79,7 +79,12 @@ def test_quick_run_writes_json(bench, tmp_path, capsys):
         measured = g["value"] is not None and math.isfinite(g["value"])
         assert measured or not g["pass"], g  # a contender left out never passes a goal
         assert ("PASS " if g["pass"] else "FAIL ") + g["name"] in printed
-    assert not goals["throughput: conveyor_pipeline / bare_pipelining (ratio of medians)"]["pass"]
+    assert not goals["throughput: conveyor_pipeline / (S x (1 - bubble) x one_process)"]["pass"]  # not run
+    # the paired run (both pipelines in one pair of processes, a step of each in turn) ran whatever --contenders say
+    paired = report["paired"]
+    assert len(paired["seconds"]["conveyor"]) == len(paired["seconds"]["bare"]) == len(paired["per_pair"]) == 2
+    assert finite_positive(d["conveyor_vs_bare_paired"]) and d["conveyor_vs_bare_paired"] == paired["conveyor_vs_bare"]
+    assert "step by step in one pair of processes" in report["table"]
     assert report["table"] in printed and "1f1b" in report["table"]
 
 
