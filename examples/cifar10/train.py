@@ -11,13 +11,14 @@ The script runs under whatever strategy the job has (`conveyor run --strategy al
 ps-async|ps-ssp:K|pipeline`). The model is an `nn.Sequential` of a stem, 3n residual blocks and a
 head, so `--strategy pipeline --stages S` needs nothing more (the stages are balanced by parameter
 bytes; `--split 4,8` cuts before those blocks); the stages call the blocks directly, so the model's
-bfloat16 autocast does not reach them and pipelined runs train in float32. Each worker reads its own shards of `<data-dir>/cifar10/train-*.tfrecord`,
-decodes (PNG, or the raw 3,072-byte planes of `--image-format raw` and of TensorFlow's own
-generator), pads by 4 and crops back to 32×32 at random, flips half the images, and normalises, in
-forked worker processes (their RNGs are reseeded per batch, so a resumed job sees the same crops).
-On a GPU the forward pass runs in bfloat16 autocast (`--no-amp` turns it off). Checkpoints,
-metrics, traces and plots go to the job's output folder. Shards of CIFAR-100 train too: the number
-of classes is read from the `classes.txt` the converter writes.
+bfloat16 autocast does not reach them and pipelined runs train in float32. Each worker reads its own
+shards of `<data-dir>/cifar10/train-*.tfrecord`, decodes (PNG, or the raw 3,072-byte planes of
+`--image-format raw` and of TensorFlow's own generator), pads by 4 and crops back to 32×32 at
+random, flips half the images, and normalises, in forked worker processes (their RNGs are reseeded
+per batch, so a resumed job sees the same crops). On a GPU the forward pass runs in bfloat16
+autocast (`--no-amp` turns it off). Checkpoints, metrics, traces and plots go to the job's output
+folder. Shards of CIFAR-100 train too: the number of classes is read from the `classes.txt` the
+converter writes.
 """
 
 from __future__ import annotations
