@@ -133,7 +133,15 @@ def test_ctrl_c_leaves_no_process(tmp_path):
     kids = psutil.Process(proc.pid).children(recursive=True)
     assert len(kids) == 2
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
-    proc.wait(timeout=20)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        # Seen once in a CI run and never in 260 runs by hand. A KeyboardInterrupt raised inside Python code
+        # that runs as a finalizer is printed as "Exception ignored" and lost, so stderr tells that apart from
+        # a shutdown that hangs.
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        pytest.fail(f"still running 20 s after Ctrl-C; its stderr:\n{proc.stderr.read().decode()[-3000:]}")
     assert b"KeyboardInterrupt" in proc.stderr.read()
     deadline = time.monotonic() + 5
     while any(k.is_running() and k.status() != psutil.STATUS_ZOMBIE for k in kids) and time.monotonic() < deadline:
