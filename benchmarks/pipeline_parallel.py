@@ -375,33 +375,39 @@ def run_two_halves(config: dict[str, Any], mem: Memory) -> dict[str, Any]:
                                                       device=device)}
 
 
-def run_bare(config: dict[str, Any], mem: Memory) -> dict[str, Any]:
-    """The loop a user writes from torch's pipelining docs: own half of the model, a static stage, the schedule."""
+def bare_loop_step(config: dict[str, Any], mem: Memory, rank: int, x, y) -> Callable[[], None]:
+    """The loop a user writes from torch's pipelining docs, on the default process group: this rank's half of
+    the model, a static stage, Schedule1F1B; returns one training step."""
     import torch
     from torch import nn
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    rank, width, m = config["rank"], config["width"], config["microbatches"]
+    m = config["microbatches"]
+    module, optimizer = _own_half({**config, "rank": rank}, mem)
+    example = torch.empty(config["batch"] // m, config["width"], device=x.device)
+    stage = PipelineStage(module, rank, STAGES, x.device, input_args=example.clone().requires_grad_(rank > 0),
+                          output_args=example.clone().requires_grad_())
+    schedule = Schedule1F1B(stage, m, loss_fn=nn.functional.mse_loss, scale_grads=True)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        if rank == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y, losses=[])
+        optimizer.step()
+
+    return step
+
+
+def run_bare(config: dict[str, Any], mem: Memory) -> dict[str, Any]:
     with _two_processes(config) as dist:
-        module, optimizer = _own_half(config, mem)
         device = device_of(config)
-        x, y = (t.to(device) for t in make_batch(width, config["batch"]))
-        example = torch.empty(config["batch"] // m, width, device=device)
-        stage = PipelineStage(module, rank, STAGES, device,
-                              input_args=example.clone().requires_grad_(rank > 0),
-                              output_args=example.clone().requires_grad_())
-        schedule = Schedule1F1B(stage, m, loss_fn=nn.functional.mse_loss, scale_grads=True)
+        x, y = (t.to(device) for t in make_batch(config["width"], config["batch"]))
+        step = bare_loop_step(config, mem, config["rank"], x, y)
         mem.setup_done()
-
-        def step() -> None:
-            optimizer.zero_grad(set_to_none=True)
-            if rank == 0:
-                schedule.step(x)
-            else:
-                schedule.step(target=y, losses=[])
-            optimizer.step()
-
-        return {"rank": rank, **timed_steps(step, config["warmup"], config["steps"], dist.barrier, device=device)}
+        return {"rank": config["rank"], **timed_steps(step, config["warmup"], config["steps"], dist.barrier,
+                                                      device=device)}
 
 
 def run_conveyor(config: dict[str, Any], mem: Memory) -> dict[str, Any]:
@@ -440,7 +446,6 @@ def run_paired(config: dict[str, Any], mem: Memory) -> dict[str, Any]:
     see the same machine at the same moment, which separate runs on a shared 2-core machine do not."""
     import torch
     from torch import nn
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     import conveyor
 
@@ -448,22 +453,10 @@ def run_paired(config: dict[str, Any], mem: Memory) -> dict[str, Any]:
     try:
         model = make_model(config["width"], config["depth"])
         model, optimizer = job.prepare(model, make_optimizer(model.parameters()))
-        rank, device, m = job.rank, job.device, config["microbatches"]
+        rank, device = job.rank, job.device
         x, y = (t.to(device) for t in make_batch(config["width"], config["batch"]))
-        module, bare_optimizer = _own_half({**config, "rank": rank}, mem)
-        example = torch.empty(config["batch"] // m, config["width"], device=device)
-        stage = PipelineStage(module, rank, STAGES, device, input_args=example.clone().requires_grad_(rank > 0),
-                              output_args=example.clone().requires_grad_())  # on the default group: both ranks
-        schedule = Schedule1F1B(stage, m, loss_fn=nn.functional.mse_loss, scale_grads=True)
+        bare_step = bare_loop_step(config, mem, rank, x, y)
         sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-
-        def bare_step() -> None:
-            bare_optimizer.zero_grad(set_to_none=True)
-            if rank == 0:
-                schedule.step(x)
-            else:
-                schedule.step(target=y, losses=[])
-            bare_optimizer.step()
 
         steps = {"conveyor": lambda: job.train_step(model, optimizer, nn.functional.mse_loss, x, y),
                  "bare": bare_step}
