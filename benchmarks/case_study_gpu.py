@@ -44,9 +44,11 @@ from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from conveyor.data.records import TFRecordReader
-
 HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parent))  # run as a script (each point) or loaded by case_study.py
+import harness as h  # noqa: E402
+from conveyor.data.records import TFRecordReader  # noqa: E402
+
 WORKLOADS = ("cifar", "chexnet")
 FEEDERS = ("conveyor", "dataloader")
 CEILING = "device"
@@ -103,7 +105,6 @@ def resnet50(num_classes: int = 1000):
 
 def workload_parts(config: dict[str, Any], amp_dtype: Any) -> tuple[Any, Callable[[bytes], Any], int]:
     """(model, per-record map, batch size) of config["workload"]."""
-    sys.path.insert(0, str(HERE.parent))
     if config["workload"] == "cifar":
         import case_study_input as inp
         example = inp.load_example()  # its ResNet sets its own autocast, which must not switch ours off
@@ -253,7 +254,6 @@ def points(workloads: Sequence[str], cores: Sequence[int]) -> list[str]:
 
 def measure_point(name: str, settings: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     """Run one point in a fresh process; (samples/s, its result). ContenderFailed naming the point on failure."""
-    import harness as h
     workload, rest = name.split("/")
     feeder_name, cores = rest.split("@")
     config = {**settings["workloads"][workload], "workload": workload, "feeder": feeder_name, "cores": int(cores),
@@ -287,7 +287,6 @@ def prepare(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
 
 def derive(res: dict[str, Any], workloads: Sequence[str], cores: Sequence[int], enough: float) -> dict[str, Any]:
-    import harness as h
     s, runs = res["samples"], res["runs"]
     d: dict[str, Any] = {}
     for w in workloads:
@@ -309,7 +308,6 @@ def derive(res: dict[str, Any], workloads: Sequence[str], cores: Sequence[int], 
 
 
 def format_table(d: dict[str, Any], settings: dict[str, Any], cores: Sequence[int], enough: float) -> str:
-    import harness as h
     lines = [f"GPU feeding ({settings['device_name']}): {settings['steps']} timed steps after {settings['warmup']}; "
              f"samples/s medians over rounds; device idle = 1 - GPU busy time / wall time; "
              f"'of ceiling' = / the rate with one batch kept on the device"]
@@ -335,7 +333,6 @@ def format_table(d: dict[str, Any], settings: dict[str, Any], cores: Sequence[in
 def run_part(args: argparse.Namespace) -> dict[str, Any]:
     """Part 4 as case_study.py runs it: skipped with the reason without a device, else rounds of every point."""
     import case_study_plots as plots
-    import harness as h
     reason = no_device_reason(args.gpu_device)
     if reason:
         print(f"part 4 skipped: {reason}")
@@ -365,7 +362,6 @@ def run_part(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_arguments(p: argparse.ArgumentParser, default_cores: str, counts: Callable[[str], tuple[int, ...]]) -> None:
-    import harness as h
     g = p.add_argument_group("part 4, GPU feeding (needs CUDA)")
     g.add_argument("--gpu-device", choices=("cuda", "cpu"), default="cuda",
                    help="cuda (default; the part is skipped without it) or cpu: a smoke run of the code")
