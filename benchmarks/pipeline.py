@@ -24,7 +24,7 @@ contenders (round 1: A,B,C,D; round 2: A,B,C,D; ...) so that the machine's speed
 alike; the median per contender is reported and every sample is kept in the JSON:
 
 - single_thread: a plain loop, `TFRecordReader` + the function. `limit = cores x single_thread` is
-                 the physical reference (docs/architecture.md, "Measuring").
+                 the physical reference (docs/measuring.md).
 - parallel_plain: not a pipeline: `cores` independent processes running that plain loop at once,
                  no hand-over, no batching. Shows how far the machine itself scales to all cores
                  (shared caches, turbo, a busy neighbour), i.e. how much of `limit` is reachable.

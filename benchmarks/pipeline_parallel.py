@@ -58,7 +58,7 @@ Measured besides (all from inside the processes):
   warm-up the stage runner's counters are zeroed, so conveyor's own ``summary_figures()`` cover the
   timed steps only: per stage its compute (forward, loss, backward chunks) and its idle share of the
   window every stage shares, from the latest stage's schedule start to the latest one's end (see
-  docs/architecture.md, Pipeline parallelism, for why that window and not each stage's schedule call),
+  docs/strategies.md, Pipeline parallelism, for why that window and not each stage's schedule call),
   next to (S-1)/(M+S-1). That theory assumes equal stages; each row also shows the theory with the
   run's measured stage costs, (M-1) c_max + sum(c) for the window, so a gap from one process computing
   slower than the other (on a shared machine, other processes' load lands unevenly) is told apart

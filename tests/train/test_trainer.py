@@ -19,7 +19,7 @@ from conveyor.train.trainer import ResumeError, TrainConfig, Trainer, accuracy
 N, BATCH, CLASSES = 40, 8, 3  # 5 steps per epoch
 
 # ---------------------------------------------------------------------------------------------------------------------
-# a job: conveyor.init() once it exists, else a stand-in with the same attributes (docs/training-contracts.md)
+# a job: conveyor.init() once it exists, else a stand-in with the same attributes (docs/training.md)
 
 
 class FakeStrategy(Strategy):

@@ -7,7 +7,7 @@ The output is what TensorFlow's converters produce: ``<prefix>-00000-of-00008.tf
 Example per row, plus ``dataset.json`` (records per shard, features, source) and, for image folders,
 ``classes.txt``. Rows are dealt round-robin over the shards (splits are shuffled, with seed 0 unless
 given), and no shard appears under its final name unless every shard was written. Needs numpy, Pillow
-and tqdm, never torch. Layout and encodings: ``docs/architecture.md``, "Converting data to TFRecord".
+and tqdm, never torch. Layout and encodings: ``docs/data.md``, "Converting data to TFRecord".
 """
 
 from __future__ import annotations

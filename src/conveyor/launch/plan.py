@@ -10,9 +10,9 @@ Arguments + free ports (+ what the other machines published at the rendezvous) â
 ``TaskLaunch(task, argv, env, log_path)``. Nothing here starts a process or opens a socket, so every
 environment can be compared by equality and printed by ``--dry-run``. Rank 0 runs on node 0; every
 task gets the caller's environment minus the launcher's own variables, plus its cluster identity,
-conveyor's and torchrun's variables (docs/training-contracts.md, "Launcher"), and with
+conveyor's and torchrun's variables (docs/launcher.md, "Settings from the launcher to the task"), and with
 ``tf_flags=True`` TensorFlow 1's cluster flags; with ``bind`` each task's CPUs (``launch/binding.py``).
-Placement and every variable: ``docs/architecture.md``, "The launcher: restarts and failures".
+Placement and every variable: ``docs/launcher.md``, "The plan".
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
     time.sleep(policy.delay_after(streak))                  # doubles per failure without progress, capped
 
 Progress is a new checkpoint step folder, seen by name only (this layer does not import the training
-code). Why: ``docs/architecture.md``, "The launcher: restarts and failures".
+code). Why: ``docs/launcher.md``, "The supervisor: success, failure, restarts".
 """
 
 from __future__ import annotations

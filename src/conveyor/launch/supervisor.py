@@ -11,7 +11,7 @@ without a chief every worker); a failure before that restarts the whole job, up 
 times, with a growing pause, and ends it early when the same failure repeats without a new checkpoint.
 Across machines the launchers coordinate through :class:`Peers` (``launch/rendezvous.py``).
 :meth:`Supervisor.run` must run on a thread that outlives the tasks (the main thread). The design, with
-its reasons: ``docs/architecture.md``, "The launcher: restarts and failures".
+its reasons: ``docs/launcher.md``, "The supervisor: success, failure, restarts".
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ part and listed with sizes and sha256 in its `COMPLETE` manifest, or not at all;
 never expose a partial folder; `resume_step()` passes over damaged steps with a warning and raises
 `CheckpointError` only when every step is damaged; nothing read from the folder is trusted. This module
 is the layout and the public names; `checkpoint_write`, `checkpoint_files` and `checkpoint_policy` fill,
-read and schedule. The layout on disk and the reasons: `docs/architecture.md`, "Checkpoints on disk".
+read and schedule. The layout on disk and the reasons: `docs/training.md`, "Checkpoints on disk".
 """
 
 from __future__ import annotations

@@ -108,7 +108,7 @@ def init(strategy: str | None = None, *, timeout: float | None = None, share_gpu
 
 
 class Job:
-    """One training process's view of the job; built by :func:`init`. See ``docs/training-contracts.md``.
+    """One training process's view of the job; built by :func:`init`. See ``docs/training.md``.
 
     Attributes: ``rank``, ``world_size``, ``local_rank``, ``local_world_size``, ``is_chief``, ``task_type``,
     ``task_index``, ``cluster`` (``ClusterSpec`` or ``None``), ``strategy``, ``device``, ``data_dir``,

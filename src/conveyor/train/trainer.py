@@ -14,7 +14,7 @@
 
 `fit()` trains, logs, evaluates, checkpoints, resumes from the latest checkpoint and writes the trace,
 plots and `summary.json`, the same way under every strategy. What it does when:
-`docs/architecture.md`, "The training loop".
+`docs/training.md`, "The training loop".
 """
 
 from __future__ import annotations

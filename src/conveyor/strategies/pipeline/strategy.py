@@ -13,7 +13,7 @@ stage's layers (the others go to the meta device) and rebuilds the optimizer ove
 is not an nn.Sequential: at its first batch, when its split is traced, ``traced.py``); a step runs
 torch's schedule over the microbatches, averages each stage's gradients over its replicas, and equals
 one process training the whole model on the replicas' combined batch. Rank layout, data, splits and
-the numbers: ``docs/architecture.md``, "Pipeline parallelism".
+the numbers: ``docs/strategies.md``, "Pipeline parallelism".
 """
 
 from __future__ import annotations

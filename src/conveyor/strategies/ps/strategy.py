@@ -16,7 +16,7 @@ Promises: ``ps-sync`` is numerically an all-reduce and returns from ``step()`` w
 in place; ``ps-async``/``ps-ssp:K`` let workers run apart (a pull waits while more than K steps ahead
 of the slowest) and deliver the new parameters by the model's next forward or ``state_dict``. Weights
 loaded into the model after ``prepare`` are overwritten by the next pull. How and why:
-docs/architecture.md, "The parameter-server strategy".
+docs/ps.md, "The parameter-server strategy".
 """
 
 from __future__ import annotations
