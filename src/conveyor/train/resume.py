@@ -31,6 +31,8 @@ DATA_STATE_VERSION = 1
 class ResumeError(CheckpointError):
     """The checkpoint found cannot be resumed by this job; the message names the fix."""
 
+    usage_error = True  # a restart meets it again: `conveyor run` does not retry it
+
 
 @dataclass(frozen=True)
 class Resumed:
