@@ -1,17 +1,18 @@
 """Start a plan's tasks on this machine, relay their output, restart the job when a task dies.
 
-    result = Supervisor(plan, max_restarts=3).run()     # blocks until the job ends
-    sys.exit(result.exit_code)                           # 0, 1 (failed for good), 130/143 (interrupted)
+    result = Supervisor(plan, policy=RestartPolicy(max_restarts=3)).run()     # until the job ends
+    sys.exit(result.exit_code)      # 0, 1 (failed for good), 130/143 (interrupted)
 
 What it promises: every task runs in its own process group, and stopping the job (a failure, Ctrl-C,
 SIGTERM) stops every group - SIGTERM, ``grace`` seconds, SIGKILL - and, on Linux, a launcher killed
 outright takes its tasks with it. Each task's output goes to ``<output>/logs/<type>-<index>.log`` and,
 prefixed ``[worker:1]``, to stdout. The job succeeds as Kubeflow's TFJob does (the chief exits 0, or
-without a chief every worker); a failure before that restarts the whole job, up to ``max_restarts``
-times, with a growing pause, and ends it early when the same failure repeats without a new checkpoint.
-Across machines the launchers coordinate through :class:`Peers` (``launch/rendezvous.py``).
-:meth:`Supervisor.run` must run on a thread that outlives the tasks (the main thread). The design, with
-its reasons: ``docs/architecture.md``, "The launcher: restarts and failures".
+without a chief every worker); a failure before that restarts the whole job as :func:`.restarts.decide`
+says: up to ``max_restarts`` times with a growing pause, never for a usage error, and not again when
+the same failure (by what failed, not which task: :mod:`.failures`) repeats without a new checkpoint.
+The states it moves through: :mod:`.states`. Across machines the launchers coordinate through
+:class:`Peers` (``launch/rendezvous.py``). :meth:`Supervisor.run` must run on a thread that outlives the
+tasks (the main thread). The design: ``docs/architecture.md``, "The launcher: restarts and failures".
 """
 
 from __future__ import annotations
