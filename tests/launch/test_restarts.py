@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from conveyor.cluster import failure_report
-from conveyor.cluster.failure_report import FailureReport, read_report, report_path
+from conveyor.cluster.failure_report import read_report, report_path
 from conveyor.errors import ConveyorError
 from conveyor.launch.failures import Signature, peer_signature, signature, signature_line
 from conveyor.launch.restarts import (
@@ -144,8 +144,8 @@ def test_a_signature_names_no_task():
 
 
 def test_a_report_gives_the_error_and_whether_it_is_a_usage_error():
-    report = FailureReport("conveyor.train.resume.ResumeError", "checkpoint x holds another model", usage=True)
-    assert signature(1, ["anything"], report) == Signature(report.type, report.message, usage=True)
+    report = Signature("conveyor.train.resume.ResumeError", "checkpoint x holds another model", usage=True)
+    assert signature(1, ["anything"], report) == report
     assert signature(-9, ["anything"], report) == Signature("was killed by SIGKILL", "anything")
 
 
@@ -183,9 +183,9 @@ def test_the_report_hook_writes_the_error_then_calls_the_previous_hook(tmp_path,
     sys.excepthook(ConfigProblem, error, None)
     assert called == [error]
     path = report_path(str(tmp_path / "logs" / "worker-1.log"))
-    assert read_report(path) == FailureReport(f"{__name__}.ConfigProblem", "--split x: not a layer", usage=True)
+    assert read_report(path) == Signature(f"{__name__}.ConfigProblem", "--split x: not a layer", usage=True)
     sys.excepthook(RuntimeError, RuntimeError("boom"), None)
-    assert read_report(path) == FailureReport("builtins.RuntimeError", "boom", usage=False)
+    assert read_report(path) == Signature("builtins.RuntimeError", "boom", usage=False)
 
 
 def test_no_hook_outside_conveyor_run(monkeypatch):

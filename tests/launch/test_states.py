@@ -18,20 +18,9 @@ import pytest
 import conveyor.launch.supervisor as supervisor_module
 from conveyor.cluster import TaskId
 from conveyor.errors import PeerError
+from conveyor.launch import states as st
 from conveyor.launch.failures import Signature
 from conveyor.launch.restarts import RestartPolicy
-from conveyor.launch.states import (
-    Done,
-    Failed,
-    GaveUp,
-    Interrupted,
-    JobResult,
-    Lingering,
-    Restarting,
-    Running,
-    Starting,
-    TaskExit,
-)
 from conveyor.launch.supervisor import Supervisor
 
 
@@ -111,7 +100,7 @@ def workers(plan, *codes, kinds=("worker", "worker")):
     return tuple(FakeTask(k, i, plan.log_dir, c) for i, (k, c) in enumerate(zip(kinds, codes, strict=True)))
 
 
-# -- Starting ---------------------------------------------------------------------------------------
+# -- st.Starting ---------------------------------------------------------------------------------------
 
 
 def test_starting_starts_every_task_and_notes_the_latest_checkpoint(plan, monkeypatch, tmp_path):
@@ -124,57 +113,57 @@ def test_starting_starts_every_task_and_notes_the_latest_checkpoint(plan, monkey
         launch.task.type, launch.task.index, plan.log_dir))
     monkeypatch.setattr(supervisor_module, "RunningTask", fake)
     sup, err = make(plan)
-    state = sup._starting(Starting(2))
-    assert isinstance(state, Running) and state.attempt == 2 and state.start_step == 40
+    state = sup._starting(st.Starting(2))
+    assert isinstance(state, st.Running) and state.attempt == 2 and state.start_step == 40
     assert [t.name for t in state.tasks] == ["worker:0", "worker:1"] and started == [2, 2]
     assert not stale.exists()  # an earlier attempt's report must not describe this one
     assert "attempt 2: started worker:0 pid 1000, worker:1 pid 1001" in err.getvalue()
 
 
-# -- Running ----------------------------------------------------------------------------------------
+# -- st.Running ----------------------------------------------------------------------------------------
 
 
 def test_running_stays_running_while_the_tasks_run(plan):
     sup, _ = make(plan)
-    state = Running(0, workers(plan, None, 0), None)
+    state = st.Running(0, workers(plan, None, 0), None)
     assert sup._running(state) is state
 
 
 def test_running_fails_when_a_task_exits_non_zero(plan):
     sup, _ = make(plan)
-    state = sup._running(Running(1, workers(plan, None, 3), 7))
-    assert state == Failed(1, 7, "task", TaskExit("worker:1", 3, f"{plan.log_dir}/worker-1.log"))
+    state = sup._running(st.Running(1, workers(plan, None, 3), 7))
+    assert state == st.Failed(1, 7, "task", st.TaskExit("worker:1", 3, f"{plan.log_dir}/worker-1.log"))
 
 
 def test_running_lingers_once_every_worker_exited_zero(plan):
     sup, _ = make(plan)
     tasks = workers(plan, 0, 0, None, kinds=("worker", "worker", "ps"))
-    state = sup._running(Running(0, tasks, None))
-    assert isinstance(state, Lingering) and state.tasks == tasks and not state.reported
+    state = sup._running(st.Running(0, tasks, None))
+    assert isinstance(state, st.Lingering) and state.tasks == tasks and not state.reported
 
 
 def test_running_with_a_chief_lingers_when_the_chief_exits_zero_and_tells_the_peers(plan):
     peers = Peers()
     sup, _ = make(plan, peers)
-    state = sup._running(Running(0, workers(plan, 0, None, kinds=("chief", "worker")), None))
-    assert isinstance(state, Lingering) and ("report_succeeded", 0) in peers.calls
+    state = sup._running(st.Running(0, workers(plan, 0, None, kinds=("chief", "worker")), None))
+    assert isinstance(state, st.Lingering) and ("report_succeeded", 0) in peers.calls
 
 
 def test_running_without_a_chief_on_several_nodes_waits_for_the_others_trained(plan):
     peers = Peers()
     sup, _ = make(plan, peers)
-    state = sup._running(Running(0, workers(plan, 0, 0), None))
-    assert isinstance(state, Running) and state.trained and ("report_trained", 0) in peers.calls
+    state = sup._running(st.Running(0, workers(plan, 0, 0), None))
+    assert isinstance(state, st.Running) and state.trained and ("report_trained", 0) in peers.calls
     peers.success = True
-    assert isinstance(sup._running(state), Lingering)
+    assert isinstance(sup._running(state), st.Lingering)
 
 
 def test_running_fails_with_a_peers_failure(plan):
     peers = Peers()
     peers.failure_message = "worker:3 exited with status 1 on node 1 (log: x there)"
     sup, _ = make(plan, peers)
-    state = sup._running(Running(4, workers(plan, None, None), None))
-    assert state == Failed(4, None, "peer", message=peers.failure_message)
+    state = sup._running(st.Running(4, workers(plan, None, None), None))
+    assert state == st.Failed(4, None, "peer", message=peers.failure_message)
 
 
 @pytest.mark.parametrize("how", ["aborted", "unreachable"])
@@ -183,8 +172,8 @@ def test_running_fails_for_good_when_another_node_aborted_or_cannot_be_reached(p
     peers.abort_reason, peers.broken = ("node 1's launcher was stopped by SIGINT", False) if how == "aborted" else (
         None, True)
     sup, _ = make(plan, peers)
-    state = sup._running(Running(0, workers(plan, None, None), None))
-    assert isinstance(state, Failed) and state.kind == "final"
+    state = sup._running(st.Running(0, workers(plan, None, None), None))
+    assert isinstance(state, st.Failed) and state.kind == "final"
     assert ("SIGINT" if how == "aborted" else "did not answer") in state.message
 
 
@@ -192,51 +181,51 @@ def test_running_is_interrupted_by_a_signal_and_tells_the_peers(plan):
     peers = Peers()
     sup, _ = make(plan, peers)
     sup._signals.received.append(signal.SIGTERM)
-    assert sup._running(Running(2, workers(plan, None, 1), None)) == Interrupted(2, signal.SIGTERM)
+    assert sup._running(st.Running(2, workers(plan, None, 1), None)) == st.Interrupted(2, signal.SIGTERM)
     assert ("abort", "node 0's launcher was stopped by SIGTERM") in peers.calls
 
 
-# -- Lingering (succeeded, servers still running) ---------------------------------------------------
+# -- st.Lingering (succeeded, servers still running) ---------------------------------------------------
 
 
 def test_lingering_waits_for_the_servers_then_is_done(plan):
     sup, _ = make(plan, linger=60.0)
     tasks = workers(plan, 0, None, kinds=("worker", "ps"))
-    state = Lingering(0, tasks, None, since=time.monotonic())
+    state = st.Lingering(0, tasks, None, since=time.monotonic())
     assert sup._lingering(state) is state
     tasks[1].exit(0)
-    assert sup._lingering(state) == Done(0)
+    assert sup._lingering(state) == st.Done(0)
 
 
 def test_lingering_too_long_stops_the_servers(plan):
     sup, err = make(plan, linger=0.0)
-    state = Lingering(0, workers(plan, 0, None, kinds=("worker", "ps")), None, since=0.0)
-    assert sup._lingering(state) == Done(0)
+    state = st.Lingering(0, workers(plan, 0, None, kinds=("worker", "ps")), None, since=0.0)
+    assert sup._lingering(state) == st.Done(0)
     assert "ps:1 still running 0 s after every training task finished; stopping it" in err.getvalue()
 
 
 def test_lingering_on_several_nodes_reports_done_then_waits_for_every_node(plan):
     peers = Peers()
     sup, _ = make(plan, peers)
-    state = sup._lingering(Lingering(3, workers(plan, 0, 0), None, since=0.0))
-    assert isinstance(state, Lingering) and state.reported and ("report_done", 3) in peers.calls
+    state = sup._lingering(st.Lingering(3, workers(plan, 0, 0), None, since=0.0))
+    assert isinstance(state, st.Lingering) and state.reported and ("report_done", 3) in peers.calls
     peers.everyone_done = True
-    assert sup._lingering(state) == Done(3)
+    assert sup._lingering(state) == st.Done(3)
 
 
 def test_lingering_ignores_a_late_task_failure_but_says_so(plan):
     sup, err = make(plan)
-    assert sup._lingering(Lingering(0, workers(plan, 0, 1), None, since=0.0)) == Done(0)
+    assert sup._lingering(st.Lingering(0, workers(plan, 0, 1), None, since=0.0)) == st.Done(0)
     assert "worker:1 exited with status 1 after every training task finished; the job succeeded" in err.getvalue()
 
 
-# -- Failed -----------------------------------------------------------------------------------------
+# -- st.Failed -----------------------------------------------------------------------------------------
 
 
 def test_failed_restarts_after_the_policys_pause(plan):
     sup, err = make(plan)
-    failure = TaskExit("worker:1", 1, f"{plan.log_dir}/worker-1.log", ("RuntimeError: boom",))
-    assert sup._failed(Failed(0, None, "task", failure)) == Restarting(1, 0.5)
+    failure = st.TaskExit("worker:1", 1, f"{plan.log_dir}/worker-1.log", ("RuntimeError: boom",))
+    assert sup._failed(st.Failed(0, None, "task", failure)) == st.Restarting(1, 0.5)
     assert "worker:1 exited with status 1; restarting the job from the beginning (no checkpoint yet) in 0.5 s " \
            "(restart 1 of 3)" in err.getvalue()
     assert sup._history[-1].signature == Signature("exited with status 1", "RuntimeError: boom")
@@ -244,15 +233,15 @@ def test_failed_restarts_after_the_policys_pause(plan):
 
 def test_failed_for_good_gives_up_without_asking_the_policy(plan):
     sup, _ = make(plan)
-    assert sup._failed(Failed(2, None, "final", message="lost node 1")) == GaveUp(2, None, "lost node 1")
+    assert sup._failed(st.Failed(2, None, "final", message="lost node 1")) == st.GaveUp(2, None, "lost node 1")
     assert sup._history == ()
 
 
 def test_failed_with_a_usage_error_gives_up_at_once(plan):
     sup, _ = make(plan)
     lines = ("usage: train.py [-h] [--epochs EPOCHS]", "train.py: error: unrecognized arguments: --epocs 1")
-    state = sup._failed(Failed(0, None, "task", TaskExit("worker:0", 2, f"{plan.log_dir}/worker-0.log", lines)))
-    assert isinstance(state, GaveUp) and "unrecognized arguments: --epocs 1" in state.message
+    state = sup._failed(st.Failed(0, None, "task", st.TaskExit("worker:0", 2, f"{plan.log_dir}/worker-0.log", lines)))
+    assert isinstance(state, st.GaveUp) and "unrecognized arguments: --epocs 1" in state.message
 
 
 def test_a_reported_configuration_error_on_alternating_tasks_is_one_failure(plan, tmp_path):
@@ -265,10 +254,10 @@ def test_a_reported_configuration_error_on_alternating_tasks_is_one_failure(plan
     for attempt, task in enumerate((1, 0, 1)):
         log = f"{plan.log_dir}/worker-{task}.log"
         (tmp_path / "logs" / f"worker-{task}.failure.json").write_text(json.dumps(report))
-        states.append(sup._failed(Failed(attempt, None, "task", TaskExit(f"worker:{task}", 1, log,
+        states.append(sup._failed(st.Failed(attempt, None, "task", st.TaskExit(f"worker:{task}", 1, log,
                                                                           (f"rank {task} saw it",)))))
-    assert isinstance(states[0], Restarting) and isinstance(states[1], Restarting)
-    assert isinstance(states[2], GaveUp) and "the same way 3 times in a row" in states[2].message
+    assert isinstance(states[0], st.Restarting) and isinstance(states[1], st.Restarting)
+    assert isinstance(states[2], st.GaveUp) and "the same way 3 times in a row" in states[2].message
     assert "'checkpoint step-00000010 is damaged'" in states[2].message
 
 
@@ -276,39 +265,39 @@ def test_a_peers_failure_is_weighed_by_the_signature_it_sent(plan):
     sup, _ = make(plan)
     description = ("worker:3 exited with status 1 on node 1 (log: x there)\nlast 1 lines of x:\n  | SplitError: no\n"
                    'failure signature: {"what": "SplitError", "gist": "no", "usage": true}')
-    state = sup._failed(Failed(0, None, "peer", message=description))
-    assert isinstance(state, GaveUp) and state.failure is None
+    state = sup._failed(st.Failed(0, None, "peer", message=description))
+    assert isinstance(state, st.GaveUp) and state.failure is None
     assert state.message.startswith("worker:3 exited with status 1 on node 1 (log: x there): a usage or configuration")
 
 
 def test_failed_after_max_restarts_gives_up(plan):
     sup, _ = make(plan, policy=RestartPolicy(max_restarts=0))
-    state = sup._failed(Failed(0, None, "task", TaskExit("worker:1", -9, f"{plan.log_dir}/worker-1.log")))
-    assert state == GaveUp(0, TaskExit("worker:1", -9, f"{plan.log_dir}/worker-1.log"),
+    state = sup._failed(st.Failed(0, None, "task", st.TaskExit("worker:1", -9, f"{plan.log_dir}/worker-1.log")))
+    assert state == st.GaveUp(0, st.TaskExit("worker:1", -9, f"{plan.log_dir}/worker-1.log"),
                            "worker:1 was killed by SIGKILL; gave up after 0 restart(s) (--max-restarts 0)")
 
 
-# -- Restarting, and the ends -----------------------------------------------------------------------
+# -- st.Restarting, and the ends -----------------------------------------------------------------------
 
 
 def test_restarting_pauses_then_starts_the_next_attempt(plan):
     sup, _ = make(plan)
-    assert sup._restarting(Restarting(2, 0.0)) == Starting(2)
+    assert sup._restarting(st.Restarting(2, 0.0)) == st.Starting(2)
 
 
 def test_restarting_is_interrupted_by_a_signal(plan):
     sup, _ = make(plan)
     sup._signals.received.append(signal.SIGINT)
-    assert sup._restarting(Restarting(2, 30.0)) == Interrupted(1, signal.SIGINT)
+    assert sup._restarting(st.Restarting(2, 30.0)) == st.Interrupted(1, signal.SIGINT)
 
 
 def test_the_end_states_give_the_job_result():
-    failure = TaskExit("worker:1", 1, "/l")
-    assert Done(2).result() == JobResult(ok=True, restarts=2)
-    assert GaveUp(1, failure, "why").result() == JobResult(ok=False, restarts=1, failure=failure, message="why")
-    interrupted = Interrupted(0, signal.SIGINT).result()
+    failure = st.TaskExit("worker:1", 1, "/l")
+    assert st.Done(2).result() == st.JobResult(ok=True, restarts=2)
+    assert st.GaveUp(1, failure, "why").result() == st.JobResult(ok=False, restarts=1, failure=failure, message="why")
+    interrupted = st.Interrupted(0, signal.SIGINT).result()
     assert interrupted.exit_code == 130 and interrupted.message == "interrupted by SIGINT"
-    assert JobResult(ok=False, restarts=0).exit_code == 1
+    assert st.JobResult(ok=False, restarts=0).exit_code == 1
 
 
 def test_leaving_an_attempt_stops_its_tasks_and_completes_the_failed_tasks_tail(plan, monkeypatch):
@@ -318,7 +307,7 @@ def test_leaving_an_attempt_stops_its_tasks_and_completes_the_failed_tasks_tail(
     tasks = workers(plan, None, 1)
     sup._tasks = list(tasks)
     tasks[1].tail.extend(["a", "b"])
-    state = sup._leave_attempt(Failed(0, None, "task", TaskExit("worker:1", 1, tasks[1].launch.log_path)))
+    state = sup._leave_attempt(st.Failed(0, None, "task", st.TaskExit("worker:1", 1, tasks[1].launch.log_path)))
     assert stopped == list(tasks) and sup._tasks == []
     assert state.failure.last_lines == ("a", "b")
 
@@ -328,7 +317,7 @@ def test_leaving_an_attempt_on_several_nodes_waits_until_every_node_stopped(plan
     peers = Peers()
     peers.everyone_stopped = True
     sup, _ = make(plan, peers)
-    failed = Failed(0, None, "peer", message="worker:3 exited with status 1 on node 1")
+    failed = st.Failed(0, None, "peer", message="worker:3 exited with status 1 on node 1")
     assert sup._leave_attempt(failed) == failed and ("report_stopped", 0) in peers.calls
     peers.everyone_stopped, peers.abort_reason = False, "lost node 1"
-    assert sup._leave_attempt(failed) == Failed(0, None, "final", message="lost node 1")
+    assert sup._leave_attempt(failed) == st.Failed(0, None, "final", message="lost node 1")

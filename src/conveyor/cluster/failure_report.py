@@ -7,8 +7,9 @@ Under ``conveyor run`` an uncaught exception in a task's main thread writes
 ``<output>/logs/<type>-<index>.failure.json`` beside its log (JSON: ``type``, the qualified class name,
 ``message``, ``usage``) before Python prints the traceback as always. ``usage`` is the class attribute
 ``usage_error`` (:class:`conveyor.errors.ConveyorError`): a usage or configuration error that a restart
-meets again. The launcher removes the file when it starts the task, so a report always belongs to the attempt that wrote
-it; a task that dies without one (a signal, ``os._exit``) leaves its exit status and output tail only.
+meets again. The launcher removes the file when it starts the task, so a report always belongs to the
+attempt that wrote it; a task that dies without one (a signal, ``os._exit``) leaves its exit status and
+output tail only.
 Writing never raises: the original error is what the user must see.
 """
 
@@ -23,7 +24,7 @@ from types import TracebackType
 
 from conveyor.cluster.variables import OUTPUT_DIR_VAR, RESTART_COUNT_VAR, TASK_INDEX_VAR, TASK_TYPE_VAR
 
-__all__ = ["FailureReport", "install", "read_report", "report_path"]
+__all__ = ["Signature", "install", "read_report", "report_path"]
 
 _FORMAT = "conveyor.failure"
 _MAX_BYTES = 64 * 1024  # a report is a class name and a message; anything larger is not one
@@ -31,11 +32,13 @@ _MAX_MESSAGE = 4000
 
 
 @dataclass(frozen=True)
-class FailureReport:
-    """What a task's fatal error was: its class (``module.Name``), its message, whether it is a usage error."""
+class Signature:
+    """What failed (an error's class, ``module.Name``, or an exit status), its gist (the error's message, or
+    the last output line) and whether it is a usage error; equal signatures are the same failure. The
+    launcher makes one for a task that wrote no report (:func:`conveyor.launch.failures.signature`)."""
 
-    type: str
-    message: str
+    what: str
+    gist: str
     usage: bool = False
 
 
@@ -44,11 +47,12 @@ def report_path(log_path: str) -> str:
     return log_path.removesuffix(".log") + ".failure.json"
 
 
-def read_report(path: str) -> FailureReport | None:
-    """The report at ``path``; None when there is none or it is not a well-formed one (never raises)."""
+def read_report(path: str) -> Signature | None:
+    """The report at ``path`` as a signature (class name, message, usage); None when there is none or it is
+    not a well-formed one (never raises)."""
     try:
         with open(path, "rb") as f:
-            data = json.loads(f.read(_MAX_BYTES + 1)[:_MAX_BYTES])
+            data = json.loads(f.read(_MAX_BYTES))
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict) or data.get("format") != _FORMAT:
@@ -56,7 +60,7 @@ def read_report(path: str) -> FailureReport | None:
     kind, message, usage = data.get("type"), data.get("message"), data.get("usage")
     if not isinstance(kind, str) or not isinstance(message, str) or not isinstance(usage, bool):
         return None
-    return FailureReport(kind, message[:_MAX_MESSAGE], usage)
+    return Signature(kind, message[:_MAX_MESSAGE], usage)
 
 
 def install(environ: Mapping[str, str]) -> bool:

@@ -18,9 +18,9 @@ import json
 import re
 import signal
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
-from conveyor.cluster.failure_report import FailureReport
+from conveyor.cluster.failure_report import Signature  # re-exported: the launcher's name for it
 
 __all__ = ["Signature", "exit_status", "last_line", "peer_signature", "signature", "signature_line"]
 
@@ -28,15 +28,6 @@ _ARGPARSE_ERROR = re.compile(r"\S+: error: .+")
 _PEER_STATUS = re.compile(r"(exited with status -?\d+|was killed by [A-Z0-9 ]+?)( on node \d+|$)")
 _SIGNATURE_PREFIX = "failure signature: "
 ARGPARSE_STATUS = 2  # argparse's exit status for a command-line error (parser.error)
-
-
-@dataclass(frozen=True)
-class Signature:
-    """What failed and its gist (see the module docstring); equal signatures are the same failure."""
-
-    what: str
-    gist: str
-    usage: bool = False
 
 
 def exit_status(returncode: int) -> str:
@@ -58,11 +49,11 @@ def last_line(lines: Sequence[str]) -> str:
     return ""
 
 
-def signature(returncode: int, lines: Sequence[str], report: FailureReport | None = None) -> Signature:
+def signature(returncode: int, lines: Sequence[str], report: Signature | None = None) -> Signature:
     """The signature of a task that ended with ``returncode`` after printing ``lines`` (its tail), with the
     ``report`` it wrote, if any (a report written before an exit status of 0 or a signal is not this end's)."""
     if report is not None and returncode > 0:
-        return Signature(report.type, report.message, report.usage)
+        return report
     gist = last_line(lines)
     usage = (returncode == ARGPARSE_STATUS and bool(_ARGPARSE_ERROR.fullmatch(gist))
              and any(line.strip().removeprefix("| ").startswith("usage: ") for line in lines))
