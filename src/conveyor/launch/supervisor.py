@@ -17,6 +17,7 @@ tasks (the main thread). The design: ``docs/architecture.md``, "The launcher: re
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -239,10 +240,8 @@ class Supervisor:
     def _starting(self, s: Starting) -> Running:
         start_step = latest_step(self.plan.checkpoint_dir)
         for launch in self.plan.tasks:
-            try:  # a report left by an earlier attempt would describe this one's failure
+            with contextlib.suppress(OSError):  # an earlier attempt's report would describe this one's failure
                 os.remove(report_path(launch.log_path))
-            except FileNotFoundError:
-                pass
             self._tasks.append(RunningTask.start(launch, s.attempt, self._console))
         pids = ", ".join(f"{r.name} pid {r.proc.pid}" for r in self._tasks)
         self._say(f"attempt {s.attempt}: started {pids}; logs in {self.plan.log_dir}")
