@@ -303,8 +303,8 @@ def fake_checkpoint(out: Path, world_size: int, workers: list[int]) -> None:
     state = {"format": "conveyor.trainer.data", "version": 1, "epoch": 0, "batches": 1, "root_seed": 1,
              "iterator": None, "rng": None}
     CheckpointManager(out / "checkpoints", fsync=False).save(
-        3, model.state_dict(), opt.state_dict(), extra={"epoch": 0, "world_size": world_size},
-        data_states={f"worker-{r}": state for r in workers})
+        3, {"model": model.state_dict(), "optimizer": opt.state_dict()}, extra={"epoch": 0, "world_size": world_size},
+        docs={f"data/worker-{r}": state for r in workers})
 
 
 def test_a_checkpoint_from_another_world_size_is_refused(tmp_path, monkeypatch):
