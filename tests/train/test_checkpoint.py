@@ -564,6 +564,8 @@ def test_manifest_with_wrong_types_is_refused(tmp_path, edit):
 @pytest.mark.parametrize("name, text", [
     ("state.json", "[1, 2]"),
     ("state.json", '{"extra": {"__dict__": 5}, "time": 1}'),
+    ("state.json", '{"extra": {}, "time": 1, "trees": [5]}'),
+    ("state.json", '{"extra": {}, "time": 1, "trees": ["model", "nothing"]}'),
     ("model.json", '{"format": "conveyor.state", "version": 1, "tree": {"w": {"__npscalar__": "nope", "value": 1}}}'),
     ("model.json", '{"format": "conveyor.state", "version": 1, "tree": {"w": {"__tensor__": ["w"]}}}'),
     ("data/worker-0.json", "{not json"),
