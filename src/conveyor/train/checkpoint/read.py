@@ -296,7 +296,8 @@ def _read_state(folder: Path, legacy: list[str]) -> tuple[dict[str, Any], float 
     if not isinstance(extra, dict) or not (saved is None or _is_number(saved)):
         raise damaged(folder, path, "extra is not an object or time not a number")
     trees = state.get("trees", legacy)
-    if not (isinstance(trees, list) and all(isinstance(t, str) and "/" not in t and is_plain_part_name(f"{t}.json") for t in trees)):
+    plain = isinstance(trees, list) and all(isinstance(t, str) and is_plain_part_name(f"{t}.json") for t in trees)
+    if not plain or any("/" in t for t in trees):
         raise damaged(folder, path, "trees is not a list of plain names")
     return extra, saved, trees
 
