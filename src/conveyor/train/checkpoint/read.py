@@ -51,6 +51,7 @@ class ResumeError(CheckpointError):
 
     usage_error = True  # a restart meets it again: `conveyor run` does not retry it
 
+
 @dataclass
 class Checkpoint:
     """Everything `CheckpointManager.load` read from one step folder, by name; parts are read on demand."""
