@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conveyor.cluster import Discovered
+from conveyor.cluster import Discovered, failure_report
 from conveyor.cluster.argv import discover_with_flags
 from conveyor.cluster.strategy_name import default_strategy
 from conveyor.cluster.variables import OMP_DEFAULT_VAR, RESTART_COUNT_VAR, RESUME_VAR, TIMEOUT_VAR
@@ -71,6 +71,7 @@ def init(strategy: str | None = None, *, timeout: float | None = None, share_gpu
     for ``barrier``/``all_gather_bytes``/``all_reduce``.
     """
     env: Mapping[str, str] = os.environ if environ is None else environ
+    failure_report.install(env)  # under `conveyor run`: a fatal error tells the launcher what failed
     found = discover_with_flags(sys.argv[1:] if argv is None else argv, env)
     if found.task.type == "ps":  # serves until the job ends, then the process exits: it never returns
         sys.exit(serve_ps_task(found, strategy, _timeout(timeout, env), checkpoints=CheckpointManager))
