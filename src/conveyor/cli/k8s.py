@@ -30,6 +30,8 @@ examples:
   conveyor k8s --name digits --image registry.example.com/digits:1 -n 2 --ps 1 --strategy ps-sync \\
       --data-claim digits-data --output-claim digits-output -f digits.yaml train.py --epochs 20
   kubectl apply -f digits.yaml        # needs the JobSet controller (https://jobset.sigs.k8s.io); or --kind jobs
+  conveyor k8s --name lm --image registry.example.com/lm:1 -n 4 --strategy pipeline --stages 2 \\
+      --output-claim lm-output -f lm.yaml train.py      # 2 pipeline replicas of 2 stages
 
 Every pod runs `conveyor k8s-task --role R --cluster JSON SCRIPT ARGS` in IMAGE (conveyor installed, SCRIPT
 at that path inside it): the pod's index (JOB_COMPLETION_INDEX) picks its task, and the script gets what
