@@ -32,9 +32,8 @@ from dataclasses import dataclass
 
 from conveyor.cluster import ClusterSpec, join_address, validate
 from conveyor.cluster.settings import JobSettings
-from conveyor.cluster.strategy_name import parse_strategy
 from conveyor.cluster.variables import JOB_SECRET_VAR, RESTART_COUNT_VAR
-from conveyor.launch.plan import resolve_strategy
+from conveyor.launch.plan import job_strategy
 
 __all__ = ["JOBSET_API", "KINDS", "SECRET_KEY", "K8sOptions", "cluster_of", "manifests", "pod_host", "roles",
            "to_yaml"]
@@ -103,7 +102,7 @@ class K8sOptions(JobSettings):
             raise ValueError(f"--output-size {self.output_size!r}: expected a Kubernetes quantity such as 50Gi")
         self._check_names()
         self.check_job(self.workers)
-        object.__setattr__(self, "strategy", parse_strategy(resolve_strategy(self.strategy, self.workers, self.ps)))
+        object.__setattr__(self, "strategy", job_strategy(self.strategy, self.workers, self.ps))
 
     def _check_names(self) -> None:
         longest = max(len(pod_host(self, role, count - 1)) for role, count in roles(self))

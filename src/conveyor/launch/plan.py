@@ -58,6 +58,7 @@ __all__ = [
     "build_plan",
     "cluster_from_nodes",
     "describe_plan",
+    "job_strategy",
     "local_plan",
     "max_tasks_per_node",
     "resolve_strategy",
@@ -211,11 +212,16 @@ def max_tasks_per_node() -> tuple[int, int, int]:
 
 
 def resolve_strategy(strategy: StrategyName | str | None, world_size: int, num_ps: int) -> str:
-    """The strategy name to run, in its canonical spelling: the one given, checked against the job's
+    """The strategy name to run, in its canonical spelling: see :func:`job_strategy`."""
+    return job_strategy(strategy, world_size, num_ps).name
+
+
+def job_strategy(strategy: StrategyName | str | None, world_size: int, num_ps: int) -> StrategyName:
+    """The strategy to run: the one given (parsed already by :class:`JobSettings`), checked against the job's
     shape, or the default (``conveyor.cluster.default_strategy``, which ``conveyor.init()`` uses too).
     """
     if strategy is None:
-        return default_strategy(world_size, num_ps)
+        return parse_strategy(default_strategy(world_size, num_ps))
     parsed = parse_strategy(strategy, what="--strategy")
     if parsed.uses_ps and not num_ps:
         raise ValueError(f"--strategy {parsed.name} needs parameter servers: add --ps M (e.g. --ps 1)")
@@ -225,7 +231,7 @@ def resolve_strategy(strategy: StrategyName | str | None, world_size: int, num_p
     if not parsed.distributed and world_size > 1:
         raise ValueError(f"--strategy local trains one process alone, but the job has {world_size} training "
                          f"processes: use --strategy allreduce, or -n 1")
-    return parsed.name
+    return parsed
 
 
 def cluster_from_nodes(nodes: Sequence[NodeInfo], chief: bool = False) -> ClusterSpec:
@@ -265,8 +271,8 @@ def build_plan(
                          "checkpoints: give node 0 -n 1 or more, and the parameter-server-only node (-n 0) another "
                          "--node-rank")
     spec = cluster_from_nodes(nodes, options.chief)
-    strategy = resolve_strategy(options.strategy, spec.world_size, len(spec.ps))
-    settings = options.replace(strategy=strategy)  # what every task is told, the strategy resolved
+    settings = options.replace(strategy=job_strategy(options.strategy, spec.world_size, len(spec.ps)))
+    strategy = settings.strategy.name  # what every task is told, the strategy resolved
     base = {k: v for k, v in environ.items() if k not in OWNED_VARS}
     node = nodes[node_rank]
     extra, torchrun = _node_env(options, node, node_rank, len(nodes), secret, environ)
