@@ -40,7 +40,7 @@ from conveyor.comm.process_group import collective_guard, init_process_group
 from conveyor.strategies import Strategy, get_strategy
 from conveyor.strategies.ps.task import serve_ps_task
 from conveyor.train.checkpoint import CheckpointManager
-from conveyor.train.devices import task_device
+from conveyor.train.devices import share_gpus_from, task_device
 
 __all__ = ["DEFAULT_TIMEOUT", "RESTART_COUNT_VAR", "RESUME_VAR", "TIMEOUT_VAR", "Job", "init", "threads_per_worker"]
 
@@ -81,14 +81,14 @@ def init(strategy: str | None = None, *, timeout: float | None = None, share_gpu
         raise NotImplementedError(f"this process is the {found.task} task, which has no training rank; only "
                                   f"chief and worker tasks can call conveyor.init() for now")
     num_ps = found.spec.num_tasks("ps") if found.spec is not None else 0
-    parsed = parse_strategy(strategy) if strategy else settings.strategy
-    chosen = get_strategy(parsed.name if parsed else default_strategy(found.world_size, num_ps))
+    # the argument, else the launcher's, else the default for the job's shape: parsed once, here
+    parsed = parse_strategy(strategy or settings.strategy or default_strategy(found.world_size, num_ps))
+    chosen = get_strategy(parsed.name)
     if found.world_size > 1 and not chosen.distributed:
         raise ValueError(f"strategy {chosen.name!r} trains in one process, but this job has {found.world_size} "
                          f"training processes (source: {found.source}), which would each train their own model; "
                          f"use 'allreduce', or run a single process")
-    share = settings.share_gpus if share_gpus is None else bool(share_gpus)  # the argument wins
-    settings = settings.replace(strategy=parsed or chosen.name, share_gpus=share)
+    settings = settings.replace(strategy=parsed, share_gpus=share_gpus_from(share_gpus, env))
     output_dir = Path(settings.output_dir or "output")
     output_dir.mkdir(parents=True, exist_ok=True)
     device = task_device(found.local_rank, found.local_world_size, settings.share_gpus, env)
