@@ -110,10 +110,10 @@ class JobSettings:
         None, flag="--strategy", check=validate.strategy, env=STRATEGY_VAR, agreed=True, metavar="NAME",
         help=f"{', '.join(STRATEGY_NAMES)} (default: allreduce; ps-sync with --ps; local for one process)")
     chief: bool = _setting(
-        False, flag="--chief", check=validate.flag, agreed=True, switch="yes",
+        False, flag="--chief", check=validate.flag, agreed=True, kind=bool, switch="yes",
         help="name the first training task chief:0 instead of worker:0 (it is rank 0 either way)")
     tf_flags: bool = _setting(
-        False, flag="--tf-flags", check=validate.flag, agreed=True, switch="yes",
+        False, flag="--tf-flags", check=validate.flag, agreed=True, kind=bool, switch="yes",
         help="also give every task TensorFlow 1's cluster flags, right after SCRIPT: --ps_hosts=... "
              "--worker_hosts=... --job_name=worker|ps --task_index=I (not with --chief: worker 0 is TF1's chief)")
     max_restarts: int = _setting(
@@ -242,8 +242,9 @@ def owned_variables() -> tuple[str, ...]:
     return tuple(s.env for _, s in _declared() if s.env and not s.inherited)
 
 
-def add_arguments(groups: Mapping[str, argparse._ArgumentGroup | argparse.ArgumentParser], command: str) -> None:
-    """Declare ``command``'s setting flags in ``groups`` (by :attr:`Setting.group`: job, placement, pipeline).
+def add_arguments(groups: Mapping[str, Any], command: str) -> None:
+    """Declare ``command``'s setting flags in ``groups``, argparse groups by :attr:`Setting.group` (job,
+    placement, pipeline; ``job`` for a group not given).
 
     A flag not given is absent from the namespace (:func:`given`), so the defaults live in the fields alone."""
     for f, setting in _declared():
