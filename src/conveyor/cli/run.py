@@ -39,9 +39,10 @@ from conveyor.launch import (
     local_plan,
 )
 from conveyor.launch.binding import BIND_MODES
+from conveyor.launch.restarts import DELAY_CAP as RESTART_DELAY_CAP
+from conveyor.launch.restarts import RestartPolicy
 from conveyor.launch.slurm import allocation_note, slurm_node
 
-RESTART_DELAY_CAP = 30.0
 MAKE_SECRET = (f"make one with `openssl rand -hex 32 > job.secret && chmod 600 job.secret`, copy the same file to "
                f"every node and pass --job-secret-file job.secret (or set {JOB_SECRET_FILE_VAR} to its path, or "
                f"{JOB_SECRET_VAR} to its hex digits, e.g. from a Kubernetes Secret)")
@@ -164,8 +165,8 @@ def _supervisor(plan, options: RunOptions, peers=None) -> Supervisor:
               f"OMP_NUM_THREADS=1, as under torchrun, so that they do not overload the cores "
               f"(conveyor.init() gives its training tasks their share of the cores instead); set "
               f"OMP_NUM_THREADS to tune it", file=sys.stderr)
-    return Supervisor(plan, max_restarts=options.max_restarts, peers=peers, restart_delay=options.restart_delay,
-                      restart_delay_cap=max(RESTART_DELAY_CAP, options.restart_delay), linger=options.linger)
+    return Supervisor(plan, policy=RestartPolicy.for_run(options.max_restarts, options.restart_delay), peers=peers,
+                      linger=options.linger)
 
 
 #: The flags every node of a job must give alike (the settings declared ``agreed``): each node plans its own

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from conveyor.strategies.coordination import Coordinator, LockstepCoordinator
+from conveyor.train.checkpoint.items import Item, Model, Stateful
 
 __all__ = ["Strategy", "check_optimizer"]
 
@@ -62,33 +63,10 @@ class Strategy(ABC):
         """Total wall time spent in gradient communication so far (seconds); see each strategy for details."""
         return 0.0
 
-    def save_optimizer(self, optimizer: Any, checkpoints: Any, step: int) -> tuple[Any, list[str]]:
-        """What the chief's checkpoint of ``step`` holds for ``optimizer``, and the files other tasks add.
-
-        ``checkpoints`` is the trainer's checkpoint manager (its ``root`` is the folder). The default is
-        the optimizer's own ``state_dict()`` and no other files; parameter servers write their shards
-        themselves and return a reference to them.
-        """
-        return optimizer.state_dict(), []
-
-    def restore_optimizer(self, optimizer: Any, state: Any, checkpoints: Any, step: int) -> None:
-        """Undo :meth:`save_optimizer` on resume (every rank calls it)."""
-        optimizer.load_state_dict(state)
-
-    def checkpoint_model(self, module: nn.Module) -> Any:
-        """What the chief's checkpoint holds as ``model`` (default: the whole module's ``state_dict()``)."""
-        return module.state_dict()
-
-    def checkpoint_parts(self, module: nn.Module, optimizer: Any) -> dict[str, Any]:
-        """State trees this rank adds to a checkpoint, by part name (every rank calls it at each save; the
-        trainer writes each as ``<name>.safetensors`` + ``<name>.json``). Default: none."""
-        return {}
-
-    def restore_checkpoint(self, module: nn.Module, optimizer: Any, saved_optimizer: Any,
-                           read_part: Callable[[str], Any]) -> bool:
-        """Restore ``module`` and ``optimizer`` from a checkpoint the strategy wrote in parts (``read_part(name)``
-        gives a part's state tree); False (the default): the trainer loads ``model`` and the optimizer itself."""
-        return False
+    def checkpoint_items(self, module: nn.Module, optimizer: Any) -> dict[str, Item]:
+        """What the model and optimizer add to a checkpoint, by item name (:mod:`conveyor.train.checkpoint.items`):
+        every rank saves and restores them in this order. Default: both stateful, written by the chief."""
+        return {"model": Model(module), "optimizer": Stateful(optimizer)}
 
     def stats(self) -> dict[str, Any] | None:
         """Communication figures for the run's summary beyond ``comm_seconds`` (None: nothing more to say)."""

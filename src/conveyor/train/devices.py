@@ -33,6 +33,8 @@ SLURM_GPUS_PER_TASK = "SLURM_GPUS_PER_TASK"
 class GpuPlacementError(ConveyorError, ValueError):
     """More training tasks on a machine than GPUs they can see, and sharing was not asked for."""
 
+    usage_error = True  # a restart meets it again: `conveyor run` does not retry it
+
 
 def choose_gpu(local_rank: int, local_world_size: int, visible: int, share: bool, *,
                own_gpus: bool = False, visible_names: str | None = None) -> int | None:

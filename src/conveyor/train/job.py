@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conveyor.cluster import Discovered, validate
+from conveyor.cluster import Discovered, failure_report, validate
 from conveyor.cluster.argv import discover_with_flags
 from conveyor.cluster.settings import JobSettings
 from conveyor.cluster.strategy_name import default_strategy, parse_strategy
@@ -71,6 +71,7 @@ def init(strategy: str | None = None, *, timeout: float | None = None, share_gpu
     for ``barrier``/``all_gather_bytes``/``all_reduce``.
     """
     env: Mapping[str, str] = os.environ if environ is None else environ
+    failure_report.install(env)  # under `conveyor run`: a fatal error tells the launcher what failed
     found = discover_with_flags(sys.argv[1:] if argv is None else argv, env)
     settings = JobSettings.from_environ(env)  # every setting the launcher gave, read and checked once
     if timeout is not None:

@@ -33,6 +33,7 @@ from torch import nn
 from conveyor.cluster.variables import PIPELINE_VARS
 from conveyor.comm.process_group import collective_guard
 from conveyor.strategies.base import Strategy, check_optimizer
+from conveyor.strategies.pipeline.checkpoint import StagesItem
 from conveyor.strategies.pipeline.figures import pipeline_figures
 from conveyor.strategies.pipeline.runner import StageRunner, all_reduce_mean, schedule_class
 from conveyor.strategies.pipeline.split import (
@@ -40,14 +41,12 @@ from conveyor.strategies.pipeline.split import (
     SplitPlan,
     TracedPlan,
     meta_copy,
-    plan_from_signature,
     plan_split,
 )
 from conveyor.strategies.pipeline.traced import TracedRunner, TracedSplit, TracedStage
+from conveyor.train.checkpoint.items import Item
 
 __all__ = ["ENV", "PipelineStrategy"]
-
-_CHECKPOINT_FORMAT = "conveyor.pipeline.stages"
 
 #: the variables ``conveyor run --stages/--microbatches/--schedule/--split`` set
 ENV = PIPELINE_VARS
@@ -217,43 +216,11 @@ class PipelineStrategy(Strategy):
         return {"pipeline": pipeline_figures(reports, stages=self.plan.num_stages, microbatches=int(self.microbatches),
                                              schedule=self.schedule, split=self.runner.layers())}
 
-    # -- checkpoints: one part per stage (replica 0's), the chief's optimizer entry names them -------
+    # -- checkpoints: one part per stage (replica 0's), the chief's header names them -------------
 
-    def checkpoint_model(self, module: nn.Module) -> Any:
-        return {}  # every stage, the chief's included, is a part of its own
-
-    def checkpoint_parts(self, module: nn.Module, optimizer: Any) -> dict[str, Any]:
-        """Replica 0's stages write ``stage-<i>``: parameters (whole-model names) and optimizer state."""
-        if self.replica != 0:
-            return {}
-        plan = self._plan()
-        return {f"stage-{self.stage}": {"stage": self.stage, "split": plan.signature(),
-                                        "model": self.module.model_state_dict(), "optimizer": optimizer.state_dict()}}
-
-    def save_optimizer(self, optimizer: Any, checkpoints: Any, step: int) -> tuple[Any, list[str]]:
-        plan = self._plan()
-        names = [f"stage-{i}" for i in range(plan.num_stages)]
-        header = {"format": _CHECKPOINT_FORMAT, "split": plan.signature(), "stages": names}
-        return header, [f"{n}.{ext}" for n in names for ext in ("safetensors", "json")]
-
-    def restore_checkpoint(self, module: nn.Module, optimizer: Any, saved_optimizer: Any,
-                           read_part: Callable[[str], Any]) -> bool:
-        """Every process reads its stage's part; a checkpoint of another split is refused, naming both."""
-        plan = self._plan()
-        if not (isinstance(saved_optimizer, dict) and saved_optimizer.get("format") == _CHECKPOINT_FORMAT):
-            raise ValueError("it was not written by the pipeline strategy (it holds the whole model): resume it with "
-                             "the strategy that wrote it")
-        saved = plan_from_signature(saved_optimizer["split"])
-        if saved != plan:
-            raise ValueError(f"it was written with the split [{saved.short()}] ({saved.num_stages} stages) and this "
-                             f"job splits [{plan.short()}] ({plan.num_stages} stages): resume with the split that "
-                             f"wrote it ({saved.resume_flags()})")
-        state = read_part(f"stage-{self.stage}")
-        if isinstance(self.runner, TracedRunner) and not self.runner.ready:
-            self._restored = state  # loaded when the first batch has decided what this stage holds
-        else:
-            self._load_part(state, optimizer)
-        return True
+    def checkpoint_items(self, module: nn.Module, optimizer: Any) -> dict[str, Item]:
+        """Every stage's model and optimizer state as a part of its own (``pipeline/checkpoint.py``)."""
+        return {"optimizer": StagesItem(self, optimizer)}
 
     def _load_part(self, state: Any, optimizer: Any) -> None:
         self.module.load_model_state_dict(dict(state["model"]))
