@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import gzip
+import json
 import os
 import struct
+import subprocess
+import sys
 import tempfile
 import tracemalloc
 import zlib
@@ -353,6 +356,61 @@ def test_compressed_length_bomb_is_refused_before_inflating(tmp_path, compressio
     assert err.path == str(path) and err.offset == 0
     assert str(1 << 40) in str(err) and "max_record_bytes" in str(err)
     assert peak < 8 << 20, peak
+
+
+_PEAK_GROWTH = """
+import json, sys
+from conveyor.data.errors import DataLossError
+from conveyor.data.records import TFRecordReader
+
+def peak():  # this process's own high-water mark (ru_maxrss would carry the parent's over the exec)
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM:"))
+
+reader = TFRecordReader(sys.argv[1], sys.argv[2] or None)
+before = peak()
+try:
+    lengths = [len(r) for r in reader]
+except DataLossError as e:
+    lengths = [str(e)]
+print(json.dumps([lengths, peak() - before]))
+"""
+
+
+def _read_in_a_process(path, compression) -> tuple[list, int]:
+    """What reading ``path`` in a fresh process gives (record lengths, or the error), and how much its
+    peak resident memory grew on the way."""
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("needs Linux's /proc/self/status (VmHWM) to measure a process's peak memory")
+    out = subprocess.run([sys.executable, "-c", _PEAK_GROWTH, str(path), compression or ""], capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    lengths, growth = json.loads(out)
+    return lengths, growth
+
+
+@pytest.mark.parametrize(("compression", "cut"), [("GZIP", False), ("ZLIB", False), ("GZIP", True), (None, False)])
+def test_a_long_record_costs_its_length_once(tmp_path, compression, cut):
+    # A GZIP bomb under the 2 GiB cap: 128 MiB of zeros in ~128 KiB. The reader joined its chunks and
+    # then sliced the record out of them, holding it twice (the issue's 2 MB file cost 4.0 GB).
+    n = 128 << 20
+    data = bytes(n)
+    path = tmp_path / "long"
+    framed = _header(n) + data + struct.pack("<I", masked_crc32c(data))
+    if cut:  # the stream ends half-way through the record
+        framed = framed[: n // 2]
+    if compression:
+        comp = zlib.compressobj(9, zlib.DEFLATED, {"GZIP": 31, "ZLIB": 15}[compression])
+        framed = comp.compress(framed) + comp.flush()
+        assert len(framed) < n // 256
+    path.write_bytes(framed)
+    del data, framed
+    lengths, growth = _read_in_a_process(path, compression)
+    if cut:
+        assert len(lengths) == 1 and "truncated record" in lengths[0] and str(path) in lengths[0]
+        assert growth < 0.7 * n, growth  # what arrived of it, about once
+    else:
+        assert lengths == [n]
+        assert growth < 1.3 * n, growth
 
 
 def test_uncompressed_length_past_end_of_file_is_refused_before_reading(tmp_path):

@@ -22,6 +22,7 @@ behind one) is a :class:`DataLossError`, not gigabytes of memory.
 
 from __future__ import annotations
 
+import io
 import os
 import stat
 import struct
@@ -386,6 +387,39 @@ class TFRecordReader:
         self._pos = 0
         return buf
 
+    def _next_long(self, buf: bytes, pos: int, length: int) -> bytes:
+        """The record whose header is at ``buf[pos:]`` and whose data does not fit in the buffer.
+
+        Its data is streamed into one buffer of its own, so it costs about its length once: joining
+        the chunks and then slicing the record out of them held it twice (a GZIP bomb claiming 2 GiB
+        cost 4 GiB). ``BytesIO`` grows by ``realloc`` and ``getvalue`` hands over that very buffer.
+        """
+        out = io.BytesIO()
+        start = pos + _HEADER_SIZE
+        out.write(memoryview(buf)[start : start + length])  # what the last fill brought of it
+        left = length - out.tell()
+        self._buf, self._pos = b"", 0
+        read = self._read
+        try:
+            while left:
+                chunk = read(min(left, _CHUNK))
+                if not chunk:
+                    raise self._loss("truncated record: partial data")
+                out.write(chunk)
+                left -= len(chunk)
+        except _StreamError as e:
+            raise self._loss(str(e)) from None
+        data = out.getvalue()
+        del out
+        footer = self._fill(_FOOTER_SIZE)
+        if len(footer) < _FOOTER_SIZE:
+            raise self._loss("truncated record: partial data")
+        if self.verify and _CRC.unpack_from(footer, 0)[0] != masked_crc32c(data):
+            raise self._loss("corrupted record: data CRC mismatch")
+        self._pos = _FOOTER_SIZE
+        self.offset += _HEADER_SIZE + length + _FOOTER_SIZE
+        return data
+
     def __iter__(self) -> TFRecordReader:
         return self
 
@@ -412,6 +446,8 @@ class TFRecordReader:
         end = pos + _HEADER_SIZE + length + _FOOTER_SIZE
         if len(buf) < end:  # not all buffered: check the length before reading (or inflating) it
             self._check_fits(length)
+            if length > _CHUNK:
+                return self._next_long(buf, pos, length)
             buf = self._fill(end - pos)
             end -= pos
             pos = 0
