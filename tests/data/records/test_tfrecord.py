@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import gzip
-import json
 import os
 import struct
-import subprocess
-import sys
 import tempfile
 import tracemalloc
 import zlib
@@ -29,6 +26,7 @@ from conveyor.data.records import (
     read_records,
     write_index,
 )
+from peak_memory import peak_growth
 
 COMPRESSIONS = [None, "GZIP", "ZLIB"]
 RECORDS = [b"", b"hello", b"\x00" * 17, bytes(range(256)), b"x"]
@@ -358,34 +356,19 @@ def test_compressed_length_bomb_is_refused_before_inflating(tmp_path, compressio
     assert peak < 8 << 20, peak
 
 
-_PEAK_GROWTH = """
-import json, sys
-from conveyor.data.errors import DataLossError
-from conveyor.data.records import TFRecordReader
-
-def peak():  # this process's own high-water mark (ru_maxrss would carry the parent's over the exec)
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM:"))
-
-reader = TFRecordReader(sys.argv[1], sys.argv[2] or None)
-before = peak()
+_READ_ALL = """
 try:
-    lengths = [len(r) for r in reader]
+    result = [len(r) for r in reader]
 except DataLossError as e:
-    lengths = [str(e)]
-print(json.dumps([lengths, peak() - before]))
+    result = [str(e)]
 """
 
 
 def _read_in_a_process(path, compression) -> tuple[list, int]:
-    """What reading ``path`` in a fresh process gives (record lengths, or the error), and how much its
-    peak resident memory grew on the way."""
-    if not os.path.exists("/proc/self/status"):
-        pytest.skip("needs Linux's /proc/self/status (VmHWM) to measure a process's peak memory")
-    out = subprocess.run([sys.executable, "-c", _PEAK_GROWTH, str(path), compression or ""], capture_output=True,
-                         text=True, timeout=120, check=True).stdout
-    lengths, growth = json.loads(out)
-    return lengths, growth
+    """Record lengths (or the error) of ``path`` read in a fresh process, and its peak memory growth."""
+    setup = ("from conveyor.data.errors import DataLossError\nfrom conveyor.data.records import TFRecordReader\n"
+             "reader = TFRecordReader(sys.argv[1], sys.argv[2] or None)")
+    return peak_growth(setup, _READ_ALL, str(path), compression or "")
 
 
 @pytest.mark.parametrize(("compression", "cut"), [("GZIP", False), ("ZLIB", False), ("GZIP", True), (None, False)])
