@@ -284,6 +284,18 @@ def test_damaged_pickle_is_named(tmp_path):
         read_cifar(archive)
 
 
+def test_a_class_name_across_lines_is_refused(tmp_path):
+    # classes.txt names label i on line i: "cat\ndog" as one name shifted every later class by a line
+    names = [n.encode() for n in NAMES10]
+    names[3] = b"cat\ndog"
+    meta = _py_pickle({b"label_names": names, b"num_cases_per_batch": PER_BATCH, b"num_vis": 3072})
+    out = tmp_path / "out"
+    with pytest.raises(ConversionError, match=r"batches\.meta in .* \('label_names'\): class 3 is named 'cat\\ndog', "
+                                              r"which is not one line of classes\.txt"):
+        convert_cifar(cifar10_python(tmp_path, **{"batches.meta": meta}), out)
+    assert not out.exists()
+
+
 # ------------------------------------------------------------------------------ bombs: refused before allocating
 
 _BIG = 256 << 20  # what each bomb below makes the converter allocate, before the checks (or more)

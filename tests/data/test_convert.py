@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -227,6 +228,18 @@ def test_folder_without_classes_is_an_error(tmp_path):
         convert_image_folder(tmp_path / "flat", tmp_path / "out")
     with pytest.raises(FileNotFoundError, match="nowhere"):
         convert_image_folder(tmp_path / "nowhere", tmp_path / "out")
+
+
+@pytest.mark.parametrize("name", ["two\nlines", "carriage\rreturn", "line\u2028separator"])
+def test_a_class_folder_named_across_lines_is_refused(tmp_path, folder, name):
+    # classes.txt names class i on line i: a newline in a name shifted every later class by a line
+    (folder / name).mkdir()
+    (folder / name / "0.png").write_bytes(_png(7))
+    out = tmp_path / "out"
+    with pytest.raises(ConversionError, match=rf"{folder}: class \d is named {re.escape(repr(name))}, which is not "
+                                              rf"one line of classes\.txt .*rename that folder"):
+        convert_image_folder(folder, out)
+    assert _leftovers(out) == []
 
 
 def _leftovers(out):

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from conveyor.data.convert import ConversionError, convert_arrays
+from conveyor.data.convert import ConversionError, check_class_names, convert_arrays
 
 __all__ = ["LAYOUTS", "CifarData", "CifarLayout", "CifarUnpickler", "UnsafePickleError", "convert_cifar",
            "detect_cifar", "read_cifar"]
@@ -452,6 +452,7 @@ def _class_names(layout: CifarLayout, files: dict[str, bytes], where: Callable[[
         if not isinstance(names, list) or len(names) != layout.num_classes[key]:
             raise ConversionError(f"{origin} must name the {layout.num_classes[key]} classes of {layout.dataset}, "
                                   f"one each")
+        check_class_names(names, origin, f"not a CIFAR file; download {layout.archive} again from {layout.url}")
         out[key] = names
     return out
 
