@@ -32,7 +32,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from conveyor.data.errors import DataLossError
+from conveyor.data.errors import DataLossError, InvalidArgumentError
 from conveyor.fileio import atomic_write
 
 from .crc import masked_crc32c
@@ -46,6 +46,7 @@ __all__ = [
     "count_records",
     "default_index_path",
     "detect_compression",
+    "not_regular",
     "read_index",
     "read_records",
     "write_index",
@@ -96,6 +97,38 @@ def _check_max_record_bytes(max_record_bytes: int) -> int:
     return max_record_bytes
 
 
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"))
+# Opening a FIFO for reading blocks until a writer opens it; non-blocking, the open returns at once.
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+
+
+def not_regular(mode: int) -> str | None:
+    """What a file of this ``st_mode`` is when it is not a regular file ("a FIFO (named pipe), not a
+    regular file"); None for a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    kind = next((what for test, what in _KINDS if test(mode)), "a special file")
+    return f"{kind}, not a regular file"
+
+
+def _open_regular(path: str) -> BinaryIO:
+    """``path`` opened for unbuffered reading, refusing what is not a regular file: a FIFO blocks every
+    read until some writer comes (forever, if none does), and a device such as /dev/zero never ends."""
+    fd = os.open(path, os.O_RDONLY | _NONBLOCK)
+    try:
+        what = not_regular(os.fstat(fd).st_mode)
+        if what is not None:
+            raise InvalidArgumentError(f"{path} is {what}: TFRecord files are read from regular files only; "
+                                       f"remove it from the file list (or narrow the file pattern)")
+        if _NONBLOCK:
+            os.set_blocking(fd, True)
+        return open(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _valid_header(head: bytes) -> bool:
     return len(head) >= _HEADER_SIZE and _CRC.unpack_from(head, 8)[0] == masked_crc32c(head[:8])
 
@@ -109,7 +142,7 @@ def detect_compression(path: str | os.PathLike) -> str | None:
     ``"GZIP"`` even if what follows is damaged, so that reading it blames the stream. At most 12
     bytes are inflated, whatever the file holds.
     """
-    with open(path, "rb") as f:
+    with _open_regular(os.fspath(path)) as f:
         head = f.read(_SNIFF_BYTES)
     if _valid_header(head):
         return ""
@@ -308,13 +341,10 @@ class TFRecordReader:
         self._last_len = -1
         self._last_len_crc = -1
         self._size: int | None = None  # of an uncompressed regular file, to bound record lengths
-        self._raw: BinaryIO | None = open(self.path, "rb", buffering=0)
+        self._raw: BinaryIO | None = _open_regular(self.path)
         try:
             if compression is None:
-                st = os.fstat(self._raw.fileno())
-                size = st.st_size
-                if stat.S_ISREG(st.st_mode):
-                    self._size = size
+                size = self._size = os.fstat(self._raw.fileno()).st_size  # a regular file: _open_regular
                 if offset > size:
                     what = f"offset is past the end of the file ({size} bytes)"
                     raise DataLossError(self.path, offset, what)
