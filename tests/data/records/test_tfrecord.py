@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import gzip
 import os
 import struct
@@ -311,6 +312,18 @@ def test_matches_tensorflow_byte_for_byte(tmp_path):
         ours = _write(tmp_path / f"ours{compression}", records, compression)
         got = [t.numpy() for t in tf.data.TFRecordDataset(ours, compression_type=compression)]
         assert got == records
+
+@pytest.mark.parametrize("compression", COMPRESSIONS)
+@pytest.mark.parametrize("size", [100, 3 << 20])  # flushed on close; written through at once
+def test_a_full_disk_names_the_file(compression, size):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full (a device whose writes fail with ENOSPC)")
+    with pytest.raises(OSError, match=r"No space left on device: '/dev/full'") as e:
+        with TFRecordWriter("/dev/full", compression) as w:
+            w.write(os.urandom(size))
+            w.flush()
+    assert e.value.errno == errno.ENOSPC and e.value.filename == "/dev/full"
+
 
 
 # --- hostile lengths: refused before anything is allocated --------------------------------------

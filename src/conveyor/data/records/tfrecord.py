@@ -33,7 +33,7 @@ from typing import BinaryIO
 import numpy as np
 
 from conveyor.data.errors import DataLossError, InvalidArgumentError
-from conveyor.fileio import atomic_write
+from conveyor.fileio import atomic_write, raise_naming
 
 from .crc import masked_crc32c
 
@@ -209,19 +209,22 @@ class TFRecordWriter:
             self._last_header = len_bytes + _CRC.pack(masked_crc32c(len_bytes))
             self._last_len = n
         footer = _CRC.pack(masked_crc32c(record))
-        if self._compressor is None:
-            write = self._file.write
-            write(self._last_header)
-            write(record)
-            write(footer)
-        else:
-            pending = self._pending
-            pending += self._last_header
-            pending += record
-            pending += footer
-            if len(pending) >= _WRITE_BUFFER:
-                self._file.write(self._compressor.compress(pending))
-                pending.clear()
+        try:
+            if self._compressor is None:
+                write = self._file.write
+                write(self._last_header)
+                write(record)
+                write(footer)
+            else:
+                pending = self._pending
+                pending += self._last_header
+                pending += record
+                pending += footer
+                if len(pending) >= _WRITE_BUFFER:
+                    self._file.write(self._compressor.compress(pending))
+                    pending.clear()
+        except OSError as e:  # a full disk says "No space left on device", not where
+            raise_naming(e, self.path)
 
     def flush(self) -> None:
         """Push everything written so far to the operating system.
@@ -231,11 +234,14 @@ class TFRecordWriter:
         """
         if self._file is None:
             return
-        if self._compressor is not None:
-            self._file.write(self._compressor.compress(self._pending))
-            self._pending.clear()
-            self._file.write(self._compressor.flush(zlib.Z_SYNC_FLUSH))
-        self._file.flush()
+        try:
+            if self._compressor is not None:
+                self._file.write(self._compressor.compress(self._pending))
+                self._pending.clear()
+                self._file.write(self._compressor.flush(zlib.Z_SYNC_FLUSH))
+            self._file.flush()
+        except OSError as e:
+            raise_naming(e, self.path)
 
     def close(self) -> None:
         """Finish the stream and close the file (idempotent)."""
@@ -243,13 +249,16 @@ class TFRecordWriter:
             return
         f, self._file = self._file, None
         try:
-            if self._compressor is not None:
-                f.write(self._compressor.compress(self._pending))
-                self._pending.clear()
-                f.write(self._compressor.flush(zlib.Z_FINISH))
-                self._compressor = None
-        finally:
-            f.close()
+            try:
+                if self._compressor is not None:
+                    f.write(self._compressor.compress(self._pending))
+                    self._pending.clear()
+                    f.write(self._compressor.flush(zlib.Z_FINISH))
+                    self._compressor = None
+            finally:
+                f.close()  # flushes the buffer: where a full disk shows
+        except OSError as e:
+            raise_naming(e, self.path)
 
     def __enter__(self) -> TFRecordWriter:
         return self
