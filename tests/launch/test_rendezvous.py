@@ -7,12 +7,15 @@ a veth pair, where the tasks run a real gloo all-reduce across the "machines".
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -170,6 +173,7 @@ def test_an_unreachable_rendezvous_names_the_address():
 
 # -- two real launchers -----------------------------------------------------------------------------
 
+
 REPORT = """
     import hashlib, pathlib, time
     keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG", "CONVEYOR_RESTART_COUNT"]
@@ -210,6 +214,100 @@ def finish(procs: list[subprocess.Popen], tmp_path: Path, timeout: float = 60) -
                 p.wait()
     return [(code, (tmp_path / f"node{i}.out").read_text(), (tmp_path / f"node{i}.err").read_text())
             for i, code in enumerate(codes)]
+
+
+def test_a_node_with_another_script_or_arguments_is_refused_naming_it():
+    from conveyor.cli.run import node_settings
+    from conveyor.launch import RunOptions
+
+    def settings(script: str, *args: str) -> dict:
+        return node_settings(RunOptions(script=script, script_args=args, data_dir="/d", output_dir="/o", workers=1))
+
+    assert settings("train.py", "--epochs", "2") == settings("train.py", "--epochs", "2")
+    for theirs, what in ((settings("other.py", "--epochs", "2"), "the training script 'other.py'"),
+                         (settings("train.py", "--epochs", "3"), "the script's arguments (sha256)")):
+        endpoint = f"127.0.0.1:{free_ports(1)[0]}"
+        mine = settings("train.py", "--epochs", "2")
+        results = join_all(endpoint, [dict(node_rank=0, settings=mine), dict(node_rank=1, settings=theirs)])
+        try:
+            for r in results:
+                assert isinstance(r, RendezvousError), r
+                assert f"node 1 runs {what}" in str(r) and "start every node with the same script and" in str(r)
+        finally:
+            close(results)
+
+
+class SilentStore:
+    """A TCP server on 127.0.0.1 that accepts every connection and never answers: node 0 cut off mid-job."""
+
+    def __init__(self):
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"127.0.0.1:{self.server.getsockname()[1]}"
+        self.held: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        with contextlib.suppress(OSError):
+            while True:
+                self.held.append(self.server.accept()[0])
+
+    def close(self):
+        for c in [self.server, *self.held]:
+            c.close()
+
+
+def test_a_store_that_never_answers_ends_the_join_within_the_timeout_naming_node_0():
+    silent = SilentStore()
+    try:
+        started = time.monotonic()
+        with pytest.raises(RendezvousError) as info:
+            join(silent.endpoint, nnodes=2, node_rank=1, workers=1, ps=0, settings=SETTINGS, secret=SECRET,
+                 timeout=2.0)
+        assert time.monotonic() - started < 8  # torch's own client would wait for ever
+        message = str(info.value)
+        assert f"rendezvous store at {silent.endpoint} did not answer within" in message
+        assert f"check that this node reaches {silent.endpoint}" in message
+    finally:
+        silent.close()
+
+
+def test_every_store_call_of_the_peers_has_the_job_timeout():
+    from conveyor.errors import PeerError
+    from conveyor.launch.rendezvous import StorePeers
+
+    blocked = threading.Event()
+
+    class Hung:  # a store whose link was cut after the rendezvous: every call blocks
+        def __getattr__(self, name):
+            return lambda *args: blocked.wait(60)
+
+    peers = StorePeers(Hung(), nnodes=2, node_rank=1, endpoint="10.9.9.9:29500", timeout=0.5, secret=SECRET)
+    for call in (lambda: peers.failure(0), lambda: peers.report_failure(0, "x"), lambda: peers.beat(1),
+                 lambda: peers.beat_of(0), lambda: peers.all_done(0), lambda: peers.report_done(0)):
+        started = time.monotonic()
+        with pytest.raises(PeerError, match=r"rendezvous store at 10\.9\.9\.9:29500 did not answer within 0\.5 s"):
+            call()
+        assert time.monotonic() - started < 3
+    blocked.set()
+
+
+def test_a_launcher_cut_off_from_node_0_ends_within_its_timeout(tmp_path):
+    (tmp_path / "task.py").write_text("print('never started')\n")
+    silent = SilentStore()
+    try:
+        started = time.monotonic()
+        proc = start_node(tmp_path, 1, silent.endpoint, "-n", "1", "--timeout", "3")
+        try:
+            code = proc.wait(timeout=40)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        err = (tmp_path / "node1.err").read_text()
+        assert code != 0 and time.monotonic() - started < 30, err
+        assert f"rendezvous store at {silent.endpoint} did not answer within" in err, err
+    finally:
+        silent.close()
 
 
 def test_two_launchers_on_one_host_agree_and_restart_together(tmp_path):

@@ -6,6 +6,7 @@ import json
 import sys
 
 import pytest
+import torch
 
 from conveyor.cluster import failure_report
 from conveyor.cluster.failure_report import read_report, report_path
@@ -21,6 +22,7 @@ from conveyor.launch.restarts import (
     latest_step,
     stop_message,
 )
+from conveyor.train.checkpoint import CheckpointManager
 
 CRASH = Signature("exited with status 1", "RuntimeError: boom")
 OTHER = Signature("exited with status 1", "RuntimeError: something else")
@@ -115,11 +117,24 @@ def test_the_messages_name_the_failure_and_the_fix():
         "last 1 lines:\n  | boom")
 
 
-def test_latest_step_reads_step_folders_by_name(tmp_path):
+def test_latest_step_is_the_step_the_tasks_resume_from(tmp_path):
     assert latest_step(str(tmp_path / "none")) is None
-    for name in ("step-00000100", "step-00000020", "step-00000300.tmp", "notes"):
+    mgr = CheckpointManager(tmp_path, keep=None, fsync=False)
+    for step in (20, 100):
+        mgr.save(step, {"model": {"w": torch.zeros(2)}})
+    for name in ("step-00000300", "step-00000300.tmp", "notes"):  # a folder without a manifest is no checkpoint
         (tmp_path / name).mkdir()
-    assert latest_step(str(tmp_path)) == 100
+    assert latest_step(str(tmp_path)) == 100 == mgr.resume_step()
+    # The crash window of issue 19: step 100 sealed and renamed, `latest` still naming step 20. Both resume
+    # from step 100 (the rename is the commit point), and the launcher says so.
+    (tmp_path / "latest").write_text("step-00000020\n")
+    assert latest_step(str(tmp_path)) == 100 == mgr.resume_step() == mgr.latest_step()
+    # A damaged newest step: both pass over it to the same older one.
+    flip = tmp_path / "step-00000100" / "model.safetensors"
+    data = bytearray(flip.read_bytes())
+    data[-1] ^= 0xFF
+    flip.write_bytes(bytes(data))
+    assert latest_step(str(tmp_path)) == 20 == mgr.resume_step()
 
 
 # -- signatures -----------------------------------------------------------------------------------

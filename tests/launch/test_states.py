@@ -22,6 +22,7 @@ from conveyor.launch import states as st
 from conveyor.launch.failures import Signature
 from conveyor.launch.restarts import RestartPolicy
 from conveyor.launch.supervisor import Supervisor
+from conveyor.train.checkpoint import CheckpointManager
 
 
 class FakeTask:
@@ -104,7 +105,7 @@ def workers(plan, *codes, kinds=("worker", "worker")):
 
 
 def test_starting_starts_every_task_and_notes_the_latest_checkpoint(plan, monkeypatch, tmp_path):
-    (tmp_path / "checkpoints" / "step-00000040").mkdir(parents=True)
+    CheckpointManager(tmp_path / "checkpoints", fsync=False).save(40, {})  # a sealed step, as the chief writes
     (tmp_path / "logs").mkdir()
     stale = tmp_path / "logs" / "worker-1.failure.json"
     stale.write_text("{}")

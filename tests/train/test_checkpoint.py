@@ -17,6 +17,7 @@ from safetensors.torch import save as safetensors_bytes
 from torch import nn
 
 import conveyor.fileio
+import conveyor.stepfolders as ckpt_steps
 import conveyor.train.checkpoint.items as ckpt_items
 import conveyor.train.checkpoint.policy
 import conveyor.train.checkpoint.read as ckpt_files
@@ -180,8 +181,8 @@ def test_latest_falls_back_to_highest_complete_step(tmp_path):
     assert mgr.latest_step() == 3
     (tmp_path / "latest").write_text("garbage")
     assert mgr.latest_step() == 3
-    (tmp_path / "latest").write_text("step-00000002")  # a valid pointer wins over "highest"
-    assert mgr.latest_step() == 2
+    (tmp_path / "latest").write_text("step-00000002")  # the newest sealed step wins over the pointer (issue 19)
+    assert mgr.latest_step() == 3
     assert mgr.list_steps() == [1, 2, 3]
     with pytest.raises(CheckpointError, match="no COMPLETE marker"):
         mgr.load(9)
@@ -244,8 +245,11 @@ def _fail_latest(monkeypatch):
     monkeypatch.setattr(os, "replace", replace)
 
 
-@pytest.mark.parametrize("crash", [_fail_tensor_write, _fail_manifest, _fail_rename, _fail_latest])
-def test_crash_at_any_stage_keeps_previous_checkpoint(tmp_path, monkeypatch, crash):
+# A crash before the rename keeps the previous checkpoint; after it (the pointer not moved) the step is
+# committed: the rename is the commit point, and `latest` does not decide (issue 19).
+@pytest.mark.parametrize(("crash", "kept"), [(_fail_tensor_write, 1), (_fail_manifest, 1), (_fail_rename, 1),
+                                             (_fail_latest, 2)])
+def test_crash_at_any_stage_keeps_previous_checkpoint(tmp_path, monkeypatch, crash, kept):
     mgr = CheckpointManager(tmp_path, keep=1)
     save_tiny(mgr, 1)
     crash(monkeypatch)
@@ -253,8 +257,8 @@ def test_crash_at_any_stage_keeps_previous_checkpoint(tmp_path, monkeypatch, cra
         save_tiny(mgr, 2)
     monkeypatch.undo()
 
-    assert mgr.latest_step() == 1
-    assert mgr.load().trees["model"]["w"][0, 0].item() == 1.0
+    assert mgr.latest_step() == kept == mgr.resume_step()
+    assert mgr.load().trees["model"]["w"][0, 0].item() == float(kept)
     assert_no_partial_step_folder(tmp_path)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-") or p.name.startswith(".latest-")]
     save_tiny(mgr, 3)  # and the next save works
@@ -387,8 +391,14 @@ def test_parts_from_other_tasks_join_the_step(tmp_path):
 
     assert torch.equal(load_file(ck.parts["ps-0.safetensors"])["embedding.weight"], shard["embedding.weight"])
 
-    with pytest.raises(CheckpointError, match="too late"):
-        ps.save_part(100, "ps-1.safetensors", b"late")
+    # A part for a complete step is staged, not refused: a job that resumed from an older step writes this
+    # step again in full, and the chief's save replaces the folder (issue 19: a ps job could never finish).
+    ps.save_part(100, "ps-1.safetensors", b"late")
+    assert (tmp_path / ".parts-step-00000100" / "ps-1.safetensors").read_bytes() == b"late"
+    chief.drop_staged_after(100)
+    assert (tmp_path / ".parts-step-00000100").exists()
+    chief.drop_staged_after(99)  # what a chief resuming from step 99 does: an abandoned attempt's parts go
+    assert not (tmp_path / ".parts-step-00000100").exists()
 
     # What the ps task reads back on resume: checked against the manifest.
     assert ps.read_part(100, "data/worker-1.json") == json.dumps({"pos": 9}).encode()
@@ -534,7 +544,7 @@ def test_symlinks_out_of_the_step_are_refused(tmp_path):
 def test_manifest_size_is_bounded_before_parsing(tmp_path, monkeypatch):
     mgr = CheckpointManager(tmp_path, fsync=False)
     folder = save_tiny(mgr, 1)
-    monkeypatch.setattr(ckpt_files, "MANIFEST_MAX_BYTES", 100)
+    monkeypatch.setattr(ckpt_steps, "MANIFEST_MAX_BYTES", 100)  # moved there from read.py
     with pytest.raises(CheckpointError, match=r"COMPLETE: \d+ bytes, more than a manifest.*100"):
         mgr.load(1)
     monkeypatch.undo()
@@ -640,7 +650,26 @@ def test_policy_every_steps_and_seconds():
 
 
 def test_no_pickle_in_the_checkpoint_code():
-    for module in (ckpt_mod, ckpt_files, ckpt_write, ckpt_items, conveyor.train.checkpoint.policy, conveyor.fileio,
+    for module in (ckpt_mod, ckpt_files, ckpt_steps, ckpt_write, ckpt_items, conveyor.train.checkpoint.policy,
+                   conveyor.fileio,
                    __import__("conveyor.train.state_io", fromlist=["x"])):
         source = Path(module.__file__).read_text()
         assert not re.search(r"import pickle|cloudpickle|(?<![\w.])torch\.(save|load)\(", source), module.__name__
+
+
+def test_a_step_sealed_before_latest_moved_is_resumed_and_can_be_written_again(tmp_path):
+    """Issue 19's crash window: step 30 sealed and renamed, the task killed before `latest` moved."""
+    chief, ps = CheckpointManager(tmp_path, keep=None, fsync=False), CheckpointManager(tmp_path, fsync=False)
+    for step in (20, 30):
+        ps.save_part(step, "ps-0.json", json.dumps({"step": step}).encode())
+        save_tiny(chief, step, parts=["ps-0.json"])
+    (tmp_path / "latest").write_text("step-00000020\n")
+    assert chief.resume_step() == 30 == chief.latest_step()  # the rename committed it; `latest` does not decide
+    assert chief.load().step == 30
+    # A job that goes over step 30 again (started over, or resumed from 20 with 30 damaged) writes it again
+    # in full: the ps part is staged, and the chief's save replaces the old folder.
+    ps.save_part(30, "ps-0.json", b'{"step": "again"}')
+    save_tiny(chief, 30, parts=["ps-0.json"])
+    assert chief.read_part(30, "ps-0.json") == b'{"step": "again"}'
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith((".trash-", ".tmp-", ".parts-"))]
+    assert (tmp_path / "latest").read_text().strip() == "step-00000030"

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
+import json
 import os
 import secrets
 import stat
@@ -176,8 +178,10 @@ AGREED_FLAGS = agreed_flags()
 
 
 def node_settings(options: RunOptions) -> dict:
-    """What this node publishes at the rendezvous for the others to compare (``AGREED_FLAGS``)."""
-    return options.agreed()
+    """What this node publishes at the rendezvous for the others to compare: ``AGREED_FLAGS``, and the script
+    with its arguments (theirs by a sha256 only: they may hold what the store must not show)."""
+    args = hashlib.sha256(json.dumps(list(options.script_args)).encode()).hexdigest()[:16]
+    return {**options.agreed(), "script": options.script, "script_args": args}
 
 
 def _run_node(args: argparse.Namespace, options: RunOptions, environ: dict[str, str], secret: bytes) -> int:

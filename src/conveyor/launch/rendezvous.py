@@ -29,6 +29,7 @@ import os
 import secrets
 import socket
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -174,7 +175,11 @@ def join(
 def _agree(store: Any, peers: StorePeers, endpoint: str, nnodes: int, node_rank: int, address: str, workers: int,
            ps: int, ports: list[int], settings: dict, secret: bytes, timeout: float) -> Rendezvous:
     deadline = time.monotonic() + timeout
-    if _call(store.add, endpoint, f"{_P}claim/{node_rank}", 1) > 1:
+
+    def left() -> float:  # every store call ends by the rendezvous' deadline (a second's grace for the last one)
+        return max(1.0, deadline - time.monotonic())
+
+    if _call(store.add, endpoint, f"{_P}claim/{node_rank}", 1, timeout=left()) > 1:
         raise RendezvousError(f"node rank {node_rank} is taken at the rendezvous {endpoint}: another launcher "
                               f"joined with --node-rank {node_rank}; give each node its own rank 0..{nnodes - 1} "
                               f"(a job whose node was lost cannot take it back: start the job again on every node)")
@@ -184,20 +189,21 @@ def _agree(store: Any, peers: StorePeers, endpoint: str, nnodes: int, node_rank:
             "hostname": socket.gethostname()}
     if node_rank == 0:
         job = {"master_port": ports[-1], "run": secrets.token_hex(16)}
-        _call(store.set, endpoint, f"{_P}job", _seal(secret, f"{_P}job", job))
-    _call(store.set, endpoint, f"{_P}node/{node_rank}", _seal(secret, f"{_P}node/{node_rank}", mine))
+        _call(store.set, endpoint, f"{_P}job", _seal(secret, f"{_P}job", job), timeout=left())
+    _call(store.set, endpoint, f"{_P}node/{node_rank}", _seal(secret, f"{_P}node/{node_rank}", mine), timeout=left())
     print(f"[conveyor] node {node_rank} of {nnodes} ({address}) joined the rendezvous at {endpoint}; waiting at most "
           f"{timeout:g} s for the other nodes", file=sys.stderr, flush=True)
 
     keys = [f"{_P}job"] + [f"{_P}node/{r}" for r in range(nnodes)]
-    while not _call(store.check, endpoint, keys):
+    while not _call(store.check, endpoint, keys, timeout=left()):
         if time.monotonic() > deadline:
-            missing = [str(r) for r in range(nnodes) if not _call(store.check, endpoint, [f"{_P}node/{r}"])]
+            missing = [str(r) for r in range(nnodes)
+                       if not _call(store.check, endpoint, [f"{_P}node/{r}"], timeout=left())]
             raise RendezvousError(f"rendezvous at {endpoint}: node(s) {', '.join(missing)} of {nnodes} did not join "
                                   f"within {timeout:g} s; start `conveyor run --nnodes {nnodes} --node-rank I "
                                   f"--rdzv {endpoint} ...` on every node (or raise --timeout)")
         time.sleep(_POLL)
-    job, *published = [_unseal(secret, key, _call(store.get, endpoint, key), endpoint) for key in keys]
+    job, *published = [_unseal(secret, key, _call(store.get, endpoint, key, timeout=left()), endpoint) for key in keys]
     try:
         nodes = tuple(NodeInfo(str(n["host"]), int(n["workers"]), int(n["ps"]), tuple(int(p) for p in n["ports"]))
                       for n in published)
@@ -213,14 +219,23 @@ def _agree(store: Any, peers: StorePeers, endpoint: str, nnodes: int, node_rank:
                       secret=secret, peers=peers, names=names)
 
 
+#: Agreed settings that are no flag, by what a refusal calls them.
+_NOT_FLAGS = {"script": "the training script", "script_args": "the script's arguments (sha256)"}
+
+
 def _check_settings(endpoint: str, settings: list[dict]) -> None:
     first = settings[0]
     for r, node in enumerate(settings[1:], start=1):
         for key in sorted(set(first) | set(node)):
-            if first.get(key) != node.get(key):
-                flag = "--" + key.replace("_", "-")
-                raise RendezvousError(f"rendezvous at {endpoint}: node {r} has {flag} = {node.get(key)!r} but node 0 "
-                                      f"has {first.get(key)!r}; start every node with the same {flag}")
+            if first.get(key) == node.get(key):
+                continue
+            if key in _NOT_FLAGS:
+                raise RendezvousError(f"rendezvous at {endpoint}: node {r} runs {_NOT_FLAGS[key]} {node.get(key)!r} "
+                                      f"but node 0 runs {first.get(key)!r}; start every node with the same script "
+                                      f"and arguments")
+            flag = "--" + key.replace("_", "-")
+            raise RendezvousError(f"rendezvous at {endpoint}: node {r} has {flag} = {node.get(key)!r} but node 0 "
+                                  f"has {first.get(key)!r}; start every node with the same {flag}")
 
 
 def _connect(host: str, port: int, endpoint: str, node_rank: int, timeout: float) -> Any:
@@ -253,9 +268,12 @@ def _client(host: str, port: int, endpoint: str, node_rank: int, timeout: float)
     """A client connection to the store, which listens already (node 0's own heartbeat connects to it too)."""
     from torch.distributed import TCPStore
 
-    try:
+    def connect() -> Any:
         return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
-    except RuntimeError as e:
+
+    try:  # its handshake, too, waits without end on a store that accepts and never answers
+        return _call(connect, endpoint, timeout=timeout + 1.0)
+    except (RuntimeError, PeerError) as e:
         raise RendezvousError(f"node {node_rank} could not connect to the rendezvous at {endpoint}: "
                               f"{_first_line(e)}") from None
 
@@ -294,13 +312,33 @@ def _wait_until_listening(host: str, port: int, timeout: float) -> str | None:
             time.sleep(_POLL)
 
 
-def _call(method: Any, endpoint: str, *args: Any) -> Any:
-    try:
-        return method(*args)
-    except RuntimeError as e:
-        raise PeerError(f"lost node 0, whose launcher hosts the rendezvous at {endpoint}: {_first_line(e)}; its "
+def _call(method: Any, endpoint: str, *args: Any, timeout: float) -> Any:
+    """``method(*args)`` on the store, given up after ``timeout`` s: torch's client blocks without end on a store
+    that accepts and never answers (a link cut after the connection was made), whatever its own timeout says.
+    The call runs in a daemon thread, so that one left blocked does not keep the launcher from ending."""
+    box: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            box["value"] = method(*args)
+        except BaseException as e:  # handed to the caller's thread
+            box["error"] = e
+
+    thread = threading.Thread(target=call, name="conveyor-rendezvous-call", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise PeerError(f"node 0's rendezvous store at {endpoint} did not answer within {timeout:g} s (--timeout): "
+                        f"its machine is down or cut off from this one, and the job cannot go on without it; check "
+                        f"that this node reaches {endpoint} (network link, firewall), then start the job again")
+    error = box.get("error")
+    if isinstance(error, RuntimeError):
+        raise PeerError(f"lost node 0, whose launcher hosts the rendezvous at {endpoint}: {_first_line(error)}; its "
                         f"machine is down or cut off, or its launcher was killed, and the job cannot go on without "
                         f"it") from None
+    if error is not None:
+        raise error
+    return box["value"]
 
 
 def _first_line(e: BaseException) -> str:
@@ -358,8 +396,8 @@ class StorePeers:
             return None
 
     def _read(self, key: str) -> dict | None:
-        if key not in self._valid and _call(self._store.check, self.endpoint, [key]):
-            record = self._check(key, _call(self._store.get, self.endpoint, key))
+        if key not in self._valid and _call(self._store.check, self.endpoint, [key], timeout=self._timeout):
+            record = self._check(key, _call(self._store.get, self.endpoint, key, timeout=self._timeout))
             if record is not None:
                 self._valid[key] = record  # a record, once valid, stays: the store may be overwritten later
         return self._valid.get(key)
@@ -369,7 +407,7 @@ class StorePeers:
         mine = self._sealed(key, {"description": description})
         expected = ""
         for _ in range(3):  # a writer without the secret may race; it can delay the record, not replace it
-            current = _call(self._store.compare_set, self.endpoint, key, expected, mine)
+            current = _call(self._store.compare_set, self.endpoint, key, expected, mine, timeout=self._timeout)
             if current == mine.encode() or self._check(key, current) is not None:
                 return
             expected = current
@@ -379,7 +417,7 @@ class StorePeers:
         return None if record is None else str(record.get("description"))
 
     def _mark(self, key: str) -> None:
-        _call(self._store.set, self.endpoint, key, self._sealed(key, {"node": self.node_rank}))
+        _call(self._store.set, self.endpoint, key, self._sealed(key, {"node": self.node_rank}), timeout=self._timeout)
 
     def _everyone(self, prefix: str, nodes: Sequence[int] | None = None) -> bool:
         return all(self._read(f"{prefix}/{r}") is not None for r in (range(self.nnodes) if nodes is None else nodes))
@@ -422,14 +460,14 @@ class StorePeers:
 
     def beat(self, count: int) -> None:
         key = f"{_P}alive/{self.node_rank}"
-        _call(self._store.set, self.endpoint, key, self._sealed(key, {"beat": count}))
+        _call(self._store.set, self.endpoint, key, self._sealed(key, {"beat": count}), timeout=self._timeout)
 
     def beat_of(self, node: int) -> int | None:
         """Node ``node``'s latest beat count, if a valid one is there (never cached: it grows)."""
         key = f"{_P}alive/{node}"
-        if not _call(self._store.check, self.endpoint, [key]):
+        if not _call(self._store.check, self.endpoint, [key], timeout=self._timeout):
             return None
-        record = self._check(key, _call(self._store.get, self.endpoint, key))
+        record = self._check(key, _call(self._store.get, self.endpoint, key, timeout=self._timeout))
         beat = None if record is None else record.get("beat")
         return beat if isinstance(beat, int) and not isinstance(beat, bool) else None
 

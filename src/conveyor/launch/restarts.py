@@ -9,39 +9,36 @@
 wrote no checkpoint is never retried; (2) after ``max_restarts`` restarts the job ends; (3) the same
 signature ``same_failure_limit`` times in a row without progress ends it early, whichever tasks it struck;
 (4) otherwise it restarts after ``delay`` seconds, doubled per failure without progress, at most
-``delay_cap``. Progress is a new checkpoint step folder, seen by name only (this layer does not import the
-training code). Why: ``docs/launcher.md``, "The supervisor: success, failure, restarts".
+``delay_cap``. Progress is a new step to resume from (:func:`latest_step`). Why: ``docs/launcher.md``, "The
+supervisor: success, failure, restarts".
 """
 
 from __future__ import annotations
 
-import os
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from conveyor.launch.failures import Signature
+from conveyor.stepfolders import CheckpointError, resume_step
 
 __all__ = ["DELAY_CAP", "Failure", "Restart", "RestartPolicy", "Stop", "decide", "latest_step", "resume_point",
            "stop_message"]
 
 DELAY_CAP = 30.0  # seconds: the longest pause between attempts, unless the first pause is longer
-_STEP_FOLDER = re.compile(r"step-(\d{8,})")
 
 
 def latest_step(checkpoint_dir: str) -> int | None:
-    """The newest step folder in ``checkpoint_dir`` (None: none yet) - how the launcher sees progress.
+    """The step the tasks resume from (None: none yet) - how the launcher sees progress and says where it restarts.
 
-    Step folders appear by an atomic rename once complete (``conveyor.train.checkpoint``), so a name is
-    enough; this layer does not import the training code to ask it.
+    ``conveyor.stepfolders.resume_step``, the very rule the chief applies (newest sealed complete step,
+    sha256s checked), so the launcher never announces another step than the tasks resume from; that
+    module imports no torch and no training code.
     """
     try:
-        with os.scandir(checkpoint_dir) as entries:
-            steps = [int(m.group(1)) for e in entries if (m := _STEP_FOLDER.fullmatch(e.name))]
-    except OSError:
-        return None
-    return max(steps, default=None)
+        return resume_step(checkpoint_dir, verify=True, warn=False)
+    except CheckpointError:
+        return None  # every step damaged: the chief names them and refuses (a usage error)
 
 
 @dataclass(frozen=True)

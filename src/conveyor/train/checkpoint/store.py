@@ -17,7 +17,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from conveyor import fault
 from conveyor.fileio import atomic_write, sync_dir
+from conveyor.stepfolders import resume_step
 from conveyor.train.checkpoint import write
 from conveyor.train.checkpoint.read import (
     LATEST,
@@ -71,15 +73,14 @@ class CheckpointReader:
         return out
 
     def latest_step(self) -> int | None:
-        """The step to resume from: what `latest` names if that folder is complete, else the highest complete step."""
-        pointed = self._latest_pointer()
-        if pointed is not None and self._is_complete(self.step_dir(pointed)):
-            return pointed
-        steps = self.list_steps()
-        return steps[-1] if steps else None
+        """The newest complete step by the time it was sealed (`conveyor.stepfolders`), unverified; None: none."""
+        try:
+            return resume_step(self.root, verify=False, warn=False)
+        except CheckpointError:
+            return None
 
     def resume_step(self, verify: bool = True) -> int | None:
-        """The step a job resumes from: the first usable one of what `latest` names, then the rest, highest first.
+        """The step a job resumes from: `conveyor.stepfolders.resume_step`, the rule the launcher applies too.
 
         Usable: `check(step, verify)` passes (manifest valid, every part there, sha256s match). Each
         step passed over is logged as a warning saying why and which step is used instead: a damaged
@@ -87,39 +88,7 @@ class CheckpointReader:
         fresh start); raises `CheckpointError` when there are step folders but none is usable, since
         silently starting a long job over is worse than asking.
         """
-        skipped: list[tuple[Path, str]] = []
-        for step in self._candidates():
-            try:
-                self.check(step, verify=verify)
-            except CheckpointError as e:
-                if self.step_dir(step).exists():  # else rotation removed it meanwhile: not damage
-                    skipped.append((self.step_dir(step), getattr(e, "reason", str(e))))
-                continue
-            for folder, why in skipped:
-                log.warning("checkpoint %s skipped (%s); resuming from step %d (%s) instead",
-                            folder, why, step, self.step_dir(step))
-            return step
-        if not skipped:
-            return None
-        for folder, why in skipped:
-            log.warning("checkpoint %s skipped (%s); no other step is usable", folder, why)
-        raise CheckpointError(
-            f"no usable checkpoint under {self.root}: all {len(skipped)} step folder(s) are damaged (the warnings "
-            f"above say why). To resume from none of them, move them away (or delete them), or start without "
-            f"resuming (conveyor run --no-resume, CONVEYOR_RESUME=0)"
-        )
-
-    def _candidates(self) -> list[int]:
-        """Every step folder's step, the one `latest` names first, then highest first."""
-        try:
-            steps = sorted(step_numbers(p.name for p in self.root.iterdir()), reverse=True)
-        except FileNotFoundError:
-            return []
-        pointed = self._latest_pointer()
-        if pointed in steps:
-            steps.remove(pointed)
-            steps.insert(0, pointed)
-        return steps
+        return resume_step(self.root, verify=verify)
 
     def check(self, step: int, verify: bool = True) -> dict[str, Any]:
         """Check that step `step` can be read and return its manifest; `CheckpointError` says what is wrong.
@@ -246,12 +215,11 @@ class CheckpointManager(CheckpointReader):
         """
         step = check_step(step)
         check_part_name(name)
-        if self._is_complete(self.step_dir(step)):
-            raise CheckpointError(
-                f"step {step} is already complete in {self.step_dir(step)}; part {name!r} arrived too late. "
-                f"Write parts before the chief saves the step (or add {name!r} to its expected parts)."
-            )
-        return atomic_write(self._parts_dir(step) / name, data, fsync=self.fsync)
+        # A part for a step that is complete already is staged all the same: a job resumed from an older
+        # step (or started over) writes that step again, in full, and the chief's save replaces the folder.
+        path = atomic_write(self._parts_dir(step) / name, data, fsync=self.fsync)
+        fault.point("part-written", step)
+        return path
 
     def finalize(
         self,
@@ -283,7 +251,9 @@ class CheckpointManager(CheckpointReader):
                 raise CheckpointError(f"step {step}: parts {clash} clash with files the chief writes; rename them")
             files.append(write.write_state(tmp, step, meta, trees, self.fsync))
             collected = write.collect_parts(step, staging, tmp, parts, timeout)
+            fault.point("after-parts", step)
             write.seal(step, tmp, files + collected, self.fsync)
+            fault.point("after-seal", step)
             final = self._publish(step, tmp)
         except BaseException:
             write.return_parts(staging, tmp, collected)  # other tasks' work survives for a retry
@@ -294,15 +264,36 @@ class CheckpointManager(CheckpointReader):
         return final
 
     def _publish(self, step: int, tmp: Path) -> Path:
-        """Rename the sealed `tmp` to its step folder (replacing an older save of the step), then move `latest`."""
+        """Rename the sealed `tmp` to its step folder (an older save of the step moved aside first), then `latest`.
+
+        The rename is the commit point (`conveyor.stepfolders`): a crash after it leaves step `step` the
+        one to resume from whether or not `latest` moved; a crash between moving an older save aside and
+        the rename leaves neither, and the job resumes from the step before and writes this one again.
+        """
         final = self.step_dir(step)
-        if final.exists():  # re-saving a step: the old folder must go before the new can take its name
-            self._remove(final)
+        trash = self.root / f".trash-{final.name}-{secrets.token_hex(4)}"
+        try:
+            os.rename(final, trash)  # re-saving a step: the old folder must go before the new can take its name
+        except FileNotFoundError:
+            trash = None
+        fault.point("before-rename", step)
         os.rename(tmp, final)
         if self.fsync:
             sync_dir(self.root)
+        fault.point("after-rename", step)
         atomic_write(self.root / LATEST, (final.name + "\n").encode(), fsync=self.fsync)
+        fault.point("after-latest", step)
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
         return final
+
+    def drop_staged_after(self, step: int | None) -> None:
+        """Delete the parts staged for steps after `step` (None: every one): an abandoned attempt's, which a
+        resumed job must not mix into its own save of those steps. The chief calls it before any task trains."""
+        for folder in self.root.glob(".parts-step-*"):
+            m = STEP_RE.fullmatch(folder.name[len(".parts-"):])
+            if m and (step is None or int(m.group(1)) > step):
+                shutil.rmtree(folder, ignore_errors=True)
 
     # -- rotation and leftovers --------------------------------------------------------------------------------
 
@@ -320,6 +311,7 @@ class CheckpointManager(CheckpointReader):
         for s in by_age:
             if s not in protected:
                 self._remove(self.step_dir(s))
+                fault.point("during-rotation", just_written)
 
     def _remove(self, folder: Path) -> None:
         """Rename away first (atomic), then delete: a reader never sees a step folder losing files."""

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from conveyor import fault
 from conveyor.fileio import sync_dir, write_file
 from conveyor.train.checkpoint.read import FORMAT, MANIFEST, PART_RE, VERSION, CheckpointError, hash_file
 from conveyor.train.state_io import flatten_state, save_tensors
@@ -133,6 +134,7 @@ def seal(step: int, folder: Path, files: list[str], fsync: bool) -> None:
         parts[name] = {"size": size, "sha256": digest}
     manifest = {"format": FORMAT, "version": VERSION, "step": step, "time": time.time(), "parts": parts}
     write_file(folder / MANIFEST, json_bytes(manifest), fsync=fsync)
+    fault.point("after-manifest", step)
     if fsync:
         for sub in sorted({folder} | {(folder / n).parent for n in files}, key=lambda p: len(p.parts), reverse=True):
             sync_dir(sub)  # deepest first: data/ before the step folder that holds it

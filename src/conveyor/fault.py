@@ -1,0 +1,39 @@
+"""TEST-ONLY fault injection: a task kills itself (SIGKILL) at a chosen point of a checkpoint save.
+
+    CONVEYOR_FAULT="worker:0:after-seal:20"    # task worker:0, after it sealed step 20; any step if omitted
+    CONVEYOR_FAULT="ps:0:part-written"         # a parameter server, after it wrote one part of a step
+
+Inert unless `CONVEYOR_FAULT` is set: `point()` is one dict lookup then. It fires in the first attempt
+only (`CONVEYOR_RESTART_COUNT` 0), so that the restarted job can show it survives the crash. For the
+crash tests (`tests/train/test_save_crash.py`); never set it in a real job. The points, in the order
+of a save (`conveyor.train.checkpoint.store`): `part-written` (a task's part staged), `after-parts`
+(the chief's files and every part in its temporary folder), `after-manifest` (COMPLETE written, not
+yet made durable), `after-seal` (the folder durable), `before-rename` (an older save of the step moved
+aside), `after-rename` (the commit point), `after-latest`, `during-rotation` (one old step moved to the
+trash). docs/training.md, "Checkpoints on disk", says what the job does after each.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+__all__ = ["POINTS", "point"]
+
+POINTS = ("part-written", "after-parts", "after-manifest", "after-seal", "before-rename", "after-rename",
+          "after-latest", "during-rotation")
+
+
+def point(name: str, step: int) -> None:
+    """Kill this process here if `CONVEYOR_FAULT` names this task, point `name` and (if given) `step`."""
+    spec = os.environ.get("CONVEYOR_FAULT")
+    if not spec or os.environ.get("CONVEYOR_RESTART_COUNT", "0") != "0":
+        return
+    fields = spec.split(":")
+    if name not in fields:
+        return
+    at = fields.index(name)
+    task, steps = ":".join(fields[:at]), fields[at + 1:]
+    me = f"{os.environ.get('CONVEYOR_TASK_TYPE', '')}:{os.environ.get('CONVEYOR_TASK_INDEX', '')}"
+    if task in (me, "*") and (not steps or steps[0] == str(step)):
+        os.kill(os.getpid(), signal.SIGKILL)
