@@ -395,9 +395,9 @@ def test_parts_from_other_tasks_join_the_step(tmp_path):
     # step again in full, and the chief's save replaces the folder (issue 19: a ps job could never finish).
     ps.save_part(100, "ps-1.safetensors", b"late")
     assert (tmp_path / ".parts-step-00000100" / "ps-1.safetensors").read_bytes() == b"late"
-    chief.drop_staged_after(100)
+    chief.drop_staged_from(101)
     assert (tmp_path / ".parts-step-00000100").exists()
-    chief.drop_staged_after(99)  # what a chief resuming from step 99 does: an abandoned attempt's parts go
+    chief.drop_staged_from(99)  # what a chief resuming from step 99 does: an abandoned attempt's parts go
     assert not (tmp_path / ".parts-step-00000100").exists()
 
     # What the ps task reads back on resume: checked against the manifest.

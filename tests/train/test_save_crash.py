@@ -6,11 +6,12 @@ The crash comes from the test-only hook `conveyor.fault` (CONVEYOR_FAULT="<task>
 first attempt only. Each case is two runs of the digits demo (2 epochs at batch 64: 22 steps, a checkpoint
 every 5). The default suite runs a fast subset under ps-sync (the issue's window: the chief killed after the
 rename, before `latest`; the ps killed after writing its shard); every point x every strategy runs with
-CONVEYOR_CRASH_MATRIX=1 (36 runs, about 15 minutes on 2 cores).
+CONVEYOR_CRASH_MATRIX=1 (35 runs, about 15 minutes on 2 cores).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -22,16 +23,16 @@ import pytest
 from safetensors.numpy import load_file
 
 from conveyor.fault import POINTS
+from conveyor.stepfolders import resume_step
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "digits" / "train.py"
 ARGS = ("--epochs", "2", "--batch-size", "64", "--checkpoint-every", "5")
-FINAL = 22  # 2 epochs x 11 steps
 STRATEGIES = {
     "allreduce": (),
     "ps-sync": ("--ps", "1", "--strategy", "ps-sync"),
     "ps-async": ("--ps", "1", "--strategy", "ps-async"),
-    "pipeline": ("--strategy", "pipeline"),
+    "pipeline": ("--strategy", "pipeline", "--stages", "2"),
 }
 DETERMINISTIC = {"allreduce", "ps-sync", "pipeline"}
 FAST = {("ps-sync", "after-rename"), ("ps-sync", "part-written")}
@@ -54,6 +55,8 @@ def crash_at(point: str) -> int:
 def cases():
     for strategy in STRATEGIES:
         for point in POINTS:
+            if strategy == "allreduce" and point == "part-written":
+                continue  # the chief writes the whole step: no other task contributes a part
             fast = (strategy, point) in FAST
             marks = [] if fast else [pytest.mark.skipif(not FULL, reason="the full matrix: CONVEYOR_CRASH_MATRIX=1")]
             yield pytest.param(strategy, point, id=f"{strategy}-{point}", marks=marks)
@@ -71,9 +74,9 @@ def run_job(data: Path, out: Path, strategy: str, env: dict[str, str] | None = N
     return text
 
 
-def final_tensors(out: Path) -> dict:
-    """Every tensor of the final step (the chief's trees and the other tasks' parts), by file and name."""
-    step = out / "checkpoints" / f"step-{FINAL:08d}"
+def final_tensors(out: Path, final: int) -> dict:
+    """Every tensor of step `final` (the chief's trees and the other tasks' parts), by file and name."""
+    step = out / "checkpoints" / f"step-{final:08d}"
     assert (step / "COMPLETE").is_file(), sorted(p.name for p in (out / "checkpoints").iterdir())
     return {f"{p.name}:{k}": v for p in sorted(step.glob("*.safetensors")) for k, v in load_file(str(p)).items()}
 
@@ -86,14 +89,11 @@ def data(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, data):
     """The uninterrupted run of each strategy (once per strategy, shared by its cases)."""
-    runs: dict[str, Path] = {}
-
+    @functools.cache
     def get(strategy: str) -> Path:
-        if strategy not in runs:
-            out = tmp_path_factory.mktemp(f"reference-{strategy}") / "out"
-            run_job(data, out, strategy)
-            runs[strategy] = out
-        return runs[strategy]
+        out = tmp_path_factory.mktemp(f"reference-{strategy}") / "out"
+        run_job(data, out, strategy)
+        return out
 
     return get
 
@@ -106,7 +106,8 @@ def test_a_crash_at_any_point_of_a_save_costs_nothing(tmp_path, data, reference,
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["restarts"] == 1, f"{spec} never fired: {log[-3000:]}"
     assert "already complete" not in log
-    got, expected = final_tensors(tmp_path / "out"), final_tensors(want)
+    final = resume_step(want / "checkpoints")  # 22 (2 epochs x 11 steps); under ps-async a step per push
+    got, expected = final_tensors(tmp_path / "out", final), final_tensors(want, final)
     assert got.keys() == expected.keys()
     if strategy in DETERMINISTIC:
         for name, tensor in expected.items():

@@ -57,7 +57,7 @@ def _chiefs_latest_step(job: Any, checkpoints: CheckpointManager) -> int | None:
             mine = {"step": checkpoints.resume_step()}
             # Before the broadcast, so before any task trains: an abandoned attempt's staged parts of later
             # steps must not end up in this attempt's saves of them.
-            checkpoints.drop_staged_after(mine["step"])
+            checkpoints.drop_staged_from(mine["step"])
         except CheckpointError as e:
             mine = {"error": str(e)}
     data = json.loads(bytes(job.broadcast_bytes(json.dumps(mine).encode() if job.is_chief else None, src=0)))

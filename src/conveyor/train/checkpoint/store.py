@@ -287,12 +287,13 @@ class CheckpointManager(CheckpointReader):
             shutil.rmtree(trash, ignore_errors=True)
         return final
 
-    def drop_staged_after(self, step: int | None) -> None:
-        """Delete the parts staged for steps after `step` (None: every one): an abandoned attempt's, which a
-        resumed job must not mix into its own save of those steps. The chief calls it before any task trains."""
+    def drop_staged_from(self, step: int | None) -> None:
+        """Delete the parts staged for step `step` and later (None: every one): an abandoned attempt's, which a
+        resumed job must not mix into its own saves (step `step` itself is complete: its leftovers are stale).
+        The chief calls it before any task trains."""
         for folder in self.root.glob(".parts-step-*"):
             m = STEP_RE.fullmatch(folder.name[len(".parts-"):])
-            if m and (step is None or int(m.group(1)) > step):
+            if m and (step is None or int(m.group(1)) >= step):
                 shutil.rmtree(folder, ignore_errors=True)
 
     # -- rotation and leftovers --------------------------------------------------------------------------------
