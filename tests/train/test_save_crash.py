@@ -48,8 +48,11 @@ def victim(strategy: str, point: str) -> str:
     return "ps:0" if strategy.startswith("ps") else "*"
 
 
-def crash_at(point: str) -> int:
-    return 20 if point == "during-rotation" else 10  # keep 3: the first save that rotates is step 20's
+def spec(strategy: str, point: str) -> str:
+    """CONVEYOR_FAULT for the case: step 10's save, or the first save that rotates (keep 3: the fourth one;
+    under ps-async the chief's step count depends on timing)."""
+    step = "" if point == "during-rotation" else ":10"
+    return f"{victim(strategy, point)}:{point}{step}"
 
 
 def cases():
@@ -101,10 +104,10 @@ def reference(tmp_path_factory, data):
 @pytest.mark.parametrize(("strategy", "point"), list(cases()))
 def test_a_crash_at_any_point_of_a_save_costs_nothing(tmp_path, data, reference, strategy, point):
     want = reference(strategy)
-    spec = f"{victim(strategy, point)}:{point}:{crash_at(point)}"
-    log = run_job(data, tmp_path / "out", strategy, env={"CONVEYOR_FAULT": spec})
+    fault = spec(strategy, point)
+    log = run_job(data, tmp_path / "out", strategy, env={"CONVEYOR_FAULT": fault})
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert summary["restarts"] == 1, f"{spec} never fired: {log[-3000:]}"
+    assert summary["restarts"] == 1, f"{fault} never fired: {log[-3000:]}"
     assert "already complete" not in log
     # 22 (2 epochs x 11 steps); under ps-async the chief's step count depends on timing: its own last step
     final = resume_step(want / "checkpoints")
@@ -114,7 +117,7 @@ def test_a_crash_at_any_point_of_a_save_costs_nothing(tmp_path, data, reference,
     assert got.keys() == expected.keys()
     if strategy in DETERMINISTIC:
         for name, tensor in expected.items():
-            assert (got[name] == tensor).all(), f"{name} differs from the uninterrupted run ({spec})"
+            assert (got[name] == tensor).all(), f"{name} differs from the uninterrupted run ({fault})"
     # The launcher and the tasks agree on the step the job goes on from.
     announced = re.findall(r"from its latest checkpoint \(step (\d+)\)", log)
     resumed = re.findall(r"resumed from step (\d+) ", log)
