@@ -422,8 +422,13 @@ def test_a_usage_error_is_not_retried(tmp_path):
 def test_a_new_checkpoint_counts_as_progress(tmp_path):
     plan = make_plan(tmp_path, """
         attempt = int(os.environ["CONVEYOR_RESTART_COUNT"])
-        if os.environ["RANK"] == "1" and attempt < 4:
-            os.makedirs(os.path.join(os.environ["CONVEYOR_OUTPUT_DIR"], "checkpoints", f"step-{attempt + 1:08d}"))
+        if os.environ["RANK"] == "1" and attempt < 4:  # a sealed (empty) step, as the chief's save leaves it
+            from conveyor.stepfolders import FORMAT, MANIFEST, VERSION
+            folder = os.path.join(os.environ["CONVEYOR_OUTPUT_DIR"], "checkpoints", f"step-{attempt + 1:08d}")
+            os.makedirs(folder)
+            seal = {"format": FORMAT, "version": VERSION, "step": attempt + 1, "time": time.time(), "parts": {}}
+            with open(os.path.join(folder, MANIFEST), "w") as f:
+                json.dump(seal, f)
             raise SystemExit("lost a peer")
     """)
     result, _, err = supervise(plan, max_restarts=5, restart_delay=0.01)
