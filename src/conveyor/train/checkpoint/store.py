@@ -7,7 +7,6 @@ and `policy` fill, read back and schedule one step folder.
 
 from __future__ import annotations
 
-import logging
 import os
 import secrets
 import shutil
@@ -37,8 +36,6 @@ from conveyor.train.checkpoint.read import (
 )
 
 __all__ = ["CheckpointManager", "CheckpointReader"]
-
-log = logging.getLogger("conveyor.train.checkpoint")  # the name its warnings have always had
 
 
 class CheckpointReader:
