@@ -328,29 +328,35 @@ def case_study(ctx: Context, budget: float) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------ strategies
 
 
+# name -> (strategy, workers, conveyor run's flags): three jobs of the same training as the plain reference
+JOBS = {"allreduce-1": ("allreduce", 1, ("-n", "1", "--strategy", "allreduce")),
+        "ps-sync-2-shared": ("ps-sync", 2, ("-n", "2", "--ps", "1", "--strategy", "ps-sync", "--share-gpus")),
+        "allreduce-2-shared": ("allreduce", 2, ("-n", "2", "--strategy", "allreduce", "--share-gpus"))}
+
+
 def strategy_runs(ctx: Context, base: Path) -> dict[str, list[str]]:
-    """name -> command: the plain reference and three conveyor jobs of the same training."""
-    def job(name: str, *flags: str) -> list[str]:
-        return [ctx.python, "-m", "conveyor", "run", *flags, "--output-dir", str(base / name / "output"),
-                "--data-dir", str(base / "data"), "--timeout", "60", "--max-restarts", "0", "--linger", "5",
-                str(CHILD), "task", str(base / name)]
-    return {"reference": [ctx.python, str(CHILD), "reference", str(base / "reference.json")],
-            "allreduce-1": job("allreduce-1", "-n", "1", "--strategy", "allreduce"),
-            "ps-sync-2-shared": job("ps-sync-2-shared", "-n", "2", "--ps", "1", "--strategy", "ps-sync",
-                                    "--share-gpus"),
-            "allreduce-2-shared": job("allreduce-2-shared", "-n", "2", "--strategy", "allreduce", "--share-gpus")}
+    """name -> command: the plain reference and the JOBS."""
+    runs = {"reference": [ctx.python, str(CHILD), "reference", str(base / "reference.json")]}
+    for name, (_, _, flags) in JOBS.items():
+        runs[name] = [ctx.python, "-m", "conveyor", "run", *flags, "--output-dir", str(base / name / "output"),
+                      "--data-dir", str(base / "data"), "--timeout", "60", "--max-restarts", "0", "--linger", "5",
+                      str(CHILD), "task", str(base / name)]
+    return runs
 
 
 def check_job(ctx: Context, name: str, folder: Path, reference: list[float]) -> list[str]:
-    """What is wrong with one job's ranks: devices, backends, parameters against the reference."""
-    want, world = expected_device(ctx), 1 if name == "allreduce-1" else 2
-    backend = "nccl" if ctx.device == "cuda" and name == "allreduce-1" else "gloo"
+    """What is wrong with one job's ranks: strategy, devices, backends, parameters against the reference."""
+    strategy, world, _ = JOBS[name]
+    want = expected_device(ctx)
+    backend = "nccl" if ctx.device == "cuda" and world == 1 else "gloo"  # shared GPUs: gloo (no NCCL)
     problems = []
     for rank in range(world):
         path = folder / f"rank{rank}.json"
         if not path.is_file():
             return [f"{name}: rank {rank} wrote no result"]
         r = json.loads(path.read_text())
+        if r["strategy"] != strategy or r["world_size"] != world:
+            problems.append(f"{name} rank {rank}: ran {r['strategy']} with {r['world_size']} ranks")
         if r["device"] != want or r["param_devices"] != [want] or r["batch_devices"] != [want]:
             problems.append(f"{name} rank {rank}: device {r['device']}, parameters on {r['param_devices']}, batches "
                             f"on {r['batch_devices']}; expected {want} for all")
@@ -378,8 +384,7 @@ def strategies(ctx: Context, budget: float) -> dict[str, Any]:
     ref = json.loads((base / "reference.json").read_text())
     if ref["device"] != expected_device(ctx) or ref["param_devices"] != [expected_device(ctx)]:
         raise PartFailed(f"the reference trained on {ref['param_devices']}, not {expected_device(ctx)}")
-    problems = [p for name in runs if name != "reference"
-                for p in check_job(ctx, name, base / name, ref["params"])]
+    problems = [p for name in JOBS for p in check_job(ctx, name, base / name, ref["params"])]
     if problems:
         raise PartFailed("; ".join(problems))
     return {"detail": f"allreduce (1 rank, {'NCCL' if ctx.device == 'cuda' else 'gloo'} group), ps-sync (2 workers "
