@@ -115,10 +115,9 @@ def test_parts_report_a_spent_budget_a_failure_and_a_crash_by_name(gc, tmp_path)
         raise KeyError("steps")
 
     assert gc.run_part("train", broken, ctx, 30)["detail"] == "the thing broke; do this"
-    assert gc.run_part("train", buggy, ctx, 30) | {"seconds": 0} == {
-        "status": "failed", "detail": "KeyError: 'steps'", "seconds": 0, "budget": 30}
-    ctx.deadline = time.monotonic() + 2  # less than any part needs
-    spent = gc.run_part("strategies", broken, ctx, 30)
+    crashed = gc.run_part("train", buggy, ctx, 30)
+    assert crashed["status"] == "failed" and crashed["detail"] == "KeyError: 'steps'" and crashed["budget"] < 30.1
+    spent = gc.run_part("strategies", broken, ctx, 58)  # the later parts' reserve leaves it under 5 s
     assert spent["status"] == "incomplete" and spent["skipped"] == ["strategies"]
     report = {"parts": {"strategies": spent}}
     assert gc.verdict(report) == ["strategies: incomplete: not run: the check's time budget was spent"]
