@@ -131,7 +131,7 @@ def task(out_dir: str) -> None:
     job.barrier()  # every worker's last step is applied: the parameters are final
     result = {"rank": job.rank, "world_size": job.world_size, "strategy": job.strategy.name,
               "device": str(job.device), "backend": job.backend, "one_rank_group": group, "params": flat(model),
-              **seen}
+              "conveyor_file": conveyor.__file__, **seen}
     Path(out_dir, f"rank{job.rank}.json").write_text(json.dumps(result))
     job.shutdown()
 

@@ -137,13 +137,15 @@ def install(ctx: Context, budget: float) -> dict[str, Any]:
     site = ctx.work / "site"
     cmd = [ctx.python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
            "--disable-pip-version-check", "--target", str(site), *(str(w) for _, w in wheels.values())]
-    code, output = run(cmd, budget * 0.7, ctx.env)
+    started = time.monotonic()
+    code, output = run(cmd, budget * 0.6, ctx.env)
     if code != 0:
         raise PartFailed(f"pip install --no-index of {len(wheels)} wheels failed ({code}): {tail(output)}")
     env = dict(ctx.env, PYTHONPATH=os.pathsep.join(x for x in (str(site), ctx.env.get("PYTHONPATH")) if x))
-    code, output = run([ctx.python, str(CHILD), "probe", str(site)], max(10.0, budget * 0.25), env)
+    code, output = run([ctx.python, str(CHILD), "probe", str(site)], budget - (time.monotonic() - started), env)
     if code != 0:
-        raise PartFailed(f"conveyor does not import from the installed wheels ({code}): {tail(output)}")
+        why = "stopped at the part's budget" if code is None else f"exit {code}"
+        raise PartFailed(f"importing conveyor and torch from the installed wheels: {why}: {tail(output)}")
     probe = json.loads(output.strip().splitlines()[-1])
     if not probe["from_site"]:
         raise PartFailed(f"conveyor imports from {probe['conveyor_file']}, not from the fresh install in {site}")
@@ -355,6 +357,8 @@ def check_job(ctx: Context, name: str, folder: Path, reference: list[float]) -> 
         if not path.is_file():
             return [f"{name}: rank {rank} wrote no result"]
         r = json.loads(path.read_text())
+        if not Path(r["conveyor_file"]).resolve().is_relative_to((ctx.work / "site").resolve()):
+            problems.append(f"{name} rank {rank}: imported conveyor from {r['conveyor_file']}, not the fresh install")
         if r["strategy"] != strategy or r["world_size"] != world:
             problems.append(f"{name} rank {rank}: ran {r['strategy']} with {r['world_size']} ranks")
         if r["device"] != want or r["param_devices"] != [want] or r["batch_devices"] != [want]:

@@ -148,7 +148,7 @@ def test_junit_counts(gc, tmp_path):
 
 def test_arguments(gc):
     args = gc.parse_args(["--out", "x", "--parts", "strategies,tests"])
-    assert args.parts == ("install", "tests", "strategies") and args.budget == 30 + 60 + 60 and args.device == "cuda"
+    assert args.parts == ("install", "tests", "strategies") and args.budget == 45 + 60 + 60 and args.device == "cuda"
     assert gc.parse_args(["--out", "x"]).budget == 480  # the 8 minutes
     with pytest.raises(SystemExit):
         gc.parse_args(["--out", "x", "--parts", "nope"])
