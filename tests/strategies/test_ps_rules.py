@@ -88,13 +88,40 @@ def test_ssp_once_the_commits_reach_the_announced_plan_no_pull_waits() -> None:
     # more step and pulls for step 4 behind its commit, two steps ahead of worker 0 -- which will never
     # commit again. That pull must be answered, not held until the job's timeout.
     rule = SspRule(2, bound=1)
-    rule.clocks.announce(5)
+    rule.clocks.announce(0, 5)
+    rule.clocks.announce(1, 5)
     for rank, step in ((1, 0), (0, 0), (1, 1), (1, 2)):
         rule.commit(rank, step, 0, order=[])
     assert rule.clocks.total == 4 and not rule.ready(3)  # 3 - 1 > K: held while worker 0 trains
     rule.commit(0, 1, 0, order=[])
-    assert rule.clocks.ended and rule.ready(3)
+    assert not rule.clocks.training(0) and rule.ready(3)
     rule.commit(1, 3, 1, order=[])
     assert rule.clocks.clock == [2, 4] and rule.ready(4)  # 4 - 2 > K, but nobody will ever commit again
-    rule.clocks.announce(3)  # a smaller announcement does not lower the plan
-    assert rule.clocks.plan == 5
+
+
+def test_ssp_a_worker_that_reached_its_own_smaller_plan_bounds_nobody() -> None:
+    # Workers work out their totals from their own shards: worker 0 stops at 4, worker 1 goes on to 8.
+    rule = SspRule(2, bound=0)
+    rule.clocks.announce(0, 4)
+    rule.clocks.announce(1, 8)
+    for step in range(2):
+        rule.commit(0, step, 0, order=[])
+        rule.commit(1, step, 0, order=[])
+    assert rule.clocks.plan == 8 and not rule.clocks.training(0) and rule.clocks.training(1)
+    rule.commit(1, 2, 0, order=[])
+    assert rule.ready(3) and not rule.ready(4)  # worker 1 is bounded by itself only
+    rule.commit(1, 3, 0, order=[])
+    rule.commit(1, 4, 0, order=[])
+    assert rule.clocks.total == 7 and rule.clocks.training(1)
+    rule.commit(1, 5, 0, order=[])
+    assert not rule.clocks.training(1) and rule.clocks.slowest_training() is None and rule.ready(100)
+
+
+def test_a_worker_that_announced_nothing_stops_at_the_largest_plan() -> None:
+    rule = SspRule(3, bound=0)
+    rule.clocks.announce(0, 3)
+    rule.clocks.announce(1, 6)
+    assert rule.clocks.plan == 6
+    for step in range(3):
+        rule.commit(2, step, 0, order=[])
+    assert rule.clocks.training(2) and not rule.clocks.training(0) and rule.clocks.training(1)

@@ -7,7 +7,8 @@
 
 :class:`PSConnections` (the base) holds one transport client per ps task and asks the servers
 everything outside a step (checkpoint shards, state, statistics, data positions); :class:`PSClient`
-adds the step protocol of :mod:`.protocol`.
+adds the step protocol of :mod:`.protocol`, keeping what lasts the run; what one step does is a
+:class:`~.steps.StepState`, made when the step before is committed.
 
 Promises: pulled values are copied into the model's parameters in place, so the model object stays
 valid; a server that answers ``wait`` is asked again until the timeout; from construction to

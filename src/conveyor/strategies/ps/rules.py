@@ -16,7 +16,7 @@ alone (tests/strategies/test_ps_rules.py).
 - :class:`AsyncRule`: a push is applied on arrival; a pull is always answered. Staleness: per push.
 - :class:`SspRule`: as async, but a pull for step s waits while s is more than K steps ahead of the
   slowest worker still training; a worker is no longer training once it said ``done`` or once the
-  workers' commits reach the announced plan (they all stop there, so waiting for them would never end).
+  workers' commits reach the total it announced it stops at (waiting for it would never end).
 """
 
 from __future__ import annotations
@@ -35,36 +35,42 @@ Grads = Mapping[str, torch.Tensor]
 
 
 class Clocks:
-    """Each worker's clock (steps committed), the plan they stop at, and who said ``done``."""
+    """Each worker's clock (steps committed), the totals the workers announced they stop at, who said ``done``."""
 
     def __init__(self, num_workers: int) -> None:
         self.clock = [0] * num_workers
-        self.plan: int | None = None  # the largest total a worker announced it stops at
+        self.plans: dict[int, int] = {}  # rank -> the total it announced (it stops once the total reaches it)
         self.done: set[int] = set()
 
     def advance(self, rank: int, step: int) -> None:
         """Worker ``rank`` committed ``step``."""
         self.clock[rank] = max(self.clock[rank], step + 1)
 
-    def announce(self, plan: int) -> None:
-        """A worker announced the total step count the workers stop at (the largest announced wins)."""
-        self.plan = max(self.plan or 0, plan)
+    def announce(self, rank: int, plan: int) -> None:
+        """Worker ``rank`` stops once the workers' total reaches ``plan`` (the largest it announced)."""
+        self.plans[rank] = max(self.plans.get(rank, 0), plan)
+
+    @property
+    def plan(self) -> int | None:
+        """The largest total announced: what a worker that could not work out its own stops at."""
+        return max(self.plans.values()) if self.plans else None
 
     @property
     def total(self) -> int:
         """Steps committed by all workers together."""
         return sum(self.clock)
 
-    @property
-    def ended(self) -> bool:
-        """Whether the workers' commits reached the announced plan (every worker stops at its next look)."""
-        return self.plan is not None and self.total >= self.plan
+    def training(self, rank: int) -> bool:
+        """Whether worker ``rank`` may still commit: it did not say ``done``, and the total has not reached
+        the plan it announced (or, if it announced none, the largest one: the one it adopts)."""
+        if rank in self.done:
+            return False
+        plan = self.plans.get(rank, self.plan)
+        return plan is None or self.total < plan
 
     def slowest_training(self) -> int | None:
-        """The smallest clock of the workers still training (None: none is)."""
-        if self.ended:
-            return None
-        live = [c for rank, c in enumerate(self.clock) if rank not in self.done]
+        """The smallest clock of the workers that may still commit (None: none may)."""
+        live = [c for rank, c in enumerate(self.clock) if self.training(rank)]
         return min(live) if live else None
 
 
@@ -127,7 +133,7 @@ class AsyncRule(_Rule):
 
 class SspRule(_Rule):
     """``ps-ssp:K``: as async, but a pull waits while it is more than ``bound`` steps ahead of the slowest
-    worker still training (workers that said ``done``, or all once the plan is reached, bound nobody)."""
+    worker still training (a worker that said ``done`` or reached its announced total bounds nobody)."""
 
     name = "ssp"
 

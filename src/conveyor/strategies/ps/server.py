@@ -269,7 +269,7 @@ class ParameterServer:
             self.opt.update_hyperparameters(commit.hyper)
         clocks = self.rule.clocks
         if commit.plan is not None:
-            clocks.announce(commit.plan)
+            clocks.announce(commit.rank, commit.plan)
         self._apply(self.rule.commit(commit.rank, commit.step, commit.read, self.keys))
         return wire.CommitReply(self.version, clocks.total, clocks.plan)
 
