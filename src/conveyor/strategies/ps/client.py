@@ -194,11 +194,6 @@ class PSClient(PSConnections):
         """The step this worker trains now: the number of steps it committed."""
         return self._step.number
 
-    @property
-    def read(self) -> list[int]:
-        """The version each server reported at the last pull (what the current step computes on)."""
-        return self._step.read
-
     # -- set-up -----------------------------------------------------------------------------------
 
     def connect(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Placement:
