@@ -1,0 +1,98 @@
+"""`conveyor data serve` and `conveyor data worker`: the data service's two roles (docs/data-service.md).
+
+    conveyor data serve --port 5050 --secret-file job.secret
+    conveyor data worker --dispatcher 10.0.0.5:5050 --port 6000 --pipeline myjob.input:train --secret-file job.secret
+
+Only argument parsing; the roles are `conveyor.data.service.dispatcher` and `.worker`. Both run until
+interrupted (Ctrl-C, SIGTERM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+
+from conveyor.cli import CommandError
+from conveyor.cluster.variables import JOB_SECRET_FILE_VAR
+from conveyor.data.service.dispatcher import Dispatcher
+from conveyor.data.service.protocol import DataServiceError, read_secret_file
+from conveyor.data.service.worker import DataWorker
+
+
+def add_parsers(actions: argparse._SubParsersAction) -> None:
+    p = actions.add_parser("serve", help="run the data service's dispatcher",
+                           description="Register data workers (refusing a different pipeline), create jobs for "
+                           "trainers and hand out file splits; runs until interrupted.")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default all)")
+    p.add_argument("--port", type=int, required=True)
+    _secret_argument(p)
+    p.set_defaults(action_run=run_serve)
+    p = actions.add_parser("worker", help="run a data worker: the named pipeline, served to trainers",
+                           description="Build the pipeline MODULE:FUNCTION returns, register it with the "
+                           "dispatcher and serve its elements to trainers; runs until interrupted.")
+    p.add_argument("--dispatcher", required=True, metavar="HOST:PORT")
+    p.add_argument("--pipeline", required=True, metavar="MODULE:FUNCTION",
+                   help="a function without arguments returning a conveyor.data.Dataset (imported, not shipped)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--advertise", default=None, metavar="HOST:PORT",
+                   help="the address trainers connect to (default HOST:PORT)")
+    p.add_argument("--buffer", type=int, default=16, help="elements produced ahead per job (default 16)")
+    _secret_argument(p)
+    p.set_defaults(action_run=run_worker)
+
+
+def _secret_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--secret-file", default=None, metavar="FILE",
+                   help=f"the job secret in hex, mode 600 (default ${JOB_SECRET_FILE_VAR})")
+
+
+def _secret(args: argparse.Namespace) -> bytes:
+    path = args.secret_file or os.environ.get(JOB_SECRET_FILE_VAR)
+    if not path:
+        raise CommandError(f"give --secret-file FILE (or set {JOB_SECRET_FILE_VAR}): every role of the data "
+                           f"service signs its messages with the same job secret")
+    try:
+        return read_secret_file(path, "--secret-file" if args.secret_file else JOB_SECRET_FILE_VAR)
+    except DataServiceError as e:
+        raise CommandError(str(e)) from None
+
+
+def _until_stopped() -> None:
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while not stop.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        pass
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    dispatcher = Dispatcher(f"{args.host}:{args.port}", _secret(args)).start()
+    print(f"[conveyor] data service dispatcher listening on {args.host}:{args.port}", file=sys.stderr, flush=True)
+    try:
+        _until_stopped()
+    finally:
+        dispatcher.close()
+    return 0
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    sys.path.insert(0, os.getcwd())  # --pipeline names a module of the job, run from its folder
+    bind = f"{args.host}:{args.port}"
+    try:
+        worker = DataWorker(args.dispatcher, args.pipeline, _secret(args), bind=bind,
+                            advertise=args.advertise, buffer=args.buffer).start()
+    except DataServiceError as e:
+        raise CommandError(str(e)) from None
+    print(f"[conveyor] data worker {args.pipeline} serving on {worker.address}, registered with {args.dispatcher}",
+          file=sys.stderr, flush=True)
+    try:
+        _until_stopped()
+    finally:
+        worker.close()
+    return 0

@@ -1,0 +1,176 @@
+"""The trainer's side: `dataset.distribute(service, processing_mode, job_name)` → elements from data workers.
+
+    ds = pipeline().distribute("10.0.0.5:5050", processing_mode="distributed_epoch", job_name="train")
+    for batch in ds: ...                           # or to_torch(ds, device="cuda")
+
+The local pipeline is never run: only its fingerprint and file list go to the dispatcher, which refuses
+a job whose pipeline differs from its workers'. Iterating creates (or joins, by ``job_name``) the job,
+then one fetcher thread per worker keeps at most ``max_outstanding`` ``get_elements`` requests of at most
+``per_request`` elements in flight (the credit that bounds what a worker sends ahead) and puts the
+elements into one queue of ``buffer`` elements. New workers are picked up every ``refresh`` seconds. The
+iterator ends when every worker has said ``end`` and no new worker came. Every wait is bounded by
+``timeout``; no worker after ``timeout`` seconds is a :class:`DataServiceError` naming the fix. Not yet:
+saving the service position in a checkpoint (``state_dict`` raises).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any
+
+from conveyor.comm.transport import Client, RemoteError, ServerUnavailable
+from conveyor.data.base import Context, Iter, Node, StateField
+from conveyor.data.service.protocol import (
+    DISPATCHER,
+    WORKER,
+    DataServiceError,
+    PipelineMismatchError,
+    Service,
+    check_mode,
+    elements_from_frames,
+    resolve_service,
+)
+
+_END = object()
+
+
+class ServiceNode(Node):
+    """The recipe of a distributed dataset: where the service is, the job, and the local pipeline's identity."""
+
+    name = "distribute"
+
+    def __init__(self, pipeline: Node, files: list[str] | None, service: Service | str, processing_mode: str,
+                 job_name: str | None = None, *, max_outstanding: int = 2, per_request: int = 8,
+                 buffer: int = 32, timeout: float = 60.0, refresh: float = 1.0) -> None:
+        super().__init__()
+        self.service = resolve_service(service)
+        self.mode = check_mode(processing_mode)
+        self.job_name = job_name
+        self.pipeline_fingerprint = pipeline.fingerprint()
+        self.files = files
+        if min(max_outstanding, per_request, buffer) < 1 or timeout <= 0:
+            raise DataServiceError("distribute: max_outstanding, per_request, buffer and timeout must be positive")
+        self.max_outstanding, self.per_request, self.buffer = max_outstanding, per_request, buffer
+        self.timeout, self.refresh = timeout, refresh
+
+    def params(self) -> dict[str, Any]:
+        return {"address": self.service.address, "processing_mode": self.mode, "job_name": self.job_name,
+                "pipeline": self.pipeline_fingerprint}
+
+    def iterator(self, ctx: Context) -> Iter:
+        return ServiceIter(self, ctx)
+
+
+class ServiceIter(Iter):
+    """Elements from the job's workers, in arrival order."""
+
+    def __init__(self, node: ServiceNode, ctx: Context) -> None:
+        super().__init__(node.name, ctx)
+        self.node = node
+        self._queue: queue.Queue = queue.Queue(maxsize=node.buffer)
+        self._stop = threading.Event()
+        self._fetchers: dict[int, threading.Thread] = {}
+        self._ended: set[int] = set()
+        self._dispatcher: Client | None = None
+        self._job_id: int | None = None
+        self._last_refresh = 0.0
+
+    def _ask(self, kind: str, header: dict[str, Any]) -> dict[str, Any]:
+        if self._dispatcher is None:
+            self._dispatcher = Client(self.node.service.address, self.node.service.secret, name=DISPATCHER,
+                                      timeout=self.node.timeout, sender="data-trainer")
+        try:
+            return self._dispatcher.request(kind, header).header
+        except RemoteError as e:
+            cls = PipelineMismatchError if "PipelineMismatchError" in str(e) else DataServiceError
+            raise cls(f"the data service refused {kind}: {e}") from None
+        except ServerUnavailable as e:
+            raise DataServiceError(f"data service: {e} (is `conveyor data serve` running there, with the same "
+                                   f"secret file as this trainer?)") from None
+
+    def _refresh(self) -> None:
+        if self._job_id is None:
+            self._job_id = self._ask("get_or_create_job", {
+                "job_name": self.node.job_name, "mode": self.node.mode,
+                "fingerprint": self.node.pipeline_fingerprint, "files": self.node.files})["job_id"]
+        self._last_refresh = time.monotonic()
+        for worker_id, address in self._ask("get_workers", {"job_id": self._job_id})["workers"]:
+            if worker_id not in self._fetchers:
+                thread = threading.Thread(target=self._fetch, args=(worker_id, address), daemon=True,
+                                          name=f"conveyor-data-fetch-{worker_id}")
+                self._fetchers[worker_id] = thread
+                thread.start()
+
+    def _next(self) -> Any:
+        started = time.monotonic()
+        while True:
+            if self._job_id is None or time.monotonic() - self._last_refresh >= self.node.refresh:
+                self._refresh()
+            if self._fetchers and len(self._ended) == len(self._fetchers) and self._queue.empty():
+                self._refresh()  # a worker that joined late may still have work
+                if len(self._ended) == len(self._fetchers):
+                    raise StopIteration
+            try:
+                item = self._queue.get(timeout=min(0.2, self.node.refresh))
+            except queue.Empty:
+                if not self._fetchers and time.monotonic() - started > self.node.timeout:
+                    raise DataServiceError(
+                        f"no data worker registered with the dispatcher at {self.node.service.address} within "
+                        f"{self.node.timeout:g} s: start `conveyor data worker --dispatcher "
+                        f"{self.node.service.address} --pipeline MODULE:FUNCTION`") from None
+                continue
+            if isinstance(item, tuple) and item[0] is _END:
+                self._ended.add(item[1])
+                if item[2] is not None:
+                    raise DataServiceError(item[2])
+                continue
+            return item
+
+    def _fetch(self, worker_id: int, address: str) -> None:
+        """One worker's stream: keep the credit's requests in flight, queue what comes back."""
+        error: str | None = None
+        client = Client(address, self.node.service.secret, name=WORKER, timeout=self.node.timeout,
+                        sender="data-trainer")
+        header = {"job_id": self._job_id, "mode": self.node.mode, "max": self.node.per_request}
+        try:
+            in_flight = [client.send("get_elements", header) for _ in range(self.node.max_outstanding)]
+            while in_flight and not self._stop.is_set():
+                reply = client.receive(in_flight.pop(0))
+                if reply.kind == "end":
+                    error = reply.header.get("error") and f"data worker at {address} failed: {reply.header['error']}"
+                    break
+                in_flight.append(client.send("get_elements", header))
+                for element in elements_from_frames(reply.tensors):
+                    if not self._put(element):
+                        return
+        except (ServerUnavailable, RemoteError) as e:
+            error = f"data worker at {address}: {e}"
+        finally:
+            client.close()
+        self._put((_END, worker_id, error))
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def get_state(self) -> dict[str, Any]:
+        raise DataServiceError("a distributed dataset's position cannot be saved yet (the data service does not "
+                               "keep it); checkpoint without the data position, or iterate the pipeline locally")
+
+    def set_state(self, state: StateField) -> None:
+        raise state.error("a distributed dataset's position cannot be restored yet")
+
+    def close(self) -> None:
+        self._stop.set()
+        for thread in self._fetchers.values():
+            thread.join(timeout=5.0)
+        if self._dispatcher is not None:
+            self._dispatcher.close()
+            self._dispatcher = None
