@@ -10,6 +10,7 @@ interrupted (Ctrl-C, SIGTERM).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -28,6 +29,8 @@ def add_parsers(actions: argparse._SubParsersAction) -> None:
                            "trainers and hand out file splits; runs until interrupted.")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default all)")
     p.add_argument("--port", type=int, required=True)
+    p.add_argument("--worker-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="a worker silent this long is dead: its unacknowledged splits go to others (default 10)")
     _secret_argument(p)
     p.set_defaults(action_run=run_serve)
     p = actions.add_parser("worker", help="run a data worker: the named pipeline, served to trainers",
@@ -61,6 +64,10 @@ def _secret(args: argparse.Namespace) -> bytes:
         raise CommandError(str(e)) from None
 
 
+def _log_as(role: str) -> None:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
+
+
 def _until_stopped() -> None:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -72,7 +79,8 @@ def _until_stopped() -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    dispatcher = Dispatcher(f"{args.host}:{args.port}", _secret(args)).start()
+    _log_as("data-dispatcher")
+    dispatcher = Dispatcher(f"{args.host}:{args.port}", _secret(args), worker_timeout=args.worker_timeout).start()
     print(f"[conveyor] data service dispatcher listening on {args.host}:{args.port}", file=sys.stderr, flush=True)
     try:
         _until_stopped()
@@ -82,6 +90,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_worker(args: argparse.Namespace) -> int:
+    _log_as("data-worker")
     sys.path.insert(0, os.getcwd())  # --pipeline names a module of the job, run from its folder
     bind = f"{args.host}:{args.port}"
     try:

@@ -61,9 +61,12 @@ class Roles:
         self.procs.append((proc, log))
         return proc, log
 
-    def serve(self) -> None:
+    def serve(self, *extra: str) -> None:
         port = self.dispatcher.rsplit(":", 1)[1]
-        self.wait_for(*self._start(["serve", "--host", "127.0.0.1", "--port", port]), "listening")
+        self.wait_for(*self._start(["serve", "--host", "127.0.0.1", "--port", port, *extra]), "listening")
+
+    def log_of(self, index: int) -> str:
+        return self.procs[index][1].read_text()
 
     def worker(self, pipeline: str = "svc_pipelines:records", *extra: str, ready: bool = True):
         proc, log = self._start(["worker", "--dispatcher", self.dispatcher, "--port", str(free_port()),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 from conveyor.data import Dataset, TFRecordDataset
 
@@ -32,6 +33,15 @@ def records() -> Dataset:
 def records_batch8() -> Dataset:
     """The same records in batches of 8: a different pipeline."""
     return TFRecordDataset(_files()).map(record_id).batch(8)
+
+
+def slow_id(record: bytes) -> int:
+    time.sleep(0.05)  # a costly decode: the epoch lasts long enough to kill a worker in it
+    return record_id(record)
+
+
+def slow_records() -> Dataset:
+    return TFRecordDataset(_files()).map(slow_id).batch(2)
 
 
 def endless() -> Dataset:

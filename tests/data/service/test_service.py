@@ -97,3 +97,20 @@ def test_slow_consumer_bounds_what_the_worker_produces(roles, pipelines):
     # 3 taken + 2 in the trainer's queue + 1 request of 2 in flight + 4 queued + 1 blocked in put
     assert stats["queued"] <= 4
     assert stats["produced"] <= 3 + 2 + 2 + 4 + 1 + 2
+
+
+def test_worker_killed_mid_epoch_loses_and_repeats_nothing(roles, pipelines):
+    """distributed_epoch, exactly once: the killed worker's unacknowledged splits go to the other worker,
+    which reads them again; the trainer drops what it already returned."""
+    roles.serve("--worker-timeout", "2")
+    victim, _ = roles.worker("svc_pipelines:slow_records")
+    roles.worker("svc_pipelines:slow_records")
+    remote = pipelines.slow_records().distribute(roles.service, processing_mode="distributed_epoch",
+                                                 worker_timeout=3.0, per_request=1, max_outstanding=1)
+    it = iter(remote)
+    first = [next(it) for _ in range(4)]
+    victim.kill()
+    rest = list(it)
+    got = sorted(int(x) for batch in first + rest for x in np.asarray(batch).ravel())
+    assert got == list(range(FILES * PER_FILE))
+    assert "go to other workers" in roles.log_of(0)

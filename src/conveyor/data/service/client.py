@@ -33,7 +33,7 @@ from conveyor.data.service.protocol import (
     resolve_service,
 )
 
-_END = object()
+_END, _ELEMENT, _SPLIT_END = object(), object(), object()  # kinds of the fetchers' queue items
 
 
 class ServiceNode(Node):
@@ -43,17 +43,18 @@ class ServiceNode(Node):
 
     def __init__(self, pipeline: Node, files: list[str] | None, service: Service | str, processing_mode: str,
                  job_name: str | None = None, *, max_outstanding: int = 2, per_request: int = 8,
-                 buffer: int = 32, timeout: float = 60.0, refresh: float = 1.0) -> None:
+                 buffer: int = 32, timeout: float = 60.0, refresh: float = 1.0, worker_timeout: float = 10.0) -> None:
         super().__init__()
         self.service = resolve_service(service)
         self.mode = check_mode(processing_mode)
         self.job_name = job_name
         self.pipeline_fingerprint = pipeline.fingerprint()
         self.files = files
-        if min(max_outstanding, per_request, buffer) < 1 or timeout <= 0:
-            raise DataServiceError("distribute: max_outstanding, per_request, buffer and timeout must be positive")
+        if min(max_outstanding, per_request, buffer) < 1 or min(timeout, worker_timeout) <= 0:
+            raise DataServiceError("distribute: max_outstanding, per_request, buffer, timeout and worker_timeout "
+                                   "must be positive")
         self.max_outstanding, self.per_request, self.buffer = max_outstanding, per_request, buffer
-        self.timeout, self.refresh = timeout, refresh
+        self.timeout, self.refresh, self.worker_timeout = timeout, refresh, worker_timeout
 
     def params(self) -> dict[str, Any]:
         return {"address": self.service.address, "processing_mode": self.mode, "job_name": self.job_name,
@@ -72,7 +73,10 @@ class ServiceIter(Iter):
         self._queue: queue.Queue = queue.Queue(maxsize=node.buffer)
         self._stop = threading.Event()
         self._fetchers: dict[int, threading.Thread] = {}
-        self._ended: set[int] = set()
+        self._ended: dict[int, str] = {}  # worker id -> "end" (it produced everything) or "lost" (it died)
+        self._received: dict[int, int] = {}  # split -> elements of it returned (the next index expected)
+        self._acknowledged: set[int] = set()
+        self._last_live = time.monotonic()
         self._dispatcher: Client | None = None
         self._job_id: int | None = None
         self._last_refresh = 0.0
@@ -95,6 +99,7 @@ class ServiceIter(Iter):
             self._job_id = self._ask("get_or_create_job", {
                 "job_name": self.node.job_name, "mode": self.node.mode,
                 "fingerprint": self.node.pipeline_fingerprint, "files": self.node.files})["job_id"]
+            self._last_live = time.monotonic()
         self._last_refresh = time.monotonic()
         for worker_id, address in self._ask("get_workers", {"job_id": self._job_id})["workers"]:
             if worker_id not in self._fetchers:
@@ -104,34 +109,56 @@ class ServiceIter(Iter):
                 thread.start()
 
     def _next(self) -> Any:
-        started = time.monotonic()
         while True:
             if self._job_id is None or time.monotonic() - self._last_refresh >= self.node.refresh:
                 self._refresh()
-            if self._fetchers and len(self._ended) == len(self._fetchers) and self._queue.empty():
-                self._refresh()  # a worker that joined late may still have work
-                if len(self._ended) == len(self._fetchers):
-                    raise StopIteration
+            if len(self._ended) == len(self._fetchers) and self._queue.empty() and self._finished():
+                raise StopIteration
             try:
                 item = self._queue.get(timeout=min(0.2, self.node.refresh))
             except queue.Empty:
-                if not self._fetchers and time.monotonic() - started > self.node.timeout:
-                    raise DataServiceError(
-                        f"no data worker registered with the dispatcher at {self.node.service.address} within "
-                        f"{self.node.timeout:g} s: start `conveyor data worker --dispatcher "
-                        f"{self.node.service.address} --pipeline MODULE:FUNCTION`") from None
                 continue
-            if isinstance(item, tuple) and item[0] is _END:
-                self._ended.add(item[1])
+            if item[0] is _ELEMENT:
+                split, k, element = item[1:]
+                if split is None:
+                    return element
+                if k == self._received.get(split, 0):  # else a split given again: this one was returned already
+                    self._received[split] = k + 1
+                    return element
+            elif item[0] is _SPLIT_END:
+                self._acknowledge(item[1], item[2])
+            else:
+                self._ended[item[1]] = item[3]
                 if item[2] is not None:
                     raise DataServiceError(item[2])
-                continue
-            return item
+
+    def _finished(self) -> bool:
+        """Every fetcher has stopped: the end when one worker said so; else, after a look for new workers,
+        wait for one (a dead worker's splits are given to the next) until ``timeout``."""
+        if "end" in self._ended.values():
+            return True
+        self._refresh()
+        if len(self._ended) < len(self._fetchers):
+            self._last_live = time.monotonic()
+            return False
+        if time.monotonic() - self._last_live > self.node.timeout:
+            what = "every data worker of the job died" if self._fetchers else "no data worker registered"
+            raise DataServiceError(
+                f"{what} and none joined the dispatcher at {self.node.service.address} within {self.node.timeout:g} "
+                f"s: start `conveyor data worker --dispatcher {self.node.service.address} --pipeline "
+                f"MODULE:FUNCTION`")
+        return False
+
+    def _acknowledge(self, split: int, count: int) -> None:
+        """Tell the dispatcher that every element of ``split`` was returned, so it is never given again."""
+        if self._received.get(split, 0) == count and split not in self._acknowledged:
+            self._ask("split_done", {"job_id": self._job_id, "split": split})
+            self._acknowledged.add(split)
 
     def _fetch(self, worker_id: int, address: str) -> None:
         """One worker's stream: keep the credit's requests in flight, queue what comes back."""
-        error: str | None = None
-        client = Client(address, self.node.service.secret, name=WORKER, timeout=self.node.timeout,
+        outcome, error = "end", None
+        client = Client(address, self.node.service.secret, name=WORKER, timeout=self.node.worker_timeout,
                         sender="data-trainer")
         header = {"job_id": self._job_id, "mode": self.node.mode, "max": self.node.per_request}
         try:
@@ -142,14 +169,22 @@ class ServiceIter(Iter):
                     error = reply.header.get("error") and f"data worker at {address} failed: {reply.header['error']}"
                     break
                 in_flight.append(client.send("get_elements", header))
-                for element in elements_from_frames(reply.tensors):
-                    if not self._put(element):
-                        return
+                if not self._queue_reply(reply):
+                    return
         except (ServerUnavailable, RemoteError) as e:
-            error = f"data worker at {address}: {e}"
+            outcome = "lost"
+            if self.node.mode != "distributed_epoch":  # its splits go to another worker; here its epoch is lost
+                error = f"data worker at {address}: {e}"
         finally:
             client.close()
-        self._put((_END, worker_id, error))
+        self._put((_END, worker_id, error, outcome))
+
+    def _queue_reply(self, reply: Any) -> bool:
+        tags = reply.header.get("tags", [])
+        for (split, k), element in zip(tags, elements_from_frames(reply.tensors), strict=True):
+            if not self._put((_ELEMENT, split, k, element)):
+                return False
+        return all(self._put((_SPLIT_END, split, n)) for split, n in reply.header.get("ends", []))
 
     def _put(self, item: Any) -> bool:
         while not self._stop.is_set():

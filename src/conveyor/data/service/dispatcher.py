@@ -10,7 +10,8 @@ whose fingerprint or file list differs is refused with the first differing op an
 created by the first trainer that names it (``get_or_create_job``); later trainers naming it share it.
 For ``distributed_epoch`` the job's file list is handed out one file per ``get_split``, to whichever worker
 asks, so each file of an epoch is read by one worker. A worker silent for ``worker_timeout`` seconds is
-left out of ``get_workers``. Not yet: re-issuing the splits of a dead worker (see docs/data-service.md).
+left out of ``get_workers``, and the splits it held that the trainer has not acknowledged (``split_done``)
+go back to the front of the line for other workers; an epoch ends when every split is acknowledged.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,8 +45,12 @@ class _Job:
     name: str
     mode: str
     files: list[str] | None
-    next_split: int = 0
-    handed: dict[str, int] = field(default_factory=dict)  # file -> worker id that got it
+    pending: deque[int] = field(default_factory=deque)  # split (index into files) not handed out, or returned
+    handed: dict[int, int] = field(default_factory=dict)  # split -> the worker producing it
+    done: set[int] = field(default_factory=set)  # splits the trainer acknowledged, every element received
+
+    def __post_init__(self) -> None:
+        self.pending.extend(range(len(self.files or ())))
 
 
 class Dispatcher:
@@ -58,7 +64,8 @@ class Dispatcher:
         self._ids = itertools.count(1)
         self._reference: tuple[str, Any, list[str] | None] | None = None  # (who, fingerprint, files)
         self._handlers = {"register_worker": self._register, "heartbeat": self._heartbeat,
-                          "get_split": self._get_split, "get_or_create_job": self._job, "get_workers": self._list}
+                          "get_split": self._get_split, "split_done": self._split_done,
+                          "get_or_create_job": self._job, "get_workers": self._list}
         self.server = Server(bind_address, secret, self._handle, name=DISPATCHER, max_frame_bytes=16 << 20)
 
     def start(self) -> Dispatcher:
@@ -120,15 +127,38 @@ class Dispatcher:
         return job
 
     def _get_split(self, h: dict[str, Any]) -> dict[str, Any]:
+        """The next file of the epoch; ``wait`` while every file is handed out but some is not acknowledged
+        (its worker may die and the file go to another), ``split: None`` once all are acknowledged."""
         worker, job = self._worker(h), self._job_of(h)
         if job.mode != "distributed_epoch" or job.files is None:
             raise DataServiceError(f"job {job.name} ({job.mode}) has no splits to hand out")
-        if job.next_split >= len(job.files):
+        self._reap()
+        if job.pending:
+            split = job.pending.popleft()
+            job.handed[split] = worker.worker_id
+            return {"split": split, "file": job.files[split]}
+        if len(job.done) == len(job.files):
             return {"split": None}
-        split = job.files[job.next_split]
-        job.next_split += 1
-        job.handed[split] = worker.worker_id
-        return {"split": split}
+        return {"split": None, "wait": True}
+
+    def _split_done(self, h: dict[str, Any]) -> dict[str, Any]:
+        job = self._job_of(h)
+        split = int(h["split"])
+        job.done.add(split)
+        job.handed.pop(split, None)
+        return {}
+
+    def _reap(self) -> None:
+        """Give the unacknowledged splits of workers silent for ``worker_timeout`` back, first in line."""
+        now = time.monotonic()
+        dead = {w.worker_id for w in self.workers.values() if now - w.last_seen >= self.worker_timeout}
+        for job in self.jobs.values():
+            lost = sorted(split for split, w in job.handed.items() if w in dead and split not in job.done)
+            for split in reversed(lost):
+                del job.handed[split]
+                job.pending.appendleft(split)
+            if lost:
+                log.warning("job %s: splits %s of silent worker(s) %s go to other workers", job.name, lost, dead)
 
     def _job(self, h: dict[str, Any]) -> dict[str, Any]:
         mode, name = check_mode(h["mode"]), h.get("job_name")

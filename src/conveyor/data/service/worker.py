@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
 from typing import Any
 
 from conveyor.comm.framing import Message
@@ -37,35 +37,38 @@ from conveyor.data.service.splits import split_files
 
 log = logging.getLogger(__name__)
 _END = object()
+SPLIT_END = object()  # closes a split in a task's queue
 
 
 class _Task:
-    """One job's producer: the pipeline's elements into a bounded queue, from a daemon thread."""
+    """One job's producer: tagged elements ``(split, index, element)`` into a bounded queue, from a daemon thread.
 
-    def __init__(self, dataset: Dataset, buffer: int) -> None:
-        self.dataset = dataset
+    ``items`` yields them (``split`` is None in parallel_epochs); ``(split, count, SPLIT_END)`` closes a split.
+    """
+
+    def __init__(self, items: Iterator[tuple[Any, int, Any]], buffer: int, stop: threading.Event) -> None:
+        self.items = items
         self.queue: queue.Queue = queue.Queue(maxsize=buffer)
         self.produced = 0
         self.error: str | None = None
         self.finished = False  # the queue's last item is _END
-        self._stop = threading.Event()
+        self.stop_event = stop
         self._thread = threading.Thread(target=self._run, name="conveyor-data-task", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         try:
-            with self.dataset.iterator() as it:
-                for element in it:
-                    if not self._put(element):
-                        return
-                    self.produced += 1
+            for item in self.items:
+                if not self._put(item):
+                    return
+                self.produced += item[2] is not SPLIT_END
         except Exception as e:  # the trainer gets it with the end of the stream
             log.exception("data worker task failed")
             self.error = f"{type(e).__name__}: {e}"
         self._put(_END)
 
     def _put(self, item: Any) -> bool:
-        while not self._stop.is_set():
+        while not self.stop_event.is_set():
             try:
                 self.queue.put(item, timeout=0.2)
                 return True
@@ -87,8 +90,28 @@ class _Task:
         return out
 
     def stop(self) -> None:
-        self._stop.set()
+        self.stop_event.set()
         self._thread.join(timeout=5.0)
+
+
+def _whole(dataset: Dataset) -> Iterator[tuple[Any, int, Any]]:
+    with dataset.iterator() as it:
+        for k, element in enumerate(it):
+            yield None, k, element
+
+
+def _by_split(dataset: Dataset, splits: Iterator[tuple[int, str]], seed: int) -> Iterator[tuple[Any, int, Any]]:
+    """The pipeline once per split, over that one file, with a seed fixed by the job and the split: a split
+    given again (its first worker died) yields the same elements in the same order, so the trainer can
+    drop the ones it already has."""
+    for split, name in splits:
+        files = iter([name])
+        one = with_split_source(dataset, lambda files=files: next(files, None))
+        count = 0
+        with one.iterator(root_seed=(seed * 1_000_003 + split) % (1 << 63), iteration=0) as it:
+            for count, element in enumerate(it, 1):
+                yield split, count - 1, element
+        yield split, count, SPLIT_END
 
 
 class DataWorker:
@@ -132,21 +155,26 @@ class DataWorker:
     def _task(self, job_id: int, mode: str) -> _Task:
         task = self.tasks.get(job_id)
         if task is None:
-            ds = self.dataset
+            stop = threading.Event()
             if check_mode(mode) == "distributed_epoch":
-                ds = with_split_source(ds, self._split_source(job_id))
-            task = self.tasks[job_id] = _Task(ds, self.buffer)
+                items = _by_split(self.dataset, self._splits(job_id, stop), job_id)
+            else:
+                items = _whole(self.dataset)
+            task = _Task(items, self.buffer, stop)
+            self.tasks[job_id] = task
         return task
 
-    def _split_source(self, job_id: int) -> Callable[[], str | None]:
-        clients: list[Client] = []  # made in the task's thread, which owns it
-
-        def next_split() -> str | None:
-            if not clients:
-                clients.append(self._dispatcher())
-            return _ask(clients[0], "get_split", {"worker_id": self.worker_id, "job_id": job_id})["split"]
-
-        return next_split
+    def _splits(self, job_id: int, stop: threading.Event) -> Iterator[tuple[int, str]]:
+        """The job's splits as the dispatcher hands them out (runs in the task's thread, which owns the client)."""
+        with self._dispatcher() as client:
+            while not stop.is_set():
+                answer = _ask(client, "get_split", {"worker_id": self.worker_id, "job_id": job_id})
+                if answer.get("wait"):  # every split is out, some not yet acknowledged: it may come back
+                    stop.wait(0.2)
+                elif answer["split"] is None:
+                    return
+                else:
+                    yield int(answer["split"]), str(answer["file"])
 
     def _handle(self, message: Message) -> Any:
         h = message.header
@@ -184,9 +212,12 @@ class DataWorker:
 
 
 def _reply(task: _Task, most: int, *, final: bool) -> tuple[str, dict, list] | None:
-    elements = task.take(most)
-    if elements:
-        return "elements", {}, element_frames(elements)
+    items = task.take(most)
+    if items:
+        elements = [(split, k) for split, k, e in items if e is not SPLIT_END]
+        ends = [(split, n) for split, n, e in items if e is SPLIT_END]
+        frames = element_frames([e for _, _, e in items if e is not SPLIT_END])
+        return "elements", {"tags": elements, "ends": ends}, frames
     if task.finished:
         return "end", {"error": task.error}, []
     return ("none", {}, []) if final else None
