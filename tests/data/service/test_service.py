@@ -4,6 +4,7 @@ and this process as the trainer (`Dataset.distribute`)."""
 from __future__ import annotations
 
 import importlib
+import json
 import time
 from collections import Counter
 
@@ -114,3 +115,33 @@ def test_worker_killed_mid_epoch_loses_and_repeats_nothing(roles, pipelines):
     got = sorted(int(x) for batch in first + rest for x in np.asarray(batch).ravel())
     assert got == list(range(FILES * PER_FILE))
     assert "go to other workers" in roles.log_of(0)
+
+
+def test_resumed_trainer_continues_the_epoch_where_its_checkpoint_was(roles, pipelines):
+    """The iterator's state is the service position: elements taken after the checkpoint (lost with the
+    crashed trainer) come again, the ones before it never do."""
+    roles.serve()
+    roles.worker()
+    roles.worker()
+    options = {"processing_mode": "distributed_epoch", "job_name": "train", "per_request": 1}
+    it = iter(pipelines.records().distribute(roles.service, **options))
+    before = [next(it) for _ in range(5)]
+    state = json.loads(json.dumps(it.state_dict()))
+    lost = [next(it) for _ in range(3)]
+    it.close()
+    resumed = iter(pipelines.records().distribute(roles.service, **options))
+    resumed.load_state_dict(state)
+    after = list(resumed)
+    assert len(lost) == 3
+    got = sorted(int(x) for batch in before + after for x in np.asarray(batch).ravel())
+    assert got == list(range(FILES * PER_FILE))
+
+
+def test_parallel_epochs_position_cannot_be_saved(roles, pipelines):
+    roles.serve()
+    roles.worker()
+    it = iter(pipelines.records().distribute(roles.service))
+    next(it)
+    with pytest.raises(DataServiceError, match="distributed_epoch"):
+        it.state_dict()
+    it.close()

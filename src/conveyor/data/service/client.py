@@ -9,8 +9,10 @@ then one fetcher thread per worker keeps at most ``max_outstanding`` ``get_eleme
 ``per_request`` elements in flight (the credit that bounds what a worker sends ahead) and puts the
 elements into one queue of ``buffer`` elements. New workers are picked up every ``refresh`` seconds. The
 iterator ends when every worker has said ``end`` and no new worker came. Every wait is bounded by
-``timeout``; no worker after ``timeout`` seconds is a :class:`DataServiceError` naming the fix. Not yet:
-saving the service position in a checkpoint (``state_dict`` raises).
+``timeout``; no worker after ``timeout`` seconds is a :class:`DataServiceError` naming the fix.
+distributed_epoch is exactly once: elements come tagged ``(split, index)``; one whose index is not the
+next expected for its split (the split was given again after its worker died) is dropped, and a split is
+acknowledged to the dispatcher once all of it was returned. ``state_dict`` holds exactly that position.
 """
 
 from __future__ import annotations
@@ -57,8 +59,8 @@ class ServiceNode(Node):
         self.timeout, self.refresh, self.worker_timeout = timeout, refresh, worker_timeout
 
     def params(self) -> dict[str, Any]:
-        return {"address": self.service.address, "processing_mode": self.mode, "job_name": self.job_name,
-                "pipeline": self.pipeline_fingerprint}
+        # Not the address: a job resumed from a checkpoint may find its dispatcher elsewhere.
+        return {"processing_mode": self.mode, "job_name": self.job_name, "pipeline": self.pipeline_fingerprint}
 
     def iterator(self, ctx: Context) -> Iter:
         return ServiceIter(self, ctx)
@@ -76,7 +78,8 @@ class ServiceIter(Iter):
         self._ended: dict[int, str] = {}  # worker id -> "end" (it produced everything) or "lost" (it died)
         self._received: dict[int, int] = {}  # split -> elements of it returned (the next index expected)
         self._acknowledged: set[int] = set()
-        self._last_live = time.monotonic()
+        self._resume: list[int] | None = None  # acknowledged splits of a loaded state, sent with the job request
+        self._last_live = self._last_item = time.monotonic()
         self._dispatcher: Client | None = None
         self._job_id: int | None = None
         self._last_refresh = 0.0
@@ -98,8 +101,9 @@ class ServiceIter(Iter):
         if self._job_id is None:
             self._job_id = self._ask("get_or_create_job", {
                 "job_name": self.node.job_name, "mode": self.node.mode,
-                "fingerprint": self.node.pipeline_fingerprint, "files": self.node.files})["job_id"]
-            self._last_live = time.monotonic()
+                "fingerprint": self.node.pipeline_fingerprint, "files": self.node.files,
+                "resume": self._resume})["job_id"]
+            self._last_live = self._last_item = time.monotonic()
         self._last_refresh = time.monotonic()
         for worker_id, address in self._ask("get_workers", {"job_id": self._job_id})["workers"]:
             if worker_id not in self._fetchers:
@@ -117,7 +121,9 @@ class ServiceIter(Iter):
             try:
                 item = self._queue.get(timeout=min(0.2, self.node.refresh))
             except queue.Empty:
+                self._check_progress()
                 continue
+            self._last_item = time.monotonic()
             if item[0] is _ELEMENT:
                 split, k, element = item[1:]
                 if split is None:
@@ -131,6 +137,15 @@ class ServiceIter(Iter):
                 self._ended[item[1]] = item[3]
                 if item[2] is not None:
                     raise DataServiceError(item[2])
+
+    def _check_progress(self) -> None:
+        """Live workers that send nothing for ``timeout`` seconds: say so rather than wait forever."""
+        if self._fetchers and len(self._ended) < len(self._fetchers) and \
+                time.monotonic() - self._last_item > self.node.timeout:
+            raise DataServiceError(
+                f"the data workers of job {self.node.job_name or self._job_id} sent nothing for {self.node.timeout:g} "
+                f"s though they answer: their pipeline is that slow (raise distribute's timeout), or a trainer "
+                f"sharing this job left mid-epoch holding splits it never acknowledged (use a new job_name)")
 
     def _finished(self) -> bool:
         """Every fetcher has stopped: the end when one worker said so; else, after a look for new workers,
@@ -196,11 +211,25 @@ class ServiceIter(Iter):
         return False
 
     def get_state(self) -> dict[str, Any]:
-        raise DataServiceError("a distributed dataset's position cannot be saved yet (the data service does not "
-                               "keep it); checkpoint without the data position, or iterate the pipeline locally")
+        """distributed_epoch only: the splits acknowledged and how many elements of each other split were
+        returned. Loading it starts a new job that skips those splits and drops those elements."""
+        if self.node.mode != "distributed_epoch":
+            raise DataServiceError("a parallel_epochs dataset's position cannot be saved (each worker runs its own "
+                                   "epoch); use processing_mode='distributed_epoch' to checkpoint the position")
+        return {"acknowledged": sorted(self._acknowledged),
+                "received": [[split, k] for split, k in sorted(self._received.items()) if split not in
+                             self._acknowledged]}
 
     def set_state(self, state: StateField) -> None:
-        raise state.error("a distributed dataset's position cannot be restored yet")
+        if self.node.mode != "distributed_epoch":
+            raise state.error("a parallel_epochs dataset's position cannot be restored")
+        count = len(self.node.files or ())
+        fields = state.fields(("acknowledged", "received"))
+        self._acknowledged = {f.as_int(0, count - 1) for f in fields["acknowledged"].as_list(max_len=count)}
+        for pair in fields["received"].as_list(max_len=count):
+            split, k = pair.as_list(length=2)
+            self._received[split.as_int(0, count - 1)] = k.as_int(0)
+        self._resume = sorted(self._acknowledged)
 
     def close(self) -> None:
         self._stop.set()

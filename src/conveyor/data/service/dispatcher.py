@@ -7,7 +7,8 @@
 State lives in the serving thread only (the transport runs one handler at a time), so nothing is locked.
 The first pipeline to arrive (a worker's, or a trainer's job) is the reference: a later worker or job
 whose fingerprint or file list differs is refused with the first differing op and argument. A job is
-created by the first trainer that names it (``get_or_create_job``); later trainers naming it share it.
+created by the first trainer that names it (``get_or_create_job``); later trainers naming it share it,
+except one resuming from a checkpoint (``resume``: the splits it had acknowledged), which gets a new job.
 For ``distributed_epoch`` the job's file list is handed out one file per ``get_split``, to whichever worker
 asks, so each file of an epoch is read by one worker. A worker silent for ``worker_timeout`` seconds is
 left out of ``get_workers``, and the splits it held that the trainer has not acknowledged (``split_done``)
@@ -163,7 +164,7 @@ class Dispatcher:
     def _job(self, h: dict[str, Any]) -> dict[str, Any]:
         mode, name = check_mode(h["mode"]), h.get("job_name")
         self._check_pipeline(f"the trainer's job {name or '(unnamed)'}", h["fingerprint"], h.get("files"))
-        if name is not None and name in self._by_name:
+        if name is not None and name in self._by_name and h.get("resume") is None:
             job = self.jobs[self._by_name[name]]
             if job.mode != mode:
                 raise DataServiceError(f"job {name} exists with processing_mode={job.mode!r}, not {mode!r}: use "
@@ -174,6 +175,8 @@ class Dispatcher:
                                    "pipeline has not exactly one (list_files or TFRecordDataset of a list); use "
                                    "processing_mode='parallel_epochs'")
         job = _Job(next(self._ids), name or f"job-{len(self.jobs)}", mode, h.get("files"))
+        if h.get("resume") is not None:
+            _resume(job, h["resume"])
         self.jobs[job.job_id] = job
         if name is not None:
             self._by_name[name] = job.job_id
@@ -184,3 +187,14 @@ class Dispatcher:
         now = time.monotonic()
         live = [w for w in self.workers.values() if now - w.last_seen < self.worker_timeout]
         return {"workers": [[w.worker_id, w.address] for w in live]}
+
+
+def _resume(job: _Job, done: Any) -> None:
+    """Start ``job`` where a trainer's checkpoint says it was: the splits it had acknowledged are done."""
+    count = len(job.files or ())
+    if job.mode != "distributed_epoch" or not isinstance(done, list) or not all(
+            isinstance(x, int) and 0 <= x < count for x in done):
+        raise DataServiceError(f"cannot resume job {job.name}: the saved position ({str(done)[:100]}) does not fit "
+                               f"its {count} files in distributed_epoch; resume with the pipeline it was saved from")
+    job.done = set(done)
+    job.pending = deque(i for i in range(count) if i not in job.done)
