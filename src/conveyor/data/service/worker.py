@@ -5,11 +5,12 @@
 
 Registration sends the pipeline's fingerprint and file list; the dispatcher refuses a mismatch (the
 worker raises :class:`PipelineMismatchError` and stops). A job's task starts when a trainer first asks for
-its elements: a thread runs the pipeline (``parallel_epochs``: all of it; ``distributed_epoch``: over the
-files the dispatcher hands out one at a time) into a queue of at most ``buffer`` elements, so a slow
-trainer stops the producer instead of growing memory. ``get_elements`` takes up to ``max`` elements; when
-none is ready it is answered within ``wait`` seconds (``none``: ask again), so no request outlives its
-timeout. ``end`` says the task produced everything (or failed: its header then carries the error).
+its elements: a thread runs the pipeline into a queue of at most ``buffer`` elements, so a slow trainer
+stops the producer instead of growing memory. ``parallel_epochs``: the whole pipeline. ``distributed_epoch``:
+the pipeline once per file the dispatcher hands out, seeded by job and file, so that a file given again
+yields the same elements; each element is tagged ``(split, index)`` and a split's end is sent as such.
+``get_elements`` takes up to ``max``; with none ready it is answered within ``wait`` seconds (``none``: ask
+again). ``end`` says the task is done (or failed: its header then carries the error).
 """
 
 from __future__ import annotations
