@@ -18,11 +18,11 @@ import argparse
 import contextlib
 import os
 import secrets
-import stat
 import sys
 from collections.abc import Mapping
 
 from conveyor.cli import Command, CommandError
+from conveyor.cluster.secret import parse_secret, read_secret_file
 from conveyor.cluster.settings import add_arguments as add_settings
 from conveyor.cluster.settings import agreed_flags
 from conveyor.cluster.settings import given as given_settings
@@ -256,27 +256,11 @@ def _job_secret(path: str | None, environ: Mapping[str, str], nnodes: int) -> by
 
 
 def _read_secret_file(path: str, where: str) -> bytes:
-    try:
-        with open(path, encoding="ascii", errors="replace") as f:
-            mode = os.fstat(f.fileno()).st_mode
-            text = f.read()
-    except OSError as e:
-        raise CommandError(f"{where} {path}: {e.strerror or e}; {MAKE_SECRET}") from None
-    if stat.S_IMODE(mode) & 0o077:  # like ssh with a private key: others could forge the job's messages
-        raise CommandError(f"{where} {path} is readable by other users (mode {stat.S_IMODE(mode):04o}): anyone "
-                           f"on this machine could sign messages as the job; chmod 600 {path} (a Kubernetes "
-                           f"Secret volume: defaultMode 0400)")
-    return _parse_secret(text, f"{where} {path}")
+    return read_secret_file(path, where, error=CommandError, fix=MAKE_SECRET)
 
 
 def _parse_secret(text: str, where: str) -> bytes:
-    try:
-        secret = bytes.fromhex(text.strip())
-    except ValueError:
-        secret = b""
-    if len(secret) < 16:
-        raise CommandError(f"{where}: expected at least 32 hex digits; {MAKE_SECRET}")
-    return secret
+    return parse_secret(text, where, error=CommandError, fix=MAKE_SECRET)
 
 
 def _report(result) -> int:

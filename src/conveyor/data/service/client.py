@@ -32,6 +32,7 @@ from conveyor.data.service.protocol import (
     Service,
     check_mode,
     elements_from_frames,
+    put_until_stopped,
     resolve_service,
 )
 
@@ -202,13 +203,7 @@ class ServiceIter(Iter):
         return all(self._put((_SPLIT_END, split, n)) for split, n in reply.header.get("ends", []))
 
     def _put(self, item: Any) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.2)
-                return True
-            except queue.Full:
-                continue
-        return False
+        return put_until_stopped(self._queue, item, self._stop)
 
     def get_state(self) -> dict[str, Any]:
         """distributed_epoch only: the splits acknowledged and how many elements of each other split were

@@ -15,11 +15,15 @@ Requests to the dispatcher: ``register_worker``, ``heartbeat``, ``get_split``, `
 from __future__ import annotations
 
 import os
+import queue
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from conveyor.cluster.secret import parse_secret
+from conveyor.cluster.secret import read_secret_file as _read_file
 from conveyor.cluster.spec import split_address
 from conveyor.cluster.variables import JOB_SECRET_FILE_VAR, JOB_SECRET_VAR
 from conveyor.data.elements import pack_bytes, unpack
@@ -57,25 +61,11 @@ class Service:
 
 def read_secret_text(text: str, where: str) -> bytes:
     """A hex secret (as `openssl rand -hex 32` writes it) from ``where``."""
-    try:
-        secret = bytes.fromhex(text.strip())
-    except ValueError:
-        secret = b""
-    if len(secret) < 16:
-        raise DataServiceError(f"{where}: expected at least 32 hex digits; {MAKE_SECRET}")
-    return secret
+    return parse_secret(text, where, error=DataServiceError, fix=MAKE_SECRET)
 
 
 def read_secret_file(path: str, where: str = "--secret-file") -> bytes:
-    try:
-        with open(path, encoding="ascii", errors="replace") as f:
-            mode = os.fstat(f.fileno()).st_mode
-            text = f.read()
-    except OSError as e:
-        raise DataServiceError(f"{where} {path}: {e.strerror or e}; {MAKE_SECRET}") from None
-    if mode & 0o077:  # others on the machine could sign messages as the job
-        raise DataServiceError(f"{where} {path} is readable by other users (mode {mode & 0o777:04o}); chmod 600 {path}")
-    return read_secret_text(text, f"{where} {path}")
+    return _read_file(path, where, error=DataServiceError, fix=MAKE_SECRET)
 
 
 def resolve_service(service: Service | str, environ: Any = None) -> Service:
@@ -108,3 +98,14 @@ def element_frames(elements: list[Any]) -> list[np.ndarray]:
 
 def elements_from_frames(frames: list[np.ndarray]) -> list[Any]:
     return [unpack(memoryview(np.ascontiguousarray(f)).cast("B")) for f in frames]
+
+
+def put_until_stopped(into: queue.Queue, item: Any, stop: threading.Event) -> bool:
+    """Put ``item`` into a bounded queue, waiting while it is full; False (not put) once ``stop`` is set."""
+    while not stop.is_set():
+        try:
+            into.put(item, timeout=0.2)
+            return True
+        except queue.Full:
+            continue
+    return False

@@ -33,6 +33,7 @@ from conveyor.data.service.protocol import (
     PipelineMismatchError,
     check_mode,
     element_frames,
+    put_until_stopped,
 )
 from conveyor.data.service.splits import split_files
 
@@ -69,13 +70,7 @@ class _Task:
         self._put(_END)
 
     def _put(self, item: Any) -> bool:
-        while not self.stop_event.is_set():
-            try:
-                self.queue.put(item, timeout=0.2)
-                return True
-            except queue.Full:
-                continue
-        return False
+        return put_until_stopped(self.queue, item, self.stop_event)
 
     def take(self, most: int) -> list[Any]:
         out: list[Any] = []
