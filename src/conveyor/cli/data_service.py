@@ -13,6 +13,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 
@@ -39,10 +40,11 @@ def add_parsers(actions: argparse._SubParsersAction) -> None:
     p.add_argument("--dispatcher", required=True, metavar="HOST:PORT")
     p.add_argument("--pipeline", required=True, metavar="MODULE:FUNCTION",
                    help="a function without arguments returning a conveyor.data.Dataset (imported, not shipped)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default all)")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--advertise", default=None, metavar="HOST:PORT",
-                   help="the address trainers connect to (default HOST:PORT)")
+                   help="the address trainers connect to (default HOST:PORT, with this machine's host name "
+                   "for an address that listens on all)")
     p.add_argument("--buffer", type=int, default=16, help="elements produced ahead per job (default 16)")
     _secret_argument(p)
     p.set_defaults(action_run=run_worker)
@@ -93,9 +95,11 @@ def run_worker(args: argparse.Namespace) -> int:
     _log_as("data-worker")
     sys.path.insert(0, os.getcwd())  # --pipeline names a module of the job, run from its folder
     bind = f"{args.host}:{args.port}"
+    advertise = args.advertise or (f"{socket.gethostname()}:{args.port}" if args.host in ("0.0.0.0", "::", "*")
+                                   else bind)
     try:
         worker = DataWorker(args.dispatcher, args.pipeline, _secret(args), bind=bind,
-                            advertise=args.advertise, buffer=args.buffer).start()
+                            advertise=advertise, buffer=args.buffer).start()
     except DataServiceError as e:
         raise CommandError(str(e)) from None
     print(f"[conveyor] data worker {args.pipeline} serving on {worker.address}, registered with {args.dispatcher}",

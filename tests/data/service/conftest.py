@@ -69,8 +69,8 @@ class Roles:
         return self.procs[index][1].read_text()
 
     def worker(self, pipeline: str = "svc_pipelines:records", *extra: str, ready: bool = True):
-        proc, log = self._start(["worker", "--dispatcher", self.dispatcher, "--port", str(free_port()),
-                                 "--pipeline", pipeline, *extra])
+        proc, log = self._start(["worker", "--dispatcher", self.dispatcher, "--host", "127.0.0.1",
+                                 "--port", str(free_port()), "--pipeline", pipeline, *extra])
         if ready:
             self.wait_for(proc, log, "serving on")
         return proc, log

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from svc_pipelines import free_port
 
+from conveyor.cli.main import main
 from conveyor.data import Dataset, TFRecordDataset
 from conveyor.data.service import DataServiceError, PipelineMismatchError, Service
 from conveyor.data.service.dispatcher import Dispatcher
@@ -91,3 +92,15 @@ def test_dispatcher_hands_each_split_once_and_gives_a_silent_workers_back():
                          "files": None})
     finally:
         d.close()
+
+
+def test_commands_refuse_a_missing_or_open_secret(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("CONVEYOR_JOB_SECRET_FILE", raising=False)
+    assert main(["data", "serve", "--port", str(free_port())]) != 0
+    assert "give --secret-file FILE" in capsys.readouterr().err
+    secret = tmp_path / "job.secret"
+    secret.write_text("ab" * 32)
+    secret.chmod(0o644)
+    assert main(["data", "worker", "--dispatcher", "127.0.0.1:1", "--port", str(free_port()), "--pipeline",
+                 "svc_pipelines:records", "--secret-file", str(secret)]) != 0
+    assert "readable by other users" in capsys.readouterr().err
