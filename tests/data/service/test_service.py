@@ -145,3 +145,20 @@ def test_parallel_epochs_position_cannot_be_saved(roles, pipelines):
     with pytest.raises(DataServiceError, match="distributed_epoch"):
         it.state_dict()
     it.close()
+
+
+def test_a_worker_joining_mid_epoch_gets_work(roles, pipelines):
+    roles.serve()
+    roles.worker("svc_pipelines:slow_records", "--buffer", "1")
+    it = iter(pipelines.slow_records().distribute(roles.service, processing_mode="distributed_epoch",
+                                                  per_request=1, max_outstanding=1, buffer=1, refresh=0.2))
+    got = [next(it) for _ in range(2)]
+    _, log = roles.worker("svc_pipelines:slow_records")
+    address = log.read_text().split("serving on ")[1].split(",")[0]
+    for batch in it:
+        got.append(batch)
+        time.sleep(0.1)  # a slow trainer: the first worker alone would not be done before the second joined
+    with Client(address, roles.service.secret, name=WORKER, timeout=10.0) as client:
+        (stats,) = client.request("stats").header.values()
+    assert stats["produced"] > 0
+    assert sorted(int(x) for batch in got for x in np.asarray(batch).ravel()) == list(range(FILES * PER_FILE))
