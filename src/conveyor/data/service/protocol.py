@@ -26,7 +26,7 @@ from conveyor.cluster.secret import parse_secret
 from conveyor.cluster.secret import read_secret_file as _read_file
 from conveyor.cluster.spec import split_address
 from conveyor.cluster.variables import JOB_SECRET_FILE_VAR, JOB_SECRET_VAR
-from conveyor.data.elements import pack_bytes, unpack
+from conveyor.data.elements import pack, pack_into, packed_size, unpack
 from conveyor.errors import ConveyorError
 
 DISPATCHER = "data-dispatcher"
@@ -92,8 +92,15 @@ def check_mode(mode: str) -> str:
 
 
 def element_frames(elements: list[Any]) -> list[np.ndarray]:
-    """One uint8 frame per element, in elements.py's packed encoding (JSON header + raw array bytes)."""
-    return [np.frombuffer(pack_bytes(e), dtype=np.uint8) for e in elements]
+    """One uint8 frame per element, in elements.py's packed encoding (JSON header + raw array bytes),
+    written straight into the frame (one copy of the arrays' bytes; ZeroMQ sends it without another)."""
+    frames = []
+    for element in elements:
+        header, bufs = pack(element)
+        frame = np.empty(packed_size(header, bufs), dtype=np.uint8)
+        pack_into(memoryview(frame), header, bufs)
+        frames.append(frame)
+    return frames
 
 
 def elements_from_frames(frames: list[np.ndarray]) -> list[Any]:
