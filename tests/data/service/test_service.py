@@ -37,6 +37,7 @@ def test_distributed_epoch_yields_every_record_once(roles, pipelines):
     assert local == list(range(FILES * PER_FILE))
     remote = pipelines.records().distribute(roles.service, processing_mode="distributed_epoch", job_name="train")
     assert ids(remote) == local
+    assert ids(remote) == local  # the next epoch: a new iteration of the named job
 
 
 def test_parallel_epochs_yields_each_record_once_per_worker(roles, pipelines):

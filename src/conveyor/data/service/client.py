@@ -73,6 +73,7 @@ class ServiceIter(Iter):
     def __init__(self, node: ServiceNode, ctx: Context) -> None:
         super().__init__(node.name, ctx)
         self.node = node
+        self._iteration = ctx.iteration  # the n-th iter() of the dataset: trainers share the job of their n-th
         self._queue: queue.Queue = queue.Queue(maxsize=node.buffer)
         self._stop = threading.Event()
         self._fetchers: dict[int, threading.Thread] = {}
@@ -101,7 +102,7 @@ class ServiceIter(Iter):
     def _refresh(self) -> None:
         if self._job_id is None:
             self._job_id = self._ask("get_or_create_job", {
-                "job_name": self.node.job_name, "mode": self.node.mode,
+                "job_name": self.node.job_name, "iteration": self._iteration, "mode": self.node.mode,
                 "fingerprint": self.node.pipeline_fingerprint, "files": self.node.files,
                 "resume": self._resume})["job_id"]
             self._last_live = self._last_item = time.monotonic()

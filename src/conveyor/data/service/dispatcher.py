@@ -7,7 +7,8 @@
 State lives in the serving thread only (the transport runs one handler at a time), so nothing is locked.
 The first pipeline to arrive (a worker's, or a trainer's job) is the reference: a later worker or job
 whose fingerprint or file list differs is refused with the first differing op and argument. A job is
-created by the first trainer that names it (``get_or_create_job``); later trainers naming it share it,
+created by the first trainer that names it (``get_or_create_job``); later trainers naming it share it
+(one job per iteration of the dataset: each `iter()` is an epoch of its own),
 except one resuming from a checkpoint (``resume``: the splits it had acknowledged), which gets a new job.
 For ``distributed_epoch`` the job's file list is handed out one file per ``get_split``, to whichever worker
 asks, so each file of an epoch is read by one worker. A worker silent for ``worker_timeout`` seconds is
@@ -61,7 +62,7 @@ class Dispatcher:
         self.worker_timeout = worker_timeout
         self.workers: dict[int, _Worker] = {}
         self.jobs: dict[int, _Job] = {}
-        self._by_name: dict[str, int] = {}
+        self._by_name: dict[tuple[str, int], int] = {}  # (job name, iteration of the dataset) -> job id
         self._ids = itertools.count(1)
         self._reference: tuple[str, Any, list[str] | None] | None = None  # (who, fingerprint, files)
         self._handlers = {"register_worker": self._register, "heartbeat": self._heartbeat,
@@ -164,8 +165,9 @@ class Dispatcher:
     def _job(self, h: dict[str, Any]) -> dict[str, Any]:
         mode, name = check_mode(h["mode"]), h.get("job_name")
         self._check_pipeline(f"the trainer's job {name or '(unnamed)'}", h["fingerprint"], h.get("files"))
-        if name is not None and name in self._by_name and h.get("resume") is None:
-            job = self.jobs[self._by_name[name]]
+        key = (str(name), int(h.get("iteration", 0)))
+        if name is not None and key in self._by_name and h.get("resume") is None:
+            job = self.jobs[self._by_name[key]]
             if job.mode != mode:
                 raise DataServiceError(f"job {name} exists with processing_mode={job.mode!r}, not {mode!r}: use "
                                        f"the same mode in every trainer, or another job_name")
@@ -179,7 +181,7 @@ class Dispatcher:
             _resume(job, h["resume"])
         self.jobs[job.job_id] = job
         if name is not None:
-            self._by_name[name] = job.job_id
+            self._by_name[key] = job.job_id
         return {"job_id": job.job_id}
 
     def _list(self, h: dict[str, Any]) -> dict[str, Any]:
