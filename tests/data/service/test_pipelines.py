@@ -3,9 +3,11 @@ element frames and the dispatcher's job bookkeeping."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
-from svc_pipelines import free_port
+from svc_pipelines import FILES, free_port
 
 from conveyor.cli.main import main
 from conveyor.data import Dataset, TFRecordDataset
@@ -14,6 +16,7 @@ from conveyor.data.service.dispatcher import Dispatcher
 from conveyor.data.service.pipelines import fingerprint, first_difference, load_pipeline, with_split_source
 from conveyor.data.service.protocol import check_mode, element_frames, elements_from_frames, resolve_service
 from conveyor.data.service.splits import split_files
+from conveyor.data.service.worker import DataWorker
 
 
 def test_first_difference_names_the_op_and_argument():
@@ -82,6 +85,8 @@ def test_dispatcher_hands_each_split_once_and_gives_a_silent_workers_back():
         d._split_done({"job_id": job, "split": 1})
         d.workers[w1].last_seen -= 120  # w1 went silent holding split 0
         assert d._get_split({"worker_id": w2, "job_id": job}) == {"split": 0, "file": "x"}
+        d._release({"worker_id": w2, "job_id": job})  # w2 stopped its task holding split 0
+        assert d._get_split({"worker_id": w2, "job_id": job}) == {"split": 0, "file": "x"}
         d._split_done({"job_id": job, "split": 0})
         assert d._get_split({"worker_id": w2, "job_id": job}) == {"split": None}
         with pytest.raises(DataServiceError, match="cannot resume job j"):
@@ -104,3 +109,25 @@ def test_commands_refuse_a_missing_or_open_secret(tmp_path, capsys, monkeypatch)
     assert main(["data", "worker", "--dispatcher", "127.0.0.1:1", "--port", str(free_port()), "--pipeline",
                  "svc_pipelines:records", "--secret-file", str(secret)]) != 0
     assert "readable by other users" in capsys.readouterr().err
+
+
+def test_a_worker_stops_an_abandoned_task_and_gives_its_splits_back(record_dir, monkeypatch):
+    monkeypatch.setenv("SVC_TEST_DIR", str(record_dir))
+    secret = b"s" * 32
+    dispatcher = Dispatcher(f"127.0.0.1:{free_port()}", secret).start()
+    worker = DataWorker(dispatcher.server.address, "svc_pipelines:records", secret, bind=f"127.0.0.1:{free_port()}",
+                        buffer=1, idle_timeout=0.5).start()
+    try:
+        it = iter(load_pipeline("svc_pipelines:records").distribute(
+            Service(dispatcher.server.address, secret), processing_mode="distributed_epoch", per_request=1,
+            max_outstanding=1, buffer=1))
+        next(it)
+        it.close()  # the trainer goes away mid-epoch
+        (job,) = dispatcher.jobs.values()
+        deadline = time.monotonic() + 20
+        while (worker.tasks or job.handed) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not worker.tasks and not job.handed and len(job.pending) == FILES - len(job.done)
+    finally:
+        worker.close()
+        dispatcher.close()

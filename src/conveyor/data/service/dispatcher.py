@@ -66,7 +66,7 @@ class Dispatcher:
         self._ids = itertools.count(1)
         self._reference: tuple[str, Any, list[str] | None] | None = None  # (who, fingerprint, files)
         self._handlers = {"register_worker": self._register, "heartbeat": self._heartbeat,
-                          "get_split": self._get_split, "split_done": self._split_done,
+                          "get_split": self._get_split, "split_done": self._split_done, "release_splits": self._release,
                           "get_or_create_job": self._job, "get_workers": self._list}
         self.server = Server(bind_address, secret, self._handle, name=DISPATCHER, max_frame_bytes=16 << 20)
 
@@ -150,17 +150,18 @@ class Dispatcher:
         job.handed.pop(split, None)
         return {}
 
+    def _release(self, h: dict[str, Any]) -> dict[str, Any]:
+        """A worker stopped a job's task: its unacknowledged splits go back, first in line."""
+        worker, job = self._worker(h), self._job_of(h)
+        _give_back(job, {worker.worker_id})
+        return {}
+
     def _reap(self) -> None:
         """Give the unacknowledged splits of workers silent for ``worker_timeout`` back, first in line."""
         now = time.monotonic()
         dead = {w.worker_id for w in self.workers.values() if now - w.last_seen >= self.worker_timeout}
         for job in self.jobs.values():
-            lost = sorted(split for split, w in job.handed.items() if w in dead and split not in job.done)
-            for split in reversed(lost):
-                del job.handed[split]
-                job.pending.appendleft(split)
-            if lost:
-                log.warning("job %s: splits %s of silent worker(s) %s go to other workers", job.name, lost, dead)
+            _give_back(job, dead)
 
     def _job(self, h: dict[str, Any]) -> dict[str, Any]:
         mode, name = check_mode(h["mode"]), h.get("job_name")
@@ -200,3 +201,13 @@ def _resume(job: _Job, done: Any) -> None:
                                f"its {count} files in distributed_epoch; resume with the pipeline it was saved from")
     job.done = set(done)
     job.pending = deque(i for i in range(count) if i not in job.done)
+
+
+def _give_back(job: _Job, workers: set[int]) -> None:
+    """The unacknowledged splits ``workers`` hold in ``job`` go back to the front of the line."""
+    lost = sorted(split for split, w in job.handed.items() if w in workers and split not in job.done)
+    for split in reversed(lost):
+        del job.handed[split]
+        job.pending.appendleft(split)
+    if lost:
+        log.warning("job %s: splits %s of worker(s) %s go to other workers", job.name, lost, sorted(workers))

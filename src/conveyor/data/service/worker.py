@@ -10,7 +10,8 @@ stops the producer instead of growing memory. ``parallel_epochs``: the whole pip
 the pipeline once per file the dispatcher hands out, seeded by job and file, so that a file given again
 yields the same elements; each element is tagged ``(split, index)`` and a split's end is sent as such.
 ``get_elements`` takes up to ``max``; with none ready it is answered within ``wait`` seconds (``none``: ask
-again). ``end`` says the task is done (or failed: its header then carries the error).
+again). ``end`` says the task is done (or failed: its header then carries the error). A task no trainer
+has asked anything for ``idle_timeout`` seconds is stopped and its unacknowledged splits released.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class _Task:
         self.items = items
         self.queue: queue.Queue = queue.Queue(maxsize=buffer)
         self.produced = 0
+        self.last_request = time.monotonic()
         self.error: str | None = None
         self.finished = False  # the queue's last item is _END
         self.stop_event = stop
@@ -114,10 +116,12 @@ class DataWorker:
     """The data-worker role. ``advertise`` is the address trainers connect to (default: ``bind``)."""
 
     def __init__(self, dispatcher: str, pipeline: str, secret: bytes, *, bind: str, advertise: str | None = None,
-                 buffer: int = 16, wait: float = 1.0, timeout: float = 30.0, heartbeat: float = 1.0) -> None:
+                 buffer: int = 16, wait: float = 1.0, timeout: float = 30.0, heartbeat: float = 1.0,
+                 idle_timeout: float = 300.0) -> None:
         self.dispatcher, self.pipeline, self.secret = dispatcher, pipeline, secret
         self.address = advertise or bind
         self.buffer, self.wait, self.timeout, self.heartbeat = buffer, wait, timeout, heartbeat
+        self.idle_timeout = idle_timeout
         self.dataset = load_pipeline(pipeline)
         self.files = split_files(self.dataset._node)
         self.tasks: dict[int, _Task] = {}
@@ -162,15 +166,20 @@ class DataWorker:
 
     def _splits(self, job_id: int, stop: threading.Event) -> Iterator[tuple[int, str]]:
         """The job's splits as the dispatcher hands them out (runs in the task's thread, which owns the client)."""
+        request = {"worker_id": self.worker_id, "job_id": job_id}
         with self._dispatcher() as client:
-            while not stop.is_set():
-                answer = _ask(client, "get_split", {"worker_id": self.worker_id, "job_id": job_id})
-                if answer.get("wait"):  # every split is out, some not yet acknowledged: it may come back
-                    stop.wait(0.2)
-                elif answer["split"] is None:
-                    return
-                else:
-                    yield int(answer["split"]), str(answer["file"])
+            try:
+                while not stop.is_set():
+                    answer = _ask(client, "get_split", request)
+                    if answer.get("wait"):  # every split is out, some not yet acknowledged: it may come back
+                        stop.wait(0.2)
+                    elif answer["split"] is None:
+                        return
+                    else:
+                        yield int(answer["split"]), str(answer["file"])
+            finally:
+                if stop.is_set():  # stopped, not finished: what this task held goes to other workers
+                    _release(client, request)
 
     def _handle(self, message: Message) -> Any:
         h = message.header
@@ -180,6 +189,7 @@ class DataWorker:
         if message.kind != "get_elements":
             raise DataServiceError(f"a data worker does not know the request {message.kind!r}")
         task, most = self._task(int(h["job_id"]), str(h["mode"])), max(1, int(h.get("max", 1)))
+        task.last_request = time.monotonic()
         reply = _reply(task, most, final=False)
         if reply is not None:
             return reply
@@ -189,6 +199,12 @@ class DataWorker:
 
     def _tick(self) -> None:
         now, waiting = time.monotonic(), []
+        for job_id, task in list(self.tasks.items()):
+            if now - task.last_request > self.idle_timeout:  # no trainer asks any more: stop, release its splits
+                log.info("data worker %s: job %s idle for %g s, stopping its task", self.address, job_id,
+                         self.idle_timeout)
+                task.stop_event.set()
+                del self.tasks[job_id]
         for deferred, task, most, deadline in self._pending:
             if deferred.identity is None:  # the handler has not returned it yet
                 waiting.append((deferred, task, most, deadline))
@@ -217,6 +233,13 @@ def _reply(task: _Task, most: int, *, final: bool) -> tuple[str, dict, list] | N
     if task.finished:
         return "end", {"error": task.error}, []
     return ("none", {}, []) if final else None
+
+
+def _release(client: Client, request: dict[str, Any]) -> None:
+    try:
+        _ask(client, "release_splits", request)
+    except DataServiceError as e:  # the dispatcher gives them back anyway once this worker falls silent
+        log.warning("could not give job %s's splits back: %s", request["job_id"], e)
 
 
 def _ask(client: Client, kind: str, header: dict[str, Any]) -> dict[str, Any]:
