@@ -6,10 +6,11 @@
 
 Every message is a :mod:`conveyor.comm.framing` message over :mod:`conveyor.comm.transport` (signed with the
 job secret, no pickle). The dispatcher's task name is ``data-dispatcher``, every worker's ``data-worker``.
-Requests to the dispatcher: ``register_worker``, ``heartbeat``, ``get_split``, ``get_or_create_job``,
-``get_workers``; to a worker: ``get_elements`` (answered with ``elements``, ``none`` or ``end``) and
-``stats``. Processing modes are tf.data's: ``parallel_epochs`` (each worker runs the whole pipeline) and
-``distributed_epoch`` (the dispatcher hands the source files out one at a time).
+Requests to the dispatcher: ``register_worker``, ``heartbeat``, ``get_split``, ``split_done``,
+``release_splits``, ``get_or_create_job``, ``get_workers``; to a worker: ``get_elements`` (answered with
+``elements``, ``none`` or ``end``) and ``stats``. Processing modes are tf.data's: ``parallel_epochs``
+(each worker runs the whole pipeline) and ``distributed_epoch`` (the dispatcher hands the files out one
+at a time).
 """
 
 from __future__ import annotations
