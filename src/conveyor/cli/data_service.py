@@ -2,6 +2,7 @@
 
     conveyor data serve --port 5050 --secret-file job.secret
     conveyor data worker --dispatcher 10.0.0.5:5050 --port 6000 --pipeline myjob.input:train --secret-file job.secret
+    conveyor data status --dispatcher 10.0.0.5:5050 --secret-file job.secret      # workers and jobs, as JSON
 
 Only argument parsing; the roles are `conveyor.data.service.dispatcher` and `.worker`. Both run until
 interrupted (Ctrl-C, SIGTERM).
@@ -10,6 +11,7 @@ interrupted (Ctrl-C, SIGTERM).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -19,8 +21,9 @@ import threading
 
 from conveyor.cli import CommandError
 from conveyor.cluster.variables import JOB_SECRET_FILE_VAR
+from conveyor.comm.transport import Client, TransportError
 from conveyor.data.service.dispatcher import Dispatcher
-from conveyor.data.service.protocol import DataServiceError, read_secret_file
+from conveyor.data.service.protocol import DISPATCHER, DataServiceError, read_secret_file
 from conveyor.data.service.worker import DataWorker
 
 
@@ -48,6 +51,12 @@ def add_parsers(actions: argparse._SubParsersAction) -> None:
     p.add_argument("--buffer", type=int, default=16, help="elements produced ahead per job (default 16)")
     _secret_argument(p)
     p.set_defaults(action_run=run_worker)
+    p = actions.add_parser("status", help="show the data service's workers and jobs (JSON)",
+                           description="Ask the dispatcher for its workers (address, pipeline, seconds since last "
+                           "heard) and jobs (splits done, in progress, waiting); print them as JSON.")
+    p.add_argument("--dispatcher", required=True, metavar="HOST:PORT")
+    _secret_argument(p)
+    p.set_defaults(action_run=run_status)
 
 
 def _secret_argument(p: argparse.ArgumentParser) -> None:
@@ -108,4 +117,13 @@ def run_worker(args: argparse.Namespace) -> int:
         _until_stopped()
     finally:
         worker.close()
+    return 0
+
+
+def run_status(args: argparse.Namespace) -> int:
+    with Client(args.dispatcher, _secret(args), name=DISPATCHER, timeout=10.0, sender="data-status") as client:
+        try:
+            print(json.dumps(client.request("stats").header, indent=2))
+        except TransportError as e:
+            raise CommandError(f"{e} (is `conveyor data serve` running there, with the same secret file?)") from None
     return 0

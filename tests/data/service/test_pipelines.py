@@ -3,6 +3,7 @@ element frames and the dispatcher's job bookkeeping."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
@@ -89,6 +90,10 @@ def test_dispatcher_hands_each_split_once_and_gives_a_silent_workers_back():
         assert d._get_split({"worker_id": w2, "job_id": job}) == {"split": 0, "file": "x"}
         d._split_done({"job_id": job, "split": 0})
         assert d._get_split({"worker_id": w2, "job_id": job}) == {"split": None}
+        stats = d._stats({})
+        assert stats["jobs"][str(job)] == {"name": "j", "mode": "distributed_epoch", "splits": 2, "done": 2,
+                                           "in_progress": 0, "waiting": 0}
+        assert [(w["address"], w["alive"]) for w in stats["workers"]] == [("a:1", False), ("b:1", True)]
         with pytest.raises(DataServiceError, match="cannot resume job j"):
             d._job({"mode": "distributed_epoch", "job_name": "j", "fingerprint": fp, "files": ["x", "y"],
                     "resume": [5]})
@@ -130,4 +135,17 @@ def test_a_worker_stops_an_abandoned_task_and_gives_its_splits_back(record_dir, 
         assert not worker.tasks and not job.handed and len(job.pending) == FILES - len(job.done)
     finally:
         worker.close()
+        dispatcher.close()
+
+
+def test_status_command_prints_the_dispatchers_workers_and_jobs(tmp_path, capsys):
+    secret_file = tmp_path / "job.secret"
+    secret_file.write_text("cd" * 32)
+    secret_file.chmod(0o600)
+    dispatcher = Dispatcher(f"127.0.0.1:{free_port()}", b"\xcd" * 32).start()
+    try:
+        assert main(["data", "status", "--dispatcher", dispatcher.server.address, "--secret-file",
+                     str(secret_file)]) == 0
+        assert json.loads(capsys.readouterr().out) == {"workers": [], "jobs": {}}
+    finally:
         dispatcher.close()

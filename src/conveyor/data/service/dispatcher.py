@@ -67,7 +67,7 @@ class Dispatcher:
         self._reference: tuple[str, Any, list[str] | None] | None = None  # (who, fingerprint, files)
         self._handlers = {"register_worker": self._register, "heartbeat": self._heartbeat,
                           "get_split": self._get_split, "split_done": self._split_done, "release_splits": self._release,
-                          "get_or_create_job": self._job, "get_workers": self._list}
+                          "get_or_create_job": self._job, "get_workers": self._list, "stats": self._stats}
         self.server = Server(bind_address, secret, self._handle, name=DISPATCHER, max_frame_bytes=16 << 20)
 
     def start(self) -> Dispatcher:
@@ -185,6 +185,14 @@ class Dispatcher:
             self._by_name[key] = job.job_id
         return {"job_id": job.job_id}
 
+    def _stats(self, h: dict[str, Any]) -> dict[str, Any]:
+        """What `conveyor data status` shows: each worker and when it was last heard, each job's splits."""
+        now = time.monotonic()
+        return {"workers": [{"id": w.worker_id, "address": w.address, "pipeline": w.pipeline,
+                             "silent_s": round(now - w.last_seen, 1), "alive": now - w.last_seen < self.worker_timeout}
+                            for w in self.workers.values()],
+                "jobs": {str(j.job_id): _job_stats(j) for j in self.jobs.values()}}
+
     def _list(self, h: dict[str, Any]) -> dict[str, Any]:
         self._job_of(h)
         now = time.monotonic()
@@ -211,3 +219,8 @@ def _give_back(job: _Job, workers: set[int]) -> None:
         job.pending.appendleft(split)
     if lost:
         log.warning("job %s: splits %s of worker(s) %s go to other workers", job.name, lost, sorted(workers))
+
+
+def _job_stats(job: _Job) -> dict[str, Any]:
+    return {"name": job.name, "mode": job.mode, "splits": len(job.files or ()), "done": len(job.done),
+            "in_progress": len(job.handed), "waiting": len(job.pending)}
