@@ -4,20 +4,23 @@ element frames and the dispatcher's job bookkeeping."""
 from __future__ import annotations
 
 import json
+import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from svc_pipelines import FILES, free_port
 
 from conveyor.cli.main import main
+from conveyor.comm.transport import Deferred
 from conveyor.data import Dataset, TFRecordDataset
 from conveyor.data.service import DataServiceError, PipelineMismatchError, Service
 from conveyor.data.service.dispatcher import Dispatcher
 from conveyor.data.service.pipelines import fingerprint, first_difference, load_pipeline, with_split_source
 from conveyor.data.service.protocol import check_mode, element_frames, elements_from_frames, resolve_service
 from conveyor.data.service.splits import split_files
-from conveyor.data.service.worker import DataWorker
+from conveyor.data.service.worker import DataWorker, _Task
 
 
 def test_first_difference_names_the_op_and_argument():
@@ -149,3 +152,28 @@ def test_status_command_prints_the_dispatchers_workers_and_jobs(tmp_path, capsys
         assert json.loads(capsys.readouterr().out) == {"workers": [], "jobs": {}}
     finally:
         dispatcher.close()
+
+
+def test_a_worker_answers_a_tasks_requests_in_the_order_they_came():
+    """A later request must not take elements while an earlier one waits: the trainer reads replies in
+    request order, so the split's elements would arrive out of order (and a skipped one be lost)."""
+    worker = DataWorker("127.0.0.1:1", "svc_pipelines:endless", b"s" * 32, bind=f"127.0.0.1:{free_port()}")
+    try:
+        release = threading.Event()
+
+        def items():
+            release.wait(10)
+            yield from ((0, k, k) for k in range(4))
+
+        task = worker.tasks[7] = _Task(items(), 8, threading.Event())
+        request = SimpleNamespace(kind="get_elements", header={"job_id": 7, "mode": "distributed_epoch", "max": 2})
+        first = worker._handle(request)
+        assert isinstance(first, Deferred)  # nothing produced yet: it waits
+        release.set()
+        deadline = time.monotonic() + 10
+        while task.queue.qsize() < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert isinstance(worker._handle(request), Deferred)  # elements are ready, but the first request is owed them
+        task.stop()
+    finally:
+        worker.close()

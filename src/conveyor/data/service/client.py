@@ -130,9 +130,13 @@ class ServiceIter(Iter):
                 split, k, element = item[1:]
                 if split is None:
                     return element
-                if k == self._received.get(split, 0):  # else a split given again: this one was returned already
+                expected = self._received.get(split, 0)
+                if k == expected:  # k < expected: a split given again, and this element was returned already
                     self._received[split] = k + 1
                     return element
+                if k > expected:  # an element skipped: returning this one would lose that one
+                    raise DataServiceError(f"element {k} of split {split} arrived before element {expected}: the "
+                                           f"data workers run another conveyor version than this trainer?")
             elif item[0] is _SPLIT_END:
                 self._acknowledge(item[1], item[2])
             else:

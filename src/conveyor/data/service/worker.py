@@ -190,7 +190,8 @@ class DataWorker:
             raise DataServiceError(f"a data worker does not know the request {message.kind!r}")
         task, most = self._task(int(h["job_id"]), str(h["mode"])), max(1, int(h.get("max", 1)))
         task.last_request = time.monotonic()
-        reply = _reply(task, most, final=False)
+        # Requests are answered in the order they came, so a split's elements reach the trainer in order.
+        reply = None if any(t is task for _, t, _, _ in self._pending) else _reply(task, most, final=False)
         if reply is not None:
             return reply
         deferred = Deferred()
@@ -205,13 +206,14 @@ class DataWorker:
                          self.idle_timeout)
                 task.stop_event.set()
                 del self.tasks[job_id]
+        blocked: set[int] = set()  # tasks with an earlier request still waiting: later ones wait behind it
         for deferred, task, most, deadline in self._pending:
-            if deferred.identity is None:  # the handler has not returned it yet
-                waiting.append((deferred, task, most, deadline))
-                continue
-            reply = _reply(task, most, final=now >= deadline)
+            reply = None
+            if deferred.identity is not None and id(task) not in blocked:  # None: its handler has not returned
+                reply = _reply(task, most, final=now >= deadline)
             if reply is None:
                 waiting.append((deferred, task, most, deadline))
+                blocked.add(id(task))
             else:
                 self.server.reply(deferred, reply)
         self._pending = waiting
