@@ -30,6 +30,11 @@ def records() -> Dataset:
     return TFRecordDataset(_files()).map(record_id).batch(4)
 
 
+def shuffled_records() -> Dataset:
+    """Records shuffled without a seed: the order depends on the root seed."""
+    return TFRecordDataset(_files()).shuffle(10).map(record_id).batch(4)
+
+
 def records_batch8() -> Dataset:
     """The same records in batches of 8: a different pipeline."""
     return TFRecordDataset(_files()).map(record_id).batch(8)

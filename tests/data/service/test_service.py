@@ -120,17 +120,17 @@ def test_worker_killed_mid_epoch_loses_and_repeats_nothing(roles, pipelines):
 
 def test_resumed_trainer_continues_the_epoch_where_its_checkpoint_was(roles, pipelines):
     """The iterator's state is the service position: elements taken after the checkpoint (lost with the
-    crashed trainer) come again, the ones before it never do."""
+    crashed trainer) come again, the ones before it never do; a file read again is shuffled alike."""
     roles.serve()
-    roles.worker()
-    roles.worker()
+    roles.worker("svc_pipelines:shuffled_records")
+    roles.worker("svc_pipelines:shuffled_records")
     options = {"processing_mode": "distributed_epoch", "job_name": "train", "per_request": 1}
-    it = iter(pipelines.records().distribute(roles.service, **options))
+    it = iter(pipelines.shuffled_records().distribute(roles.service, **options))
     before = [next(it) for _ in range(5)]
     state = json.loads(json.dumps(it.state_dict()))
     lost = [next(it) for _ in range(3)]
     it.close()
-    resumed = iter(pipelines.records().distribute(roles.service, **options))
+    resumed = iter(pipelines.shuffled_records().distribute(roles.service, **options))  # another root seed
     resumed.load_state_dict(state)
     after = list(resumed)
     assert len(lost) == 3

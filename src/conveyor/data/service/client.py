@@ -74,6 +74,7 @@ class ServiceIter(Iter):
         super().__init__(node.name, ctx)
         self.node = node
         self._iteration = ctx.iteration  # the n-th iter() of the dataset: trainers share the job of their n-th
+        self._seed = ctx.root_seed  # seeds the workers' per-split pipelines: a state loaded later restores it
         self._queue: queue.Queue = queue.Queue(maxsize=node.buffer)
         self._stop = threading.Event()
         self._fetchers: dict[int, threading.Thread] = {}
@@ -181,7 +182,7 @@ class ServiceIter(Iter):
         outcome, error = "end", None
         client = Client(address, self.node.service.secret, name=WORKER, timeout=self.node.worker_timeout,
                         sender="data-trainer")
-        header = {"job_id": self._job_id, "mode": self.node.mode, "max": self.node.per_request}
+        header = {"job_id": self._job_id, "mode": self.node.mode, "max": self.node.per_request, "seed": self._seed}
         try:
             in_flight = [client.send("get_elements", header) for _ in range(self.node.max_outstanding)]
             while in_flight and not self._stop.is_set():

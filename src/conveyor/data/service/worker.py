@@ -7,7 +7,7 @@ Registration sends the pipeline's fingerprint and file list; the dispatcher refu
 worker raises :class:`PipelineMismatchError` and stops). A job's task starts when a trainer first asks for
 its elements: a thread runs the pipeline into a queue of at most ``buffer`` elements, so a slow trainer
 stops the producer instead of growing memory. ``parallel_epochs``: the whole pipeline. ``distributed_epoch``:
-the pipeline once per file the dispatcher hands out, seeded by job and file, so that a file given again
+the pipeline once per file the dispatcher hands out, seeded by the trainer and the file, so that a file given again
 yields the same elements; each element is tagged ``(split, index)`` and a split's end is sent as such.
 ``get_elements`` takes up to ``max``; with none ready it is answered within ``wait`` seconds (``none``: ask
 again). ``end`` says the task is done (or failed: its header then carries the error). A task no trainer
@@ -99,9 +99,9 @@ def _whole(dataset: Dataset) -> Iterator[tuple[Any, int, Any]]:
 
 
 def _by_split(dataset: Dataset, splits: Iterator[tuple[int, str]], seed: int) -> Iterator[tuple[Any, int, Any]]:
-    """The pipeline once per split, over that one file, with a seed fixed by the job and the split: a split
-    given again (its first worker died) yields the same elements in the same order, so the trainer can
-    drop the ones it already has."""
+    """The pipeline once per split, over that one file, with a seed fixed by the trainer's root seed and the
+    split: a split given again (its first worker died, or the trainer resumed) yields the same elements in
+    the same order, so the trainer can drop the ones it already has."""
     for split, name in splits:
         files = iter([name])
         one = with_split_source(dataset, lambda files=files: next(files, None))
@@ -152,12 +152,12 @@ class DataWorker:
                 except DataServiceError as e:
                     log.warning("data worker %s: heartbeat failed: %s", self.address, e)
 
-    def _task(self, job_id: int, mode: str) -> _Task:
+    def _task(self, job_id: int, mode: str, seed: int) -> _Task:
         task = self.tasks.get(job_id)
         if task is None:
             stop = threading.Event()
             if check_mode(mode) == "distributed_epoch":
-                items = _by_split(self.dataset, self._splits(job_id, stop), job_id)
+                items = _by_split(self.dataset, self._splits(job_id, stop), seed)
             else:
                 items = _whole(self.dataset)
             task = _Task(items, self.buffer, stop)
@@ -188,7 +188,8 @@ class DataWorker:
                           for j, t in self.tasks.items()}, []
         if message.kind != "get_elements":
             raise DataServiceError(f"a data worker does not know the request {message.kind!r}")
-        task, most = self._task(int(h["job_id"]), str(h["mode"])), max(1, int(h.get("max", 1)))
+        task = self._task(int(h["job_id"]), str(h["mode"]), int(h.get("seed", 0)))
+        most = max(1, int(h.get("max", 1)))
         task.last_request = time.monotonic()
         # Requests are answered in the order they came, so a split's elements reach the trainer in order.
         reply = None if any(t is task for _, t, _, _ in self._pending) else _reply(task, most, final=False)
