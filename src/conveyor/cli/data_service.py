@@ -31,8 +31,7 @@ def add_parsers(actions: argparse._SubParsersAction) -> None:
     p = actions.add_parser("serve", help="run the data service's dispatcher",
                            description="Register data workers (refusing a different pipeline), create jobs for "
                            "trainers and hand out file splits; runs until interrupted.")
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default all)")
-    p.add_argument("--port", type=int, required=True)
+    _listen_arguments(p)
     p.add_argument("--worker-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="a worker silent this long is dead: its unacknowledged splits go to others (default 10)")
     _secret_argument(p)
@@ -43,8 +42,7 @@ def add_parsers(actions: argparse._SubParsersAction) -> None:
     p.add_argument("--dispatcher", required=True, metavar="HOST:PORT")
     p.add_argument("--pipeline", required=True, metavar="MODULE:FUNCTION",
                    help="a function without arguments returning a conveyor.data.Dataset (imported, not shipped)")
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default all)")
-    p.add_argument("--port", type=int, required=True)
+    _listen_arguments(p)
     p.add_argument("--advertise", default=None, metavar="HOST:PORT",
                    help="the address trainers connect to (default HOST:PORT, with this machine's host name "
                    "for an address that listens on all)")
@@ -57,6 +55,11 @@ def add_parsers(actions: argparse._SubParsersAction) -> None:
     p.add_argument("--dispatcher", required=True, metavar="HOST:PORT")
     _secret_argument(p)
     p.set_defaults(action_run=run_status)
+
+
+def _listen_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default all)")
+    p.add_argument("--port", type=int, required=True)
 
 
 def _secret_argument(p: argparse.ArgumentParser) -> None:
@@ -79,7 +82,9 @@ def _log_as(role: str) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
 
 
-def _until_stopped() -> None:
+def _run_until_stopped(role: Dispatcher | DataWorker, started: str) -> int:
+    """Say the role started (the line tests and scripts wait for), then run until SIGTERM or Ctrl-C."""
+    print(f"[conveyor] {started}", file=sys.stderr, flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
@@ -87,17 +92,15 @@ def _until_stopped() -> None:
             pass
     except KeyboardInterrupt:
         pass
+    finally:
+        role.close()
+    return 0
 
 
 def run_serve(args: argparse.Namespace) -> int:
     _log_as("data-dispatcher")
     dispatcher = Dispatcher(f"{args.host}:{args.port}", _secret(args), worker_timeout=args.worker_timeout).start()
-    print(f"[conveyor] data service dispatcher listening on {args.host}:{args.port}", file=sys.stderr, flush=True)
-    try:
-        _until_stopped()
-    finally:
-        dispatcher.close()
-    return 0
+    return _run_until_stopped(dispatcher, f"data service dispatcher listening on {args.host}:{args.port}")
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -111,13 +114,8 @@ def run_worker(args: argparse.Namespace) -> int:
                             advertise=advertise, buffer=args.buffer).start()
     except DataServiceError as e:
         raise CommandError(str(e)) from None
-    print(f"[conveyor] data worker {args.pipeline} serving on {worker.address}, registered with {args.dispatcher}",
-          file=sys.stderr, flush=True)
-    try:
-        _until_stopped()
-    finally:
-        worker.close()
-    return 0
+    return _run_until_stopped(worker, f"data worker {args.pipeline} serving on {worker.address}, registered with "
+                                      f"{args.dispatcher}")
 
 
 def run_status(args: argparse.Namespace) -> int:
