@@ -229,7 +229,8 @@ def test_a_finished_job_run_again_changes_nothing(tmp_path, data):
                                                                  (out / "plots").rglob("*") if p.is_file())]
     before = {name: (out / name).read_bytes() for name in kept}
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert again.returncode == 0 and "this job already finished" in again.stderr, again.stderr[-3000:]
+    log = again.stdout + again.stderr
+    assert again.returncode == 0 and "this job already finished" in log and "test accuracy" in log, log[-3000:]
     assert {name: (out / name).read_bytes() for name in kept} == before
     (tmp_path / "cluster.json").write_text(json.dumps(CLUSTER))
     predict = subprocess.run([sys.executable, "-m", "conveyor.cli.main", "predict", str(out), "--cluster",
