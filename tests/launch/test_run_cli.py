@@ -347,3 +347,36 @@ def test_logs_follow_the_umask(tmp_path):
         code, _, err = finish(proc, tmp_path)
         assert code == 0, err
         assert (out_dir / "logs" / "worker-0.log").stat().st_mode & 0o777 == mode
+
+
+@pytest.mark.multiprocess
+def test_a_second_job_on_the_same_output_dir_is_refused_until_the_first_is_killed(tmp_path):
+    """Issue 22, defect 4: the output folder's lock, held by the launcher, refused at once, freed by a kill -9."""
+    shared = tmp_path / "out"
+    first_dir, second_dir = tmp_path / "first", tmp_path / "second"
+    for folder in (first_dir, second_dir):
+        folder.mkdir()
+        write_script(folder, """
+            with open(os.path.join(os.environ["MARK_DIR"], "pids"), "a") as f:
+                f.write(f"{os.getpid()}\\n")
+            time.sleep(float(sys.argv[1]))
+        """)
+    first = launcher(first_dir, "-n", "1", "--output-dir", str(shared), "task.py", "60")
+    try:
+        wait_for_lines(first_dir / "pids", 1)
+        started = time.monotonic()
+        code, _, err = finish(launcher(second_dir, "-n", "1", "--output-dir", str(shared), "task.py", "0"),
+                              second_dir)
+        assert code == 1 and time.monotonic() - started < 20, err
+        assert f"output folder {shared} is in use by another job: pid {first.pid} on host " in err
+        assert "another --output-dir" in err and not (second_dir / "pids").exists()  # nothing of it started
+        first.kill()  # kill -9: no handler runs, the kernel releases the lock
+        first.wait(timeout=10)
+        code, _, err = finish(launcher(second_dir, "-n", "1", "--output-dir", str(shared), "task.py", "0"),
+                              second_dir)
+        assert code == 0, err
+        assert wait_for_lines(second_dir / "pids", 1)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()

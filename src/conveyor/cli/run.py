@@ -23,6 +23,7 @@ import sys
 from collections.abc import Mapping
 
 from conveyor.cli import Command, CommandError
+from conveyor.cluster.output_lock import HELD_VAR, OutputDirBusyError, OutputLock
 from conveyor.cluster.settings import add_arguments as add_settings
 from conveyor.cluster.settings import agreed_flags
 from conveyor.cluster.settings import given as given_settings
@@ -151,11 +152,27 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not os.path.isfile(options.script):
         raise CommandError(f"{options.script}: no such file (the script every task runs)")
-    if args.nnodes == 1:
-        ports = free_ports(options.tasks_per_node + 1)  # one per task, one for torch's store (MASTER_PORT)
-        plan = local_plan(options, ports[:-1], master_port=ports[-1], secret=secret, environ=environ)
-        return _report(_supervisor(plan, options).run())
-    return _run_node(args, options, environ, secret)
+    lock = _lock_output(options.output_dir, environ) if args.nnodes == 1 or args.node_rank == 0 else None
+    try:
+        if args.nnodes == 1:
+            ports = free_ports(options.tasks_per_node + 1)  # one per task, one for torch's store (MASTER_PORT)
+            plan = local_plan(options, ports[:-1], master_port=ports[-1], secret=secret, environ=environ)
+            return _report(_supervisor(plan, options).run())
+        return _run_node(args, options, environ, secret)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _lock_output(output_dir: str, environ: dict[str, str]) -> OutputLock:
+    """The output folder's lock, held by this launcher for the whole job (node 0's, where several nodes share
+    the folder); its tasks are told, so that rank 0's `conveyor.init()` does not take it again."""
+    try:
+        lock = OutputLock.acquire(output_dir)
+    except OutputDirBusyError as e:
+        raise CommandError(str(e), exit_code=1) from None
+    environ[HELD_VAR] = str(lock.path)
+    return lock
 
 
 def _supervisor(plan, options: RunOptions, peers=None) -> Supervisor:

@@ -20,6 +20,7 @@ plots and `summary.json`, the same way under every strategy. What it does when:
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import time
 import warnings
@@ -34,6 +35,7 @@ from conveyor.comm.process_group import collective_guard
 from conveyor.data.torch_adapter import to_torch
 from conveyor.train.checkpoint import CheckpointManager, CheckpointPolicy, Item, Stateful, StepWrite, commit
 from conveyor.train.evaluation import Evaluator, accuracy, batch_size, evaluate, split_batch
+from conveyor.train.nonfinite import NonfiniteGuard, check_policy, params_finite
 from conveyor.train.position import DataPosition, TrainerPosition
 from conveyor.train.profiler import StepProfiler, StepTimes
 from conveyor.train.reporting import Reporter
@@ -57,6 +59,8 @@ class TrainConfig:
     keep_checkpoints: how many checkpoints to keep (None: all).
     log_every_steps: one metrics record per N steps.
     progress: True (a bar on a terminal, plain lines otherwise), "always" (a bar), False.
+    nonfinite: what a NaN or infinite loss does: "stop" (the default; `NonfiniteError` naming the step and
+        the worker) or "skip" (that worker's batch is dropped); `conveyor.train.nonfinite`.
     """
 
     epochs: int | None = None
@@ -68,6 +72,7 @@ class TrainConfig:
     keep_checkpoints: int | None = 3
     log_every_steps: int = 10
     progress: bool | str = True
+    nonfinite: str = "stop"
 
     def __post_init__(self) -> None:
         for name in ("epochs", "max_steps", "steps_per_epoch", "eval_every_steps", "checkpoint_every_steps",
@@ -79,6 +84,7 @@ class TrainConfig:
             raise ValueError(f"checkpoint_every_seconds must be a positive number or None, got {s!r}")
         if self.progress not in (True, False, "always"):
             raise ValueError(f"progress must be True, False or 'always', got {self.progress!r}")
+        check_policy(self.nonfinite, "")
 
     @property
     def total_epochs(self) -> int | None:
@@ -141,6 +147,7 @@ class Trainer:
         self.scheduler = scheduler
         self.module = _unwrap(model)
         job.strategy.check_prepared(model)
+        check_policy(self.config.nonfinite, job.strategy.name)
         self.checkpoints = CheckpointManager(Path(job.output_dir) / "checkpoints", keep=self.config.keep_checkpoints)
         self.step = 0
         self.epoch = 0
@@ -157,8 +164,9 @@ class Trainer:
             # A dead or silent peer surfaces as PeerError naming it, also from inside DDP's backward.
             with collective_guard(self.job, "the training loop"):
                 run.start()
-                run.train()
-                run.finish()
+                if not run.finished_before:
+                    run.train()
+                    run.finish()
         finally:
             run.close()
         return run.summary
@@ -214,6 +222,9 @@ class _Run:
         if trainer.scheduler is not None:
             self.items["scheduler"] = Stateful(trainer.scheduler)
         self.checkpointer = _Checkpointer(self)
+        self.guard = NonfiniteGuard(self.cfg.nonfinite, self.job, trainer.module)
+        self.loss_fn = self.guard.wrap(trainer.loss_fn)
+        self.finished_before = False  # resumed from a run that did every step asked: fit() changes nothing
         self.reporter: Reporter | None = None
         self.resumed_from: int | None = None
         self.summary: dict[str, Any] = {}
@@ -225,10 +236,9 @@ class _Run:
         t.step = resumed.step if resumed else 0
         self.resumed_from = self.checkpointer.last_saved = resumed.step if resumed else None
         self.batches.start(resumed is not None, self.position)
-        if resumed is not None and self.job.is_chief and self._already_done():
-            print(f"this job already finished: it trained {t.step} steps over {t.epoch} epoch(s), so there is "
-                  f"nothing left to do. To train again from scratch, run it with --no-resume (CONVEYOR_RESUME=0) or "
-                  f"another --output-dir; to train longer, raise epochs / max_steps.", file=sys.stderr, flush=True)
+        if resumed is not None and self._already_done():
+            self._finished_before()
+            return
         self.reporter = Reporter.open(self.job, self.out, progress=self.cfg.progress, total=self._known_total(),
                                       initial=t.step, resumed_from=self.resumed_from)
         self.prof.start()
@@ -248,8 +258,9 @@ class _Run:
             self.prof.mark("input_wait")
             inputs, targets = split_batch(batch)
             comm_before = self.strategy.comm_seconds()
-            loss = self.strategy.train_step(t.model, t.optimizer, t.loss_fn, inputs, targets, self.prof.mark)
+            loss = self.strategy.train_step(t.model, t.optimizer, self.loss_fn, inputs, targets, self.prof.mark)
             t.step += 1
+            self.guard.after_step(t.step, loss)
             if t.scheduler is not None:
                 t.scheduler.step()
             samples = self.strategy.counted_samples(batch_size(targets))
@@ -272,6 +283,18 @@ class _Run:
                                  epochs=self.t.epoch, eval_result=self.evaluator.result,
                                  resumed_from=self.resumed_from, checkpoints=self.t.checkpoints.root,
                                  module=self.t.module)
+
+    def _finished_before(self) -> None:
+        """The run resumed from did every step asked (every rank sees it alike): nothing is trained, and no
+        output (summary, traces, metrics, plots) is rewritten; `fit()` returns the summary.json written then."""
+        t = self.t
+        self.finished_before = True
+        self.summary = {"steps": t.step, "epochs": t.epoch, **read_previous_summary(self.out), "steps_this_run": 0}
+        if self.job.is_chief:
+            print(f"this job already finished: it trained {t.step} steps over {t.epoch} epoch(s), so there is "
+                  f"nothing left to do and its outputs in {self.out} are left as they are. To train again from "
+                  f"scratch, run it with --no-resume (CONVEYOR_RESUME=0) or another --output-dir; to train longer, "
+                  f"raise epochs / max_steps.", file=sys.stderr, flush=True)
 
     def _run_info(self) -> dict[str, Any]:
         """What the checkpoint records of this run besides the workers' positions."""
@@ -431,6 +454,8 @@ class _Checkpointer:
                 out = StepWrite(step, is_chief=bool(self.job.is_chief), root=self.t.checkpoints.root, final=final)
                 for name, item in self.run.items.items():
                     item.save(name, out)
+                if out.is_chief:  # rotation never deletes the newest finite step (conveyor.train.nonfinite)
+                    out.extra["finite"] = params_finite(self.t.module)
                 commit(self.t.checkpoints, out, timeout=float(self.job.timeout))
         self.last_saved = step
 
@@ -460,6 +485,15 @@ def _check_data_shard(train_data: Any, job: Any) -> None:
                          f"strategy {job.strategy.name!r} the data has {shards} shard(s): every stage of a replica "
                          f"must read the same batches. Shard with ds.shard(*job.data_shard), which is right under "
                          f"every strategy")
+
+
+def read_previous_summary(out: Path) -> dict[str, Any]:
+    """`<out>/summary.json` as the finished run wrote it ({} when it is missing or unreadable)."""
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return summary if isinstance(summary, dict) else {}
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
