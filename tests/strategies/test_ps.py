@@ -201,7 +201,7 @@ def task_main(scenario: str, out: Path) -> None:
     stats = job.strategy.stats()
     state = optimizer.state_dict()
     result = {"ok": True, "params": flat(model), "losses": losses, "first": first, "last": last, "stats": stats,
-              "comm": job.strategy.comm_seconds(), "state_servers": len(state["servers"])}
+              "comm": job.strategy.step.comm_seconds(), "state_servers": len(state["servers"])}
     (out / f"rank{job.rank}.json").write_text(json.dumps(result))
     job.shutdown()
 

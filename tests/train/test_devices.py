@@ -90,6 +90,6 @@ def test_pipeline_stages_on_shared_gpus_are_refused_at_setup():
 
     from conveyor.strategies.pipeline.strategy import PipelineStrategy
 
-    job = SimpleNamespace(world_size=2, rank=0, timeout=5.0, device=torch.device("cuda", 0), backend="gloo")
+    job = SimpleNamespace(world_size=2, rank=0, timeout=5.0, device=torch.device("cuda", 0), backend="gloo", environ={})
     with pytest.raises(ValueError, match="one stage per GPU"):
         PipelineStrategy(stages=2).setup(job)

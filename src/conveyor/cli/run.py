@@ -139,7 +139,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="cut the model (an nn.Sequential) into S stages balanced by parameter bytes; -n N with N a "
                            "multiple of S runs N/S pipeline replicas")
     pipe.add_argument("--microbatches", type=int, default=None, metavar="M",
-                      help="microbatches per batch (default 2*S); the batch size must be a multiple of M")
+                      help="microbatches per batch (default 2*S, or the largest count below it that divides the "
+                           "batch); the batch size must be a multiple of M")
     pipe.add_argument("--schedule", default=None, metavar="NAME", help="1f1b (default) or gpipe")
     pipe.add_argument("--split", default=None, metavar="NAME,NAME", help=SPLIT_HELP)
     nodes = parser.add_argument_group("several machines")

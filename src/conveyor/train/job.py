@@ -98,7 +98,7 @@ def init(strategy: str | None = None, *, timeout: float | None = None, share_gpu
     backend = "nccl" if device.type == "cuda" and not share else "gloo"
     owns_group = found.world_size > 1 and _join_group(found, backend, seconds, env)
     job = Job(found, chosen, timeout=seconds, device=device, backend=backend, data_dir=data_dir,
-              output_dir=output_dir, restart_count=restart_count, resume=resume, owns_group=owns_group)
+              output_dir=output_dir, restart_count=restart_count, resume=resume, owns_group=owns_group, environ=env)
     try:
         chosen.setup(job)
     except BaseException:
@@ -114,12 +114,13 @@ class Job:
     ``task_index``, ``cluster`` (``ClusterSpec`` or ``None``), ``strategy``, ``device``, ``data_dir``,
     ``output_dir``, ``restart_count``, ``resume``, ``timeout`` (seconds), ``backend``, ``data_shard``, ``source`` (which
     launcher's variables described this process), ``secret`` (the job's message-signing key, or ``None``;
-    kept out of ``repr``).
+    kept out of ``repr``), ``environ`` (the variables ``init`` read: its ``environ`` argument, else the
+    process's; strategies take their settings from it, never from ``os.environ``).
     """
 
     def __init__(self, found: Discovered, strategy: Strategy, *, timeout: float, device: torch.device,
                  backend: str, data_dir: Path, output_dir: Path, restart_count: int, resume: bool,
-                 owns_group: bool) -> None:
+                 owns_group: bool, environ: Mapping[str, str] | None = None) -> None:
         self.rank: int = found.rank if found.rank is not None else 0
         self.world_size = found.world_size
         self.local_rank = found.local_rank
@@ -138,6 +139,7 @@ class Job:
         self.resume = resume
         self.timeout = timeout
         self.secret = found.secret  # signs parameter-server messages (never printed: not in repr)
+        self.environ: Mapping[str, str] = os.environ if environ is None else environ
         self._owns_group = owns_group
         self._closed = False
         # nccl moves only CUDA tensors; gloo only CPU ones here. Byte collectives build their tensors there.
@@ -153,9 +155,7 @@ class Job:
         data-parallel strategies, which hold the whole model), so one script runs under all of them.
         """
         self._check_open("prepare")
-        if split is not None and self.strategy.name == "pipeline":
-            return self.strategy.prepare(model, optimizer, split=split)
-        return self.strategy.prepare(model, optimizer)
+        return self.strategy.prepare(model, optimizer, split=split)
 
     @property
     def data_shard(self) -> tuple[int, int]:
@@ -171,7 +171,7 @@ class Job:
         schedule over microbatches); returns the detached batch-mean loss. For plain loops that should
         run under every strategy, pipeline included."""
         self._check_open("train_step")
-        return self.strategy.train_step(model, optimizer, loss_fn, inputs, targets, lambda phase: None)
+        return self.strategy.step.train(model, optimizer, loss_fn, inputs, targets, lambda phase: None)
 
     # -- collectives ------------------------------------------------------------------------------
 
