@@ -109,8 +109,8 @@ def workload_parts(config: dict[str, Any], amp_dtype: Any) -> tuple[Any, Callabl
         import case_study_input as inp
         example = inp.load_example()  # its ResNet sets its own autocast, which must not switch ours off
         return example.ResNet(3, 10, amp_dtype), example.example(training=True), config["batch"]
-    import pipeline
-    return resnet50(), pipeline.chexnet_fn, config["batch"]
+    import pipeline_workloads
+    return resnet50(), pipeline_workloads.chexnet_fn, config["batch"]
 
 
 class RecordShare(IterableDataset):
@@ -271,7 +271,7 @@ def measure_point(name: str, settings: dict[str, Any]) -> tuple[float, dict[str,
 def prepare(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """Each workload's files (made, or found cached, under args.data) and its shape."""
     import case_study_input as inp
-    import pipeline
+    import pipeline_workloads
     made: dict[str, dict[str, Any]] = {}
     if "cifar" in args.gpu_workloads:
         data = inp.prepare_data(args.data, args.train_images, args.shards)
@@ -279,8 +279,8 @@ def prepare(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         made["cifar"] = {"files": files, "batch": 128 if not args.quick else 32, "size": 32,
                          "model": "ResNet-20 (examples/cifar10/train.py)", "records": data["params"]["train_images"]}
     if "chexnet" in args.gpu_workloads:
-        wl = (pipeline.QUICK_WORKLOADS if args.quick else pipeline.WORKLOADS)["chexnet"]
-        files, _ = pipeline.generate_workload(wl, args.data)
+        wl = (pipeline_workloads.QUICK_WORKLOADS if args.quick else pipeline_workloads.WORKLOADS)["chexnet"]
+        files, _ = pipeline_workloads.generate_workload(wl, args.data)
         made["chexnet"] = {"files": files, "batch": 4 if args.quick else wl.batch_size, "size": wl.crop,
                            "model": "ResNet-50 (1,000 classes)", "records": wl.num_images}
     return made

@@ -56,7 +56,8 @@ from conveyor.data import AUTOTUNE, Dataset, TFRecordDataset  # noqa: E402
 from conveyor.data.cifar import convert_cifar  # noqa: E402
 from conveyor.data.records import TFRecordReader  # noqa: E402
 from conveyor.fileio import atomic_write  # noqa: E402
-from pipeline import CpuProbe, make_images  # noqa: E402
+from pipeline_contenders import CpuProbe  # noqa: E402
+from pipeline_workloads import make_images  # noqa: E402
 
 HERE = Path(__file__).resolve()
 EXAMPLE = HERE.parents[1] / "examples" / "cifar10" / "train.py"

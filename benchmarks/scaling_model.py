@@ -19,7 +19,7 @@ Mbit/s in turn; the cluster one one-core worker per node, its link a gloo all-re
 probed at each cap (bus bandwidth at 4 MiB, latency from 4 bytes). Before each round a matmul probe gives
 its ``compute_speed`` (2 processes at once vs 1 alone) and Linux PSI its CPU pressure. Measured = workers
 x batch / the chief's median step. Goal per 2-worker job: |predicted / measured - 1| <= 0.15, the median
-over quiet rounds (pressure <= 0.25; none: "not measured"). More: docs/architecture.md, "Scaling model".
+over quiet rounds (pressure <= 0.25; none: "not measured"). More: docs/scaling-model.md.
 Output: tables, PASS/FAIL lines, JSON (a ``hosts`` block with ``--hosts``) in
 ``<out>/scaling_model-<timestamp>.json`` and ``<out>/scaling_model-latest.json`` (default benchmarks/results/).
 """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -87,6 +88,33 @@ def test_mode_follows_the_umask(tmp_path, umask):
     assert oct(replaced.stat().st_mode & 0o777) == oct(0o666 & ~umask)
     assert oct(exact.stat().st_mode & 0o777) == oct(0o640)
 
+
+
+def _disk_full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as write/fsync raise it: no file named
+
+
+def test_a_full_disk_names_the_file_being_written(tmp_path, monkeypatch):
+    # "[Errno 28] No space left on device" alone: the user could not tell which file, nor which disk
+    if os.path.exists("/dev/full"):  # a real ENOSPC from the kernel, on flush
+        with pytest.raises(OSError, match=r"No space left on device: '/dev/full'") as e:
+            fileio.write_file("/dev/full", b"x", fsync=False)
+        assert e.value.errno == errno.ENOSPC and e.value.filename == "/dev/full"
+    monkeypatch.setattr(fileio.os, "fsync", _disk_full)
+    target = tmp_path / "summary.json"
+    with pytest.raises(OSError) as e:
+        atomic_write(target, b"{}")
+    assert e.value.errno == errno.ENOSPC and isinstance(e.value.filename, str)
+    assert Path(e.value.filename).parent == tmp_path and "summary.json" in e.value.filename
+    assert not target.exists() and _leftovers(tmp_path, "") == []
+    with pytest.raises(OSError, match=rf"No space left on device: '{tmp_path}'"):
+        fileio.sync_dir(tmp_path)
+
+
+def test_an_error_that_names_a_file_is_raised_as_it_is(tmp_path):
+    with pytest.raises(FileNotFoundError) as e:
+        fileio.write_file(tmp_path / "no" / "such", b"x")
+    assert e.value.filename == str(tmp_path / "no" / "such") and e.value.__cause__ is None
 
 def test_fileio_needs_only_the_standard_library():
     code = "import sys, conveyor.fileio; print(sorted({'torch', 'numpy'} & set(sys.modules)))"

@@ -27,7 +27,13 @@ __all__ = ["AddressInUseError", "ConveyorError", "PeerError", "RendezvousError",
 
 
 class ConveyorError(Exception):
-    """The base of conveyor's own errors; the message names what failed and the fix."""
+    """The base of conveyor's own errors; the message names what failed and the fix.
+
+    ``usage_error`` (a class attribute): True for a usage or configuration error, one that a restart of
+    the job meets again (the same flags, files and code); ``conveyor run`` does not retry those.
+    """
+
+    usage_error: bool = False
 
 
 class PeerError(ConveyorError, RuntimeError):

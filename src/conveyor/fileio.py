@@ -10,6 +10,7 @@ file beside `path` (same folder, so the same file system), which is flushed, fsy
 `path` (atomic on POSIX and Windows), and the folder is fsynced so the new name survives a power
 loss. If anything fails the temporary file is removed and `path` is untouched. The temporary name
 starts with `.tmp-`: hidden, and what `CheckpointManager.cleanup` recognises as a crashed writer's.
+Every OSError names a file, a full disk's too (`raise_naming`).
 
 Every file conveyor writes into an output folder gets the mode `umask_mode()` gives (like any Unix
 tool's output: a shared folder must be readable by other hosts and TensorBoard; `umask 077` makes it
@@ -26,9 +27,10 @@ import base64
 import os
 import secrets
 from pathlib import Path
+from typing import NoReturn
 
-__all__ = ["atomic_write", "bytes_from_json", "bytes_to_json", "format_bytes", "sync_dir", "umask_mode",
-           "write_file"]
+__all__ = ["atomic_write", "bytes_from_json", "bytes_to_json", "format_bytes", "raise_naming", "sync_dir",
+           "umask_mode", "write_file"]
 
 
 def umask_mode(base: int = 0o666) -> int:
@@ -49,19 +51,34 @@ def umask_mode(base: int = 0o666) -> int:
     return base & ~mask
 
 
+def raise_naming(error: OSError, path: str | os.PathLike[str]) -> NoReturn:
+    """Raise `error`, naming `path` if it names no file.
+
+    `write`, `flush`, `close` and `fsync` report a full disk (or a quota, or an I/O error) as a bare
+    "[Errno 28] No space left on device"; which file it was is what the user needs to act. Call it
+    in an `except OSError` around such calls.
+    """
+    if error.filename is not None or error.errno is None:
+        raise error
+    raise OSError(error.errno, error.strerror, os.fspath(path)) from error  # the subclass its errno maps to
+
+
 def write_file(path: str | os.PathLike[str], data: bytes, *, fsync: bool = True, mode: int | None = None) -> None:
     """Create or truncate `path` and write `data` to it (not atomic: for files inside a folder that is).
 
     `fsync` makes the bytes durable before returning. `mode` None follows the umask (0666 less it);
-    a number is set exactly.
+    a number is set exactly. An OSError names `path` (a full disk too).
     """
-    with open(path, "wb") as f:
-        if mode is not None:
-            os.chmod(path, mode)
-        f.write(data)
-        f.flush()
-        if fsync:
-            os.fsync(f.fileno())
+    try:
+        with open(path, "wb") as f:
+            if mode is not None:
+                os.chmod(path, mode)
+            f.write(data)
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+    except OSError as e:
+        raise_naming(e, path)
 
 
 def sync_dir(folder: str | os.PathLike[str]) -> None:
@@ -71,6 +88,8 @@ def sync_dir(folder: str | os.PathLike[str]) -> None:
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as e:
+        raise_naming(e, folder)
     finally:
         os.close(fd)
 

@@ -19,6 +19,7 @@ import yaml
 
 from conveyor.cli.main import build_parser, main
 from conveyor.cluster import ClusterConfigError, TaskId, discover
+from conveyor.cluster.settings import JobSettings
 from conveyor.errors import RendezvousError
 from conveyor.launch.k8s import JOBSET_API, K8sOptions, cluster_of, manifests
 from conveyor.launch.pod import pod_launch, wait_for_hosts
@@ -144,6 +145,34 @@ def test_every_pod_finds_its_task_from_its_index_as_kubernetes_starts_it(tmp_pat
     restarted.annotations["jobset.sigs.k8s.io/restart-attempt"] = "2"  # JobSet's third attempt
     expected = "2" if kind == "jobset" else "0"  # plain Jobs are never restarted together
     assert kubelet.environment(restarted)["CONVEYOR_RESTART_COUNT"] == expected
+
+
+@pytest.mark.parametrize("kind", ["jobset", "jobs"])
+def test_a_pipeline_job_carries_its_pipeline_settings_to_every_task(tmp_path, kind):
+    docs = generated(tmp_path, "--kind", kind, "--name", "pipe", "--image", IMAGE, "-n", "4", "--strategy",
+                     "pipeline", "--stages", "2", "--microbatches", "8", "--schedule", "gpipe", "--timeout", "60",
+                     "--output-claim", "out", "/app/train.py")
+    kubelet = Kubelet(docs, images={IMAGE: {"PATH": "/usr/bin"}}, claims={}, root=tmp_path)
+    assert len(kubelet.pods) == 4
+    for doc in docs:
+        if doc["kind"] == "JobSet":
+            jsonschema.validate(doc, JOBSET_SCHEMA)
+        else:
+            kubernetes_validate.validate(doc, VERSIONS[-1], strict=True)
+    ranks = []
+    for pod in kubelet.pods:
+        args = build_parser().parse_args(kubelet.command(pod)[1:])
+        launch = pod_launch(kubelet.environment(pod), role=args.role, cluster=args.cluster,
+                            master_port=args.master_port, script=args.script, python="python3", hostname=pod.hostname)
+        settings = JobSettings.from_environ(launch.env)
+        assert (str(settings.strategy), settings.stages, settings.microbatches, settings.schedule, settings.split,
+                settings.timeout) == ("pipeline", 2, 8, "gpipe", None, 60.0)
+        ranks.append(discover(launch.env).rank)
+    assert ranks == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="-n 3 --stages 2: each pipeline replica runs all 2 stages"):
+        options(workers=3, strategy="pipeline", stages=2)
+    with pytest.raises(ValueError, match="--stages belong"):
+        options(workers=2, stages=2)
 
 
 def test_a_pod_that_is_not_what_its_cluster_says_fails_naming_why(tmp_path):

@@ -10,6 +10,7 @@ import io
 import json
 import os
 import pickle
+import re
 import tarfile
 
 import numpy as np
@@ -20,6 +21,7 @@ from conveyor.cli.main import main
 from conveyor.data import FixedLenFeature, TFRecordDataset, parse_single_example
 from conveyor.data.cifar import CifarUnpickler, UnsafePickleError, convert_cifar, read_cifar
 from conveyor.data.convert import ConversionError
+from peak_memory import peak_growth
 
 PER_BATCH = 3
 NAMES10 = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
@@ -49,15 +51,32 @@ def _py_pickle(obj) -> bytes:
     return data
 
 
-def _tar(path, folder: str, members: dict[str, bytes]):
+class _Zeros(io.RawIOBase):
+    """``n`` zero bytes, streamed: a member of gigabytes in an archive of kilobytes."""
+
+    def __init__(self, n: int):
+        self.left = n
+
+    def readable(self):
+        return True
+
+    def readinto(self, b):
+        k = min(len(b), self.left)
+        b[:k] = bytes(k)
+        self.left -= k
+        return k
+
+
+def _tar(path, folder: str, members: dict[str, bytes | int]):
+    """An archive of ``folder/<name>`` members; an int member is that many zero bytes."""
     with tarfile.open(path, "w:gz") as tar:
         info = tarfile.TarInfo(folder)
         info.type = tarfile.DIRTYPE
         tar.addfile(info)
         for name, data in members.items():
             info = tarfile.TarInfo(f"{folder}/{name}")
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
+            info.size = data if isinstance(data, int) else len(data)
+            tar.addfile(info, io.BufferedReader(_Zeros(data), 1 << 20) if isinstance(data, int) else io.BytesIO(data))
     return path
 
 
@@ -263,6 +282,150 @@ def test_damaged_pickle_is_named(tmp_path):
     archive = cifar10_python(tmp_path, test_batch=data[: len(data) // 2])
     with pytest.raises(ConversionError, match=r"test_batch in .* is damaged: not a readable pickle"):
         read_cifar(archive)
+
+
+def test_a_class_name_across_lines_is_refused(tmp_path):
+    # classes.txt names label i on line i: "cat\ndog" as one name shifted every later class by a line
+    names = [n.encode() for n in NAMES10]
+    names[3] = b"cat\ndog"
+    meta = _py_pickle({b"label_names": names, b"num_cases_per_batch": PER_BATCH, b"num_vis": 3072})
+    out = tmp_path / "out"
+    with pytest.raises(ConversionError, match=r"batches\.meta in .* \('label_names'\): class 3 is named 'cat\\ndog', "
+                                              r"which is not one line of classes\.txt"):
+        convert_cifar(cifar10_python(tmp_path, **{"batches.meta": meta}), out)
+    assert not out.exists()
+
+
+# ------------------------------------------------------------------------------ bombs: refused before allocating
+
+_BIG = 256 << 20  # what each bomb below makes the converter allocate, before the checks (or more)
+_BOUND = 100 << 20  # what refusing it may cost
+_READ = """
+try:
+    result = int(read_cifar(sys.argv[1]).pixels["train"][0, 0])  # a pixel: the arrays are plain numbers
+except ConversionError as e:
+    result = str(e)
+"""
+
+
+def _read_in_a_process(path) -> tuple[str | int, int]:
+    """read_cifar's error for ``path`` (or its first pixel) in a fresh process, and how much its peak
+    memory grew on the way."""
+    return peak_growth("from conveyor.data.cifar import read_cifar\n"
+                       "from conveyor.data.convert import ConversionError", _READ, str(path))
+
+
+def _refused_in_a_process(path) -> tuple[str, int]:
+    error, growth = _read_in_a_process(path)
+    assert isinstance(error, str), f"the bomb was read without an error (pixel {error})"
+    return error, growth
+
+
+def _laughs(fanout: int) -> bytes:
+    """A CIFAR-10 batch of 1 row whose 'labels' are 3 nested lists of ``fanout`` memo references each:
+    a few hundred bytes standing for fanout**3 integers (the issue's 597-byte archive)."""
+    def key(s):
+        return b"X" + len(s).to_bytes(4, "little") + s.encode()
+    lists = (b"]q\x00(" + b"K\x01" * fanout + b"e0" + b"]q\x01(" + b"h\x00" * fanout + b"e0"
+             + b"]q\x02(" + b"h\x01" * fanout + b"e")
+    row = pickle.dumps(np.zeros((1, 3072), np.uint8), protocol=3)[2:-1]
+    return b"\x80\x02}(" + key("labels") + lists + key("data") + row + b"u."
+
+
+class _Reduces:
+    """Pickles as the reduce tuple it is given: crafted calls to the globals the unpickler admits."""
+
+    def __init__(self, *reduce):
+        self.reduce = reduce
+
+    def __reduce__(self):
+        return self.reduce
+
+
+_RECONSTRUCT = np.ndarray.__reduce__(np.zeros(0, np.uint8))[0]
+
+
+def _batch_with(data) -> bytes:
+    return pickle.dumps({"data": data, "labels": [0]}, protocol=3)  # 3: bytes without _codecs.encode
+
+
+_CRAFTED = {
+    # labels: a 4 KB list of lists of memo references that np.asarray expanded to 400**3 int64s (512 MB)
+    "memo labels": (_laughs(400), r"data_batch_1 in .*: 'labels' must be a list of 1 integers .*got 400 items"),
+    # a 9-byte pickle storing into memo slot 2**25: the unpickler zeroes a table of 2**26 pointers (512 MB)
+    "memo slot": (b"\x80\x02]r" + (1 << 25).to_bytes(4, "little") + b".",
+                  r"data_batch_1 in .* is damaged: its opcode 3 stores into memo slot 33554432, which no pickler "
+                  r"writes"),
+    # numpy.ndarray called as a function: 2.5e7 objects, each set to None (200 MB)
+    "ndarray call": (_batch_with(_Reduces(np.ndarray, ((25_000_000,), "O"))),
+                     r"data_batch_1 in .* is damaged: not a readable pickle \(TypeError"),
+    # _reconstruct of a shape other than numpy's (0,): allocated before __setstate__ checks the data
+    "reconstruct shape": (_batch_with(_Reduces(_RECONSTRUCT, (np.ndarray, (_BIG,), b"b"))),
+                          r"data_batch_1 in .* is damaged: .*not as numpy pickles one"),
+    # an object array given fewer items than its shape: numpy leaves the rest unset, and crashes
+    "object array": (_batch_with(_Reduces(_RECONSTRUCT, (np.ndarray, (0,), b"b"),
+                                          (1, (1, 3072), np.dtype(object), False, [1]))),
+                     r"data_batch_1 in .* is damaged: .*dtype 'O8' is not a plain number type"),
+    # a uint8 dtype whose state flags it as holding objects: numpy would take the pixels for pointers
+    "object flags": (_batch_with(_Reduces(_RECONSTRUCT, (np.ndarray, (0,), b"b"),
+                                          (1, (1, 3072), _Reduces(np.dtype, ("u1", False, True),
+                                                                  (3, "|", None, None, None, -1, -1, 63)),
+                                           False, b"A" * 3072))), None),
+}
+
+
+@pytest.mark.parametrize("bomb", list(_CRAFTED))
+def test_a_crafted_batch_pickle_is_refused_within_bounded_memory(tmp_path, bomb):
+    data, match = _CRAFTED[bomb]
+    assert len(data) < 10_000
+    archive = cifar10_python(tmp_path, data_batch_1=data)
+    if match is None:  # numpy's shared uint8 dtype ignores the flags: the batch reads as plain pixels
+        pixel, growth = _read_in_a_process(archive)
+        assert pixel == ord("A")
+    else:
+        error, growth = _refused_in_a_process(archive)
+        assert re.search(match, error), error
+    assert growth < _BOUND, growth
+
+
+def test_a_member_declaring_gigabytes_is_refused_before_it_is_read(tmp_path):
+    # The issue's 3 MB archive declaring a 3 GiB member, scaled down: 256 MiB of zeros in ~250 KB.
+    archive = cifar10_python(tmp_path, data_batch_1=_BIG)
+    assert archive.stat().st_size < 2 << 20
+    error, growth = _refused_in_a_process(archive)
+    assert re.search(r"cifar-10-batches-py/data_batch_1 in .* is 268435456 bytes, more than the \d+ an official "
+                     r"cifar-10-python\.tar\.gz member can hold: not a CIFAR archive", error), error
+    assert growth < _BOUND, growth
+
+
+def test_a_tar_extension_header_declaring_gigabytes_is_refused_before_it_is_read(tmp_path):
+    archive = tmp_path / "cifar-10-python.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        info = tarfile.TarInfo("cifar-10-batches-py")
+        info.type, info.size = tarfile.XHDTYPE, _BIG  # a pax header, which tarfile reads whole
+        tar.addfile(info, io.BufferedReader(_Zeros(_BIG), 1 << 20))
+    error, growth = _refused_in_a_process(archive)
+    assert f"{archive} holds a tar extension header of {_BIG} bytes" in error
+    assert growth < _BOUND, growth
+
+
+def test_an_oversized_file_in_an_extracted_folder_is_refused_before_it_is_read(tmp_path):
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    for name, data in cifar10_python_members().items():
+        (folder / name).write_bytes(data)
+    with open(folder / "data_batch_2", "r+b") as f:
+        f.truncate(_BIG)  # sparse: no disk space
+    error, growth = _refused_in_a_process(folder)
+    assert f"{folder / 'data_batch_2'} is {_BIG} bytes, more than the" in error
+    assert growth < _BOUND, growth
+
+
+def test_an_archive_of_many_entries_is_refused(tmp_path):
+    members = {**{f"junk{i}": b"" for i in range(100)}, **cifar10_python_members()}
+    with pytest.raises(ConversionError, match=r"holds more than 64 entries, and an official cifar-10-python\.tar"
+                                              r"\.gz fewer than 10"):
+        read_cifar(_tar(tmp_path / "cifar-10-python.tar.gz", "cifar-10-batches-py", members))
 
 
 # ------------------------------------------------------------------------------ the unpickler

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -229,6 +230,18 @@ def test_folder_without_classes_is_an_error(tmp_path):
         convert_image_folder(tmp_path / "nowhere", tmp_path / "out")
 
 
+@pytest.mark.parametrize("name", ["two\nlines", "carriage\rreturn", "line\u2028separator"])
+def test_a_class_folder_named_across_lines_is_refused(tmp_path, folder, name):
+    # classes.txt names class i on line i: a newline in a name shifted every later class by a line
+    (folder / name).mkdir()
+    (folder / name / "0.png").write_bytes(_png(7))
+    out = tmp_path / "out"
+    with pytest.raises(ConversionError, match=rf"{folder}: class \d is named {re.escape(repr(name))}, which is not "
+                                              rf"one line of classes\.txt .*rename that folder"):
+        convert_image_folder(folder, out)
+    assert _leftovers(out) == []
+
+
 def _leftovers(out):
     return sorted(os.listdir(out)) if out.exists() else []
 
@@ -260,3 +273,26 @@ def test_interrupted_conversion_leaves_no_final_named_shard(tmp_path, monkeypatc
     monkeypatch.setattr(convert_mod, "encode_example", real)  # the next run starts clean
     convert_arrays({"idx": np.arange(12)}, out, shards=3)
     assert len(_files(out)) == 3
+
+
+def test_a_full_disk_names_the_shard_and_leaves_nothing(tmp_path, monkeypatch):
+    import errno
+
+    import conveyor.data.records.tfrecord as tfrecord_mod
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full (a device whose writes fail with ENOSPC)")
+    real_open = open
+    written = []
+
+    def onto_a_full_disk(path, mode="r", buffering=-1):
+        written.append(str(path))
+        return real_open("/dev/full", mode, buffering)
+
+    monkeypatch.setattr(tfrecord_mod, "open", onto_a_full_disk, raising=False)
+    out = tmp_path / "out"
+    with pytest.raises(OSError, match="No space left on device") as e:
+        convert_arrays({"x": np.zeros((300, 4096), np.uint8)}, out, shards=2)
+    assert e.value.errno == errno.ENOSPC and e.value.filename == written[-1]
+    assert os.path.dirname(written[-1]) == str(out) and "train-0000" in written[-1]
+    assert _leftovers(out) == []

@@ -297,6 +297,35 @@ def test_an_offset_that_is_not_a_record_is_refused_naming_the_field(tf_files):
         load(ds, state)
 
 
+@pytest.mark.parametrize("shift", [8, 3, 10**6])
+def test_an_offset_that_is_not_a_record_is_refused_without_size_and_mtime_too(tf_files, shift):
+    # A state without size/mtime (tampered, or from before they were recorded) resumed at any offset,
+    # then blamed the intact file: DataLossError "rewrite it" (the iterator_state fuzz target's finding).
+    ds, state = _state_inside_first_file(tf_files)
+    del state["state"]["size"], state["state"]["mtime_ns"]
+    state["state"]["offset"] += shift
+    with pytest.warns(UserWarning, match="cannot check"), pytest.raises(StateError) as e:
+        load(ds, state)
+    assert e.value.field == 'state["state"]["offset"]'
+    offset = state["state"]["offset"]
+    assert f"{tf_files[0]} has no record at byte {offset}" in str(e.value) and "rewrite" not in str(e.value)
+
+
+def test_a_tampered_offset_inside_an_interleave_is_a_state_error(tf_files):
+    # /work/shared/repro/state_offset_dataloss.py: the same through list_files -> interleave -> shuffle
+    ds = (Dataset.list_files(tf_files, seed=1).interleave(TFRecordDataset, cycle_length=2)
+          .shuffle(4, seed=2).map(len).batch(2))
+    state = saved_state(ds, 4)
+    inner = next(s for s in state["state"]["input"]["input"]["input"]["slots"] if s)["inner"]
+    del inner["size"], inner["mtime_ns"]
+    inner["offset"] += 8
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(StateError, match=rf"{inner['path']} has no record at byte {inner['offset']}") as e:
+            load(ds, state)
+    assert e.value.field.endswith('["inner"]["offset"]')
+
+
 def test_a_changed_file_in_a_parallel_interleave_is_refused_when_loading(tmp_path):
     # longer than the readers' read-ahead, so the state is positioned inside the files
     big = [write_records(tmp_path / f"big{i}.tfrecord", [b"r%d" % j for j in range(100)]) for i in range(2)]

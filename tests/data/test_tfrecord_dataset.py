@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import threading
 
 import pytest
 
@@ -135,6 +137,68 @@ def test_missing_file_names_the_file(tmp_path):
     assert excinfo.value.filename == missing
     it.close()
 
+
+
+def _within(seconds: float, fn, release=None):
+    """``fn()``'s result or error, failing the test if it blocks longer than ``seconds`` (then
+    ``release()`` unblocks it, so that the thread ends)."""
+    done: dict = {}
+
+    def run():
+        try:
+            done["result"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            done["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        if release is not None:
+            release()
+        thread.join(10)
+        pytest.fail(f"blocked for {seconds} s")
+    if "error" in done:
+        raise done["error"]
+    return done["result"]
+
+
+def _fifo(tmp_path, name="pipe.tfrecord"):
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("no FIFOs on this platform")
+    path = str(tmp_path / name)
+    os.mkfifo(path)
+    return path, lambda: os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))  # a writer that comes and goes
+
+
+@pytest.mark.parametrize("num_parallel_reads", [None, 2])
+def test_a_fifo_in_the_file_list_is_refused_not_waited_on(tmp_path, num_parallel_reads):
+    # A FIFO blocked its reader until some writer came: forever, if none did.
+    contents = write_files(str(tmp_path), None)
+    fifo, release = _fifo(tmp_path)
+    ds = TFRecordDataset([list(contents)[0], fifo], num_parallel_reads=num_parallel_reads)
+    with pytest.raises(InvalidArgumentError, match=rf"{re.escape(fifo)} is a FIFO \(named pipe\), not a regular file: "
+                                                   rf"TFRecord files are read from regular files only"):
+        _within(20, lambda: list(ds), release)
+
+
+def test_a_device_is_refused_as_not_a_file(tmp_path):
+    if not os.path.exists("/dev/zero"):
+        pytest.skip("no /dev/zero")
+    with pytest.raises(InvalidArgumentError, match="/dev/zero is a character device, not a regular file"):
+        _within(20, lambda: list(TFRecordDataset(["/dev/zero"])))
+
+
+def test_list_files_refuses_a_fifo_it_matches(tmp_path):
+    write_files(str(tmp_path), None)
+    fifo, release = _fifo(tmp_path, "f9.tfrecord")
+    pattern = os.path.join(str(tmp_path), "*.tfrecord")
+    with pytest.raises(InvalidArgumentError, match=rf"{re.escape(fifo)} \(matched by {re.escape(pattern)}\) is a FIFO "
+                                                   r"\(named pipe\), "
+                                                   r"not a regular file: .*narrow the pattern"):
+        _within(20, lambda: list(Dataset.list_files(pattern, shuffle=False).interleave(TFRecordDataset)), release)
+    os.unlink(fifo)
+    assert len(list(Dataset.list_files(pattern, shuffle=False))) == len(SIZES)  # folders and files still match
 
 @pytest.mark.parametrize("bad", ["gzip", "SNAPPY", "zip", 3])
 def test_invalid_compression_type(bad):

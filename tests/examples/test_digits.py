@@ -157,3 +157,20 @@ def test_ps_async_trains_the_digits_demo(tmp_path, data):
     assert summary["eval_accuracy"] >= 0.93
     assert summary["communication"]["push_seconds"] > 0
     assert "every worker is done" in run.stdout  # the ps task ended by itself
+
+
+# -- failures certain to repeat end the job at once (issue 22, defect 5) --------------------------------
+
+
+@pytest.mark.parametrize(("job", "args", "needle"), [
+    pytest.param((), ("--epocs", "1"), "train.py: error: unrecognized arguments: --epocs 1", id="argument-typo"),
+    pytest.param(("--strategy", "pipeline", "--split", "features.9"), ("--epochs", "1"), "features.9",
+                 id="split-error"),
+])
+def test_a_usage_error_fails_once_naming_it(tmp_path, data, job, args, needle):
+    cmd = [sys.executable, "-m", "conveyor.cli.main", "run", "-n", "2", *job, "--data-dir", str(data),
+           "--output-dir", str(tmp_path / "out"), "--max-restarts", "3", str(SCRIPT), *args]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert "a usage or configuration error, which a restart would meet again" in run.stderr, run.stderr[-3000:]
+    assert needle in run.stderr and "restarting the job" not in run.stderr and "attempt 1" not in run.stderr

@@ -160,6 +160,45 @@ def test_a_job_that_keeps_failing_exits_1_naming_the_task_and_its_last_lines(tmp
 
 
 @pytest.mark.multiprocess
+def test_a_typo_in_the_scripts_arguments_fails_once_naming_it(tmp_path):
+    # argparse exits 2 before the first step: every restart would fail the same way (issue 22, defect 5)
+    write_script(tmp_path, """
+        import argparse
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--epochs", type=int, default=1)
+        parser.parse_args()
+    """)
+    started = time.monotonic()
+    code, _, err = finish(launcher(tmp_path, "-n", "2", "--max-restarts", "3", "task.py", "--epocs", "1"), tmp_path)
+    assert code == 1 and time.monotonic() - started < 20
+    assert "a usage or configuration error, which a restart would meet again: " \
+           "'task.py: error: unrecognized arguments: --epocs 1'; not restarting" in err
+    assert "attempt 0: started" in err and "attempt 1" not in err and "restarting the job" not in err
+
+
+@pytest.mark.multiprocess
+def test_the_same_error_on_alternating_ranks_is_the_same_failure(tmp_path):
+    # The first task to fail changes with each attempt; what failed does not: the third time ends the job.
+    write_script(tmp_path, """
+        from conveyor.cluster import failure_report
+        from conveyor.errors import ConveyorError
+        class Damaged(ConveyorError):
+            pass
+        failure_report.install(os.environ)  # what conveyor.init() does under conveyor run
+        attempt = int(os.environ["CONVEYOR_RESTART_COUNT"])
+        if int(os.environ["RANK"]) != attempt % 2:
+            time.sleep(30)  # the other rank: stopped when the first fails
+        raise Damaged("checkpoint step-00000010 is damaged")
+    """)
+    code, _, err = finish(launcher(tmp_path, "-n", "2", "--max-restarts", "5", "--restart-delay", "0.1", "task.py"),
+                          tmp_path, timeout=60)
+    assert code == 1
+    assert err.count("restarting the job") == 2 and "attempt 2: started" in err and "attempt 3" not in err
+    assert "the same way 3 times in a row without progress (no new checkpoint): " \
+           "'checkpoint step-00000010 is damaged'" in err
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_ctrl_c_or_sigterm_stops_every_task_and_its_children(tmp_path, signum):
     # Each task starts a child (in its process group) and both sleep: nothing may survive the launcher.

@@ -395,6 +395,30 @@ def test_the_same_failure_before_any_progress_stops_early_saying_so(tmp_path):
     assert err.count("restarting the job") == 2
 
 
+def test_the_same_failure_on_alternating_tasks_stops_early_too(tmp_path):
+    # The first task to fail alternates between the workers; what failed is the same (issue 22, defect 5).
+    plan = make_plan(tmp_path, """
+        if int(os.environ["RANK"]) == int(os.environ["CONVEYOR_RESTART_COUNT"]) % 2:
+            raise SystemExit("--split features.9: not a layer of the model")
+        time.sleep(30)
+    """)
+    result, _, err = supervise(plan, max_restarts=50, restart_delay=0.01)
+    assert not result.ok and result.restarts == 2
+    assert result.message.startswith("worker:0 exited with status 1 the same way 3 times in a row without progress")
+    assert err.count("restarting the job") == 2
+
+
+def test_a_usage_error_is_not_retried(tmp_path):
+    plan = make_plan(tmp_path, """
+        import argparse
+        argparse.ArgumentParser().parse_args(["--epocs", "1"])
+    """)
+    result, _, err = supervise(plan, max_restarts=3)
+    assert not result.ok and result.restarts == 0 and result.failure.returncode == 2
+    assert "'task.py: error: unrecognized arguments: --epocs 1'; not restarting" in result.message
+    assert "restarting the job" not in err
+
+
 def test_a_new_checkpoint_counts_as_progress(tmp_path):
     plan = make_plan(tmp_path, """
         attempt = int(os.environ["CONVEYOR_RESTART_COUNT"])

@@ -295,27 +295,33 @@ def run_traced_resume(job, out: Path) -> dict:
     """Train RESUME_AT steps, checkpoint the stage (through the bytes a checkpoint part is), then a fresh model
     and optimizer restore it before their first batch and train the rest; then a forward-only pass on a batch
     of another size, in eval mode (a trace of its own)."""
-    from conveyor.train.state_io import state_from_bytes, state_to_bytes
+    from types import SimpleNamespace
+
+    from conveyor.train.checkpoint import StepWrite
+    from conveyor.train.state_io import state_from_bytes
 
     strategy, steps = job.strategy, list(batches(1, 0))
     model = make_model("traced")
     model, optimizer = job.prepare(model, make_optimizer(model))
     for x, y in steps[:RESUME_AT]:
         job.train_step(model, optimizer, nn.functional.mse_loss, x, y)
-    trees = strategy.checkpoint_parts(model, optimizer)
-    parts = {name: state_to_bytes(tree) for name, tree in trees.items()}
-    header, _ = strategy.save_optimizer(optimizer, None, RESUME_AT)
+    step = StepWrite(RESUME_AT, is_chief=True, root=out)  # every rank records the chief's header too
+    strategy.checkpoint_items(model, optimizer)["optimizer"].save("optimizer", step)
+    mine = f"stage-{strategy.stage}"
+    part = state_from_bytes(step.parts[f"{mine}.safetensors"], step.parts[f"{mine}.json"])
     model = make_model("traced")
     model, optimizer = job.prepare(model, make_optimizer(model))
-    header = json.loads(json.dumps(header))  # as a checkpoint holds it
-    strategy.restore_checkpoint(model, optimizer, header, lambda name: state_from_bytes(*parts[name]))
+    header = json.loads(json.dumps(step.trees["optimizer"]))  # as a checkpoint holds it
+    saved = SimpleNamespace(tree=lambda name: header,
+                            part_tree=lambda name: part if name == mine else pytest.fail("read " + name))
+    strategy.checkpoint_items(model, optimizer)["optimizer"].restore("optimizer", saved)
     for x, y in steps[RESUME_AT:]:
         job.train_step(model, optimizer, nn.functional.mse_loss, x, y)
     params = {k: v.tolist() for k, v in model.model_state_dict().items()}
     model.eval()
     outputs = strategy.step.eval_forward(model, make_data(1)[0][:6])
     return {"params": params, "stage": strategy.stage, "outputs": None if outputs is None else outputs.tolist(),
-            "saved": sorted(trees[f"stage-{strategy.stage}"]["model"]),
+            "saved": sorted(part["model"]),
             "header": header}
 
 

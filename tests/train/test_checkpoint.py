@@ -17,10 +17,11 @@ from safetensors.torch import save as safetensors_bytes
 from torch import nn
 
 import conveyor.fileio
-import conveyor.train.checkpoint as ckpt_mod
-import conveyor.train.checkpoint_files as ckpt_files
-import conveyor.train.checkpoint_policy
-import conveyor.train.checkpoint_write as ckpt_write
+import conveyor.train.checkpoint.items as ckpt_items
+import conveyor.train.checkpoint.policy
+import conveyor.train.checkpoint.read as ckpt_files
+import conveyor.train.checkpoint.store as ckpt_mod
+import conveyor.train.checkpoint.write as ckpt_write
 from conveyor.train.checkpoint import CheckpointError, CheckpointManager, CheckpointPolicy
 from conveyor.train.state_io import rng_state, set_rng_state
 
@@ -55,7 +56,8 @@ def tiny_state(value: float) -> dict[str, torch.Tensor]:
 
 def save_tiny(mgr: CheckpointManager, step: int, **kw) -> Path:
     return mgr.save(
-        step, tiny_state(step), {"state": {0: {"m": torch.full((2,), float(step))}}, "param_groups": []}, **kw
+        step, {"model": tiny_state(step),
+               "optimizer": {"state": {0: {"m": torch.full((2,), float(step))}}, "param_groups": []}}, **kw
     )
 
 
@@ -76,16 +78,16 @@ def test_resume_matches_uninterrupted_run(tmp_path, opt_name):
     opt = OPTIMIZERS[opt_name](model.parameters())
     train(model, opt, 3)
     mgr = CheckpointManager(tmp_path / "ckpt")
-    mgr.save(3, model.state_dict(), opt.state_dict(), rng=rng_state())
+    mgr.save(3, {"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": rng_state()})
     train(model, opt, 2)  # the uninterrupted run
 
     fresh = make_model(123)  # different initial weights, different RNG position
     fresh_opt = OPTIMIZERS[opt_name](fresh.parameters())
     ck = CheckpointManager(tmp_path / "ckpt").load()
     assert ck.step == 3
-    fresh.load_state_dict(ck.model_state)
-    fresh_opt.load_state_dict(ck.optimizer_state)
-    set_rng_state(ck.rng)
+    fresh.load_state_dict(ck.trees["model"])
+    fresh_opt.load_state_dict(ck.trees["optimizer"])
+    set_rng_state(ck.trees["rng"])
     train(fresh, fresh_opt, 2)
 
     for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
@@ -99,11 +101,9 @@ def test_folder_contents_manifest_and_round_trip(tmp_path):
     train(model, opt, 1)
     path = mgr.save(
         1234,
-        model.state_dict(),
-        opt.state_dict(),
+        {"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": rng_state()},
         extra={"epoch": 2, "per_class": {3: 0.5}, "best": float("inf")},
-        data_states={"worker-0": {"pos": 17, "files": ["a", "b"]}, "worker-1": {"pos": 3}},
-        rng=rng_state(),
+        docs={"data/worker-0": {"pos": 17, "files": ["a", "b"]}, "data/worker-1": {"pos": 3}},
     )
     assert path == tmp_path / "step-00001234"
     assert (tmp_path / "latest").read_text().strip() == "step-00001234"
@@ -120,26 +120,27 @@ def test_folder_contents_manifest_and_round_trip(tmp_path):
     ck = mgr.load()
     assert ck.step == 1234 and ck.path == path
     assert ck.extra == {"epoch": 2, "per_class": {3: 0.5}, "best": float("inf")}
-    assert ck.data_states == {"worker-0": {"pos": 17, "files": ["a", "b"]}, "worker-1": {"pos": 3}}
-    assert list(ck.optimizer_state["state"]) == list(opt.state_dict()["state"])  # int keys stay ints
-    assert ck.optimizer_state["param_groups"] == opt.state_dict()["param_groups"]
+    assert ck.group("data") == {"worker-0": {"pos": 17, "files": ["a", "b"]}, "worker-1": {"pos": 3}}
+    assert list(ck.trees["optimizer"]["state"]) == list(opt.state_dict()["state"])  # int keys stay ints
+    assert ck.trees["optimizer"]["param_groups"] == opt.state_dict()["param_groups"]
     assert ck.time is not None and ck.parts["model.safetensors"] == path / "model.safetensors"
 
 
 def test_model_only_save(tmp_path):
     mgr = CheckpointManager(tmp_path, fsync=False)
-    mgr.save(0, tiny_state(0))
+    mgr.save(0, {"model": tiny_state(0)})
     ck = mgr.load(0)
-    assert ck.optimizer_state is None and ck.rng is None and ck.data_states == {} and ck.extra == {}
-    assert torch.equal(ck.model_state["w"], tiny_state(0)["w"])
+    assert ck.trees.get("optimizer") is None and ck.trees.get("rng") is None and ck.group("data") == {}
+    assert ck.extra == {}
+    assert torch.equal(ck.trees["model"]["w"], tiny_state(0)["w"])
 
 
 def test_resaving_a_step_replaces_it(tmp_path):
     mgr = CheckpointManager(tmp_path, fsync=False)
-    mgr.save(5, tiny_state(1))
-    mgr.save(5, tiny_state(2))
+    mgr.save(5, {"model": tiny_state(1)})
+    mgr.save(5, {"model": tiny_state(2)})
     assert mgr.list_steps() == [5]
-    assert mgr.load().model_state["w"][0, 0].item() == 2.0
+    assert mgr.load().trees["model"]["w"][0, 0].item() == 2.0
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -253,7 +254,7 @@ def test_crash_at_any_stage_keeps_previous_checkpoint(tmp_path, monkeypatch, cra
     monkeypatch.undo()
 
     assert mgr.latest_step() == 1
-    assert mgr.load().model_state["w"][0, 0].item() == 1.0
+    assert mgr.load().trees["model"]["w"][0, 0].item() == 1.0
     assert_no_partial_step_folder(tmp_path)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-") or p.name.startswith(".latest-")]
     save_tiny(mgr, 3)  # and the next save works
@@ -334,7 +335,7 @@ def test_reader_never_sees_an_incomplete_checkpoint(tmp_path):
                 except CheckpointError:
                     assert not reader.step_dir(step).exists(), "a visible checkpoint failed to load"
                     continue
-                assert ck.model_state["w"].eq(step).all() and ck.optimizer_state["state"][0]["m"].eq(step).all()
+                assert ck.trees["model"]["w"].eq(step).all() and ck.trees["optimizer"]["state"][0]["m"].eq(step).all()
                 loaded.append(step)
                 assert_no_partial_step_folder(tmp_path)
         except BaseException as e:  # surfaced in the main thread
@@ -370,8 +371,8 @@ def test_parts_from_other_tasks_join_the_step(tmp_path):
     t.start()
     path = chief.save(
         100,
-        tiny_state(1),
-        data_states={"worker-0": {"pos": 8}},
+        {"model": tiny_state(1)},
+        docs={"data/worker-0": {"pos": 8}},
         parts=["ps-0.safetensors", "data/worker-1.json"],
         parts_timeout=5,
     )
@@ -381,7 +382,7 @@ def test_parts_from_other_tasks_join_the_step(tmp_path):
     assert not (tmp_path / ".parts-step-00000100").exists()
 
     ck = chief.load()
-    assert ck.data_states == {"worker-0": {"pos": 8}, "worker-1": {"pos": 9}}
+    assert ck.group("data") == {"worker-0": {"pos": 8}, "worker-1": {"pos": 9}}
     from safetensors.torch import load_file
 
     assert torch.equal(load_file(ck.parts["ps-0.safetensors"])["embedding.weight"], shard["embedding.weight"])
@@ -406,7 +407,7 @@ def test_missing_part_fails_the_save_and_keeps_latest(tmp_path, monkeypatch):
     save_tiny(mgr, 1)
     mgr.save_part(2, "ps-0.safetensors", b"shard 0")
     with pytest.raises(CheckpointError, match=r"\['ps-1.safetensors'\] did not arrive"):
-        mgr.save(2, tiny_state(2), parts=["ps-0.safetensors", "ps-1.safetensors"], parts_timeout=0.05)
+        mgr.save(2, {"model": tiny_state(2)}, parts=["ps-0.safetensors", "ps-1.safetensors"], parts_timeout=0.05)
     assert mgr.latest_step() == 1 and mgr.list_steps() == [1]
     assert_no_partial_step_folder(tmp_path)
 
@@ -421,7 +422,7 @@ def test_missing_part_fails_the_save_and_keeps_latest(tmp_path, monkeypatch):
     ]
     path = mgr.finalize(2, ["ps-0.safetensors", "ps-1.safetensors"], extra={"who": "parts only"})
     ck = mgr.load()
-    assert ck.step == 2 and ck.model_state is None and ck.extra == {"who": "parts only"}
+    assert ck.step == 2 and ck.trees.get("model") is None and ck.extra == {"who": "parts only"}
     assert (path / "ps-1.safetensors").read_bytes() == b"shard 1"
 
 
@@ -430,19 +431,19 @@ def test_invalid_arguments_are_refused(tmp_path):
         CheckpointManager(tmp_path, keep=0)
     mgr = CheckpointManager(tmp_path, fsync=False)
     with pytest.raises(ValueError, match="step"):
-        mgr.save(-1, tiny_state(0))
+        mgr.save(-1, {"model": tiny_state(0)})
     for bad in ("../escape", "/abs", "COMPLETE", "model.safetensors", "a/b/c", ""):
         with pytest.raises(ValueError, match="part name"):
             mgr.save_part(1, bad, b"")
     with pytest.raises(ValueError, match="task name"):
-        mgr.save(1, tiny_state(0), data_states={"../x": {}})
+        mgr.save(1, {"model": tiny_state(0)}, docs={"data/../x": {}})
     with pytest.raises(TypeError, match="extra holds tensors"):
-        mgr.save(1, tiny_state(0), extra={"loss": torch.tensor(1.0)})
+        mgr.save(1, {"model": tiny_state(0)}, extra={"loss": torch.tensor(1.0)})
     with pytest.raises(TypeError, match="data iterator state must be JSON"):
-        mgr.save(1, tiny_state(0), data_states={"w": {"s": {1, 2}}})
+        mgr.save(1, {"model": tiny_state(0)}, docs={"data/w": {"s": {1, 2}}})
     with pytest.raises(CheckpointError, match="clash"):
         mgr.save_part(1, "data/w.json", b"{}")
-        mgr.save(1, tiny_state(0), data_states={"w": {}}, parts=["data/w.json"])
+        mgr.save(1, {"model": tiny_state(0)}, docs={"data/w": {}}, parts=["data/w.json"])
     assert mgr.list_steps() == [] and not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
 
 
@@ -517,7 +518,7 @@ def test_manifest_part_names_stay_inside_the_step(tmp_path, caplog):
 
 def test_symlinks_out_of_the_step_are_refused(tmp_path):
     mgr = CheckpointManager(tmp_path / "checkpoints", fsync=False)
-    folder = mgr.save(1, tiny_state(1), data_states={"worker-0": {"pos": 1}})
+    folder = mgr.save(1, {"model": tiny_state(1)}, docs={"data/worker-0": {"pos": 1}})
     outside = tmp_path / "elsewhere"
     (folder / "data").rename(outside)
     (folder / "data").symlink_to(outside)  # same bytes, so the sha256 matches
@@ -563,13 +564,15 @@ def test_manifest_with_wrong_types_is_refused(tmp_path, edit):
 @pytest.mark.parametrize("name, text", [
     ("state.json", "[1, 2]"),
     ("state.json", '{"extra": {"__dict__": 5}, "time": 1}'),
+    ("state.json", '{"extra": {}, "time": 1, "trees": [5]}'),
+    ("state.json", '{"extra": {}, "time": 1, "trees": ["model", "nothing"]}'),
     ("model.json", '{"format": "conveyor.state", "version": 1, "tree": {"w": {"__npscalar__": "nope", "value": 1}}}'),
     ("model.json", '{"format": "conveyor.state", "version": 1, "tree": {"w": {"__tensor__": ["w"]}}}'),
     ("data/worker-0.json", "{not json"),
 ])
 def test_json_parts_of_the_wrong_shape_name_the_file_and_step(tmp_path, name, text):
     mgr = CheckpointManager(tmp_path, fsync=False)
-    folder = mgr.save(1, tiny_state(1), data_states={"worker-0": {"pos": 1}})
+    folder = mgr.save(1, {"model": tiny_state(1)}, docs={"data/worker-0": {"pos": 1}})
     (folder / name).write_text(text)
     with pytest.raises(CheckpointError, match=rf"step-00000001/{re.escape(name)}.*step 1"):
         mgr.load(1, verify=False)
@@ -600,8 +603,8 @@ def test_output_files_follow_the_umask(tmp_path, umask):
     try:
         mgr = CheckpointManager(tmp_path / "checkpoints", fsync=False)
         mgr.save_part(1, "ps-0.safetensors", safetensors_bytes({"w": torch.ones(2)}))
-        mgr.save(1, tiny_state(1), {"state": {}, "param_groups": []}, rng=rng_state(),
-                 data_states={"worker-0": {"pos": 1}}, parts=["ps-0.safetensors"])
+        mgr.save(1, {"model": tiny_state(1), "optimizer": {"state": {}, "param_groups": []}, "rng": rng_state()},
+                 docs={"data/worker-0": {"pos": 1}}, parts=["ps-0.safetensors"])
         write_json_atomic(tmp_path / "summary.json", {"steps": 1})
         StepProfiler().write_trace(tmp_path / "trace.json")
     finally:
@@ -637,7 +640,7 @@ def test_policy_every_steps_and_seconds():
 
 
 def test_no_pickle_in_the_checkpoint_code():
-    for module in (ckpt_mod, ckpt_files, ckpt_write, conveyor.train.checkpoint_policy, conveyor.fileio,
+    for module in (ckpt_mod, ckpt_files, ckpt_write, ckpt_items, conveyor.train.checkpoint.policy, conveyor.fileio,
                    __import__("conveyor.train.state_io", fromlist=["x"])):
         source = Path(module.__file__).read_text()
         assert not re.search(r"import pickle|cloudpickle|(?<![\w.])torch\.(save|load)\(", source), module.__name__

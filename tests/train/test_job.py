@@ -15,6 +15,7 @@ from torch import nn
 
 import conveyor
 from conveyor.cluster import ClusterSpec, local_cluster
+from conveyor.cluster.strategy_name import StrategyName
 from conveyor.comm.process_group import (
     AddressInUseError,
     GroupInfo,
@@ -83,6 +84,19 @@ def test_init_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch, tmp_p
         wrapped, same = job.prepare(model, optimizer)
         assert wrapped is model and same is optimizer, "one process has nothing to all-reduce: nothing is wrapped"
         assert job.strategy.step.comm_seconds() == 0.0
+
+
+def test_job_settings_hold_what_the_launcher_gave_parsed(env: dict[str, str]) -> None:
+    pipeline = {"CONVEYOR_PIPELINE_STAGES": "2", "CONVEYOR_PIPELINE_MICROBATCHES": "8",
+                "CONVEYOR_PIPELINE_SCHEDULE": " gpipe", "CONVEYOR_PIPELINE_SPLIT": "blocks.2, head"}
+    with init("local", share_gpus=True, environ=env | pipeline | {"CONVEYOR_TIMEOUT": "9"}) as job:
+        settings = job.settings
+        assert (settings.stages, settings.microbatches, settings.schedule, settings.split) == (
+            2, 8, "gpipe", ("blocks.2", "head"))
+        assert settings.strategy == StrategyName("local") and (settings.timeout, settings.share_gpus) == (9.0, True)
+        assert (settings.timeout, settings.restart_count, settings.resume) == (job.timeout, 0, True)
+    with pytest.raises(ValueError, match="CONVEYOR_PIPELINE_MICROBATCHES='x' is not a whole number"):
+        init("local", environ=env | {"CONVEYOR_PIPELINE_MICROBATCHES": "x"})
 
 
 def test_argument_beats_environment(env: dict[str, str]) -> None:

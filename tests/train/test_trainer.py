@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from pathlib import Path
@@ -19,7 +20,7 @@ from conveyor.train.trainer import ResumeError, TrainConfig, Trainer, accuracy
 N, BATCH, CLASSES = 40, 8, 3  # 5 steps per epoch
 
 # ---------------------------------------------------------------------------------------------------------------------
-# a job: conveyor.init() once it exists, else a stand-in with the same attributes (docs/training-contracts.md)
+# a job: conveyor.init() once it exists, else a stand-in with the same attributes (docs/training.md)
 
 
 class FakeStrategy(Strategy):
@@ -107,13 +108,14 @@ class Recorder:
             raise KeyboardInterrupt("simulated crash")  # not an Exception: nothing may swallow it
 
 
-def run(out: Path, monkeypatch, ds=None, crash_after=None, resume=True, **options):
+def run(out: Path, monkeypatch, ds=None, crash_after=None, resume=True, scheduler=None, **options):
+    """Train (`scheduler(optimizer)`: an LR scheduler for it); returns (summary, sample ids by step, parameters)."""
     job = make_job(out, monkeypatch, resume=resume)
     model, opt = job.prepare(*make_model())
     rec = Recorder(crash_after)
     options = {"epochs": 2, "checkpoint_every_steps": 3, "log_every_steps": 2, "progress": False, **options}
     trainer = Trainer(job, model, opt, nn.functional.cross_entropy, data() if ds is None else ds,
-                      callbacks=[rec], **options)
+                      callbacks=[rec], scheduler=scheduler(opt) if scheduler else None, **options)
     summary = None
     try:
         summary = trainer.fit()
@@ -298,13 +300,63 @@ def test_resume_skips_a_damaged_step_out_loud_and_says_where_it_resumed(tmp_path
     assert summary["resumed_from_step"] is None and summary["steps"] == 10
 
 
+def halving(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+
+
+def logged_lrs(out: Path) -> dict[int, float]:
+    return {r["step"]: r["lr"] for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "train"}
+
+
+def test_an_lr_scheduler_resumes_where_it_was(tmp_path, monkeypatch):
+    _, ref_seen, ref_params = run(tmp_path / "reference", monkeypatch, scheduler=halving)
+    out = tmp_path / "crashed"
+    _, before, _ = run(out, monkeypatch, crash_after=7, scheduler=halving)  # checkpoints at steps 3 and 6
+    summary, after, params = run(out, monkeypatch, scheduler=halving)
+    assert summary["resumed_from_step"] == 6 and {**before, **after} == ref_seen
+    lrs = logged_lrs(tmp_path / "reference")
+    assert lrs == {2: 0.025, 4: 0.0125, 6: 0.00625, 8: 0.003125, 10: 0.0015625}  # the schedule did run
+    assert logged_lrs(out) == lrs  # steps 8 and 10 from the resumed run: the LR went on from step 6's
+    for p, q in zip(params, ref_params, strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_a_checkpoint_without_the_scheduler_is_refused_naming_the_fix(tmp_path, monkeypatch):
+    run(tmp_path, monkeypatch, crash_after=4)  # no scheduler: the checkpoint of step 3 holds none
+    with pytest.raises(ResumeError, match=r"holds no 'scheduler'.*resume without 'scheduler', or .*--no-resume"):
+        run(tmp_path, monkeypatch, scheduler=halving)
+    summary, _, _ = run(tmp_path, monkeypatch)  # the named fix works
+    assert summary["resumed_from_step"] == 3 and summary["steps"] == 10
+
+
+def as_written_before_items(folder: Path) -> None:
+    """Make `folder` what conveyor wrote before checkpoint items: a state.json that lists no trees."""
+    state = json.loads((folder / "state.json").read_text())
+    assert state.pop("trees") == ["rng", "model", "optimizer"]
+    data = json.dumps(state).encode()
+    (folder / "state.json").write_bytes(data)
+    manifest = json.loads((folder / "COMPLETE").read_text())
+    manifest["parts"]["state.json"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (folder / "COMPLETE").write_text(json.dumps(manifest))
+
+
+def test_a_checkpoint_from_before_items_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch, uninterrupted):
+    _, ref_seen, ref_params = uninterrupted
+    _, before, _ = run(tmp_path, monkeypatch, crash_after=7)
+    as_written_before_items(tmp_path / "checkpoints" / "step-00000006")
+    summary, after, params = run(tmp_path, monkeypatch)
+    assert summary["resumed_from_step"] == 6 and {**before, **after} == ref_seen
+    for p, q in zip(params, ref_params, strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
 def fake_checkpoint(out: Path, world_size: int, workers: list[int]) -> None:
     model, opt = make_model()
     state = {"format": "conveyor.trainer.data", "version": 1, "epoch": 0, "batches": 1, "root_seed": 1,
              "iterator": None, "rng": None}
     CheckpointManager(out / "checkpoints", fsync=False).save(
-        3, model.state_dict(), opt.state_dict(), extra={"epoch": 0, "world_size": world_size},
-        data_states={f"worker-{r}": state for r in workers})
+        3, {"model": model.state_dict(), "optimizer": opt.state_dict()}, extra={"epoch": 0, "world_size": world_size},
+        docs={f"data/worker-{r}": state for r in workers})
 
 
 def test_a_checkpoint_from_another_world_size_is_refused(tmp_path, monkeypatch):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from conveyor.cli import Command, CommandError
 from conveyor.data.cifar import IMAGE_ENCODINGS, LAYOUTS, TAR_ENDINGS, convert_cifar, detect_cifar
 from conveyor.data.convert import IMAGE_FORMATS, convert_arrays, convert_image_folder, load_npz
 from conveyor.data.errors import DataLossError
-from conveyor.data.records import TFRecordReader, decode_example, detect_compression
+from conveyor.data.records import TFRecordReader, decode_example, detect_compression, not_regular
 from conveyor.fileio import format_bytes
 
 
@@ -191,15 +190,6 @@ def _report_conversion(summary: dict[str, Any], out_dir: str) -> None:
 # ------------------------------------------------------------------------------------ inspect
 
 
-_NOT_REGULAR = (
-    (stat.S_ISDIR, "a folder, not a TFRecord file"),
-    (stat.S_ISCHR, "a character device, not a regular file"),
-    (stat.S_ISBLK, "a block device, not a regular file"),
-    (stat.S_ISFIFO, "a FIFO (named pipe), not a regular file"),
-    (stat.S_ISSOCK, "a socket, not a regular file"),
-)
-
-
 def _check_inspectable(path: str) -> None:
     """Refuse what is not a regular file, saying what it is (inspect reads each file twice, and a
     device such as /dev/zero never ends)."""
@@ -209,11 +199,9 @@ def _check_inspectable(path: str) -> None:
         raise CommandError(f"{path}: no such file") from None
     except OSError as e:
         raise CommandError(f"{path}: cannot read it ({e.strerror})") from None
-    for test, what in _NOT_REGULAR:
-        if test(mode):
-            raise CommandError(f"{path}: {what}")
-    if not stat.S_ISREG(mode):
-        raise CommandError(f"{path}: not a regular file")
+    what = not_regular(mode)
+    if what is not None:
+        raise CommandError(f"{path}: {what}")
 
 
 def run_inspect(args: argparse.Namespace) -> int:

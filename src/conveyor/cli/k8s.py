@@ -18,7 +18,8 @@ import socket
 import sys
 
 from conveyor.cli import Command, CommandError
-from conveyor.cluster import STRATEGY_NAMES
+from conveyor.cluster.settings import add_arguments as add_settings
+from conveyor.cluster.settings import given as given_settings
 from conveyor.errors import RendezvousError
 from conveyor.fileio import atomic_write
 from conveyor.launch.k8s import KINDS, K8sOptions, manifests, roles, to_yaml
@@ -29,6 +30,8 @@ examples:
   conveyor k8s --name digits --image registry.example.com/digits:1 -n 2 --ps 1 --strategy ps-sync \\
       --data-claim digits-data --output-claim digits-output -f digits.yaml train.py --epochs 20
   kubectl apply -f digits.yaml        # needs the JobSet controller (https://jobset.sigs.k8s.io); or --kind jobs
+  conveyor k8s --name lm --image registry.example.com/lm:1 -n 4 --strategy pipeline --stages 2 \\
+      --output-claim lm-output -f lm.yaml train.py      # 2 pipeline replicas of 2 stages
 
 Every pod runs `conveyor k8s-task --role R --cluster JSON SCRIPT ARGS` in IMAGE (conveyor installed, SCRIPT
 at that path inside it): the pod's index (JOB_COMPLETION_INDEX) picks its task, and the script gets what
@@ -50,20 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     job.add_argument("--image", required=True, help="the container image every pod runs (with conveyor)")
     job.add_argument("-n", "--workers", type=int, default=1, metavar="N", help="training pods (default 1)")
     job.add_argument("--ps", type=int, default=0, metavar="M", help="parameter-server pods (default 0)")
-    job.add_argument("--chief", action="store_true", help="run the first training task as chief:0 in a Job of its "
-                     "own (rank 0 either way)")
-    job.add_argument("--strategy", default=None, metavar="NAME",
-                     help=f"{', '.join(s for s in STRATEGY_NAMES if s != 'pipeline')} (default: allreduce; ps-sync "
-                     f"with --ps)")
     job.add_argument("--gpus", type=int, default=0, metavar="G",
                      help="1: each training pod asks for a GPU (nvidia.com/gpu) and trains on it (default 0)")
-    job.add_argument("--max-restarts", type=int, default=3, metavar="R",
-                     help="restart the whole job at most R times after a pod fails (JobSet; default 3)")
-    job.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
-                     help="CONVEYOR_TIMEOUT: collectives, and the wait for every pod's name (default 300)")
-    job.add_argument("--no-resume", dest="resume", action="store_false",
-                     help="start from scratch, ignoring checkpoints already in the output claim")
-    job.add_argument("--tf-flags", action="store_true", help="also give the script TensorFlow 1's cluster flags")
+    pipe = parser.add_argument_group("pipeline parallelism (--strategy pipeline)")
+    add_settings(dict(job=job, pipeline=pipe), "k8s")  # --strategy, --timeout, --max-restarts, --stages, ...
     cluster = parser.add_argument_group("Kubernetes")
     cluster.add_argument("--kind", choices=KINDS, default="jobset",
                          help="jobset (default: whole-job restarts) or jobs (plain Jobs + a Service, no restarts)")
@@ -93,12 +86,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     options = K8sOptions(
         name=args.name, image=args.image, script=args.script, script_args=tuple(args.script_args),
-        workers=args.workers, ps=args.ps, chief=args.chief, strategy=args.strategy, gpus=args.gpus,
-        data_claim=args.data_claim, data_dir=args.data_dir, output_claim=args.output_claim,
-        output_dir=args.output_dir, output_size=args.output_size, storage_class=args.storage_class,
-        secret_name=args.secret_name, namespace=args.namespace, kind=args.kind, max_restarts=args.max_restarts,
-        timeout=args.timeout, resume=args.resume, port=args.port, master_port=args.master_port,
-        tf_flags=args.tf_flags, network_policy=args.network_policy,
+        workers=args.workers, ps=args.ps, gpus=args.gpus, data_claim=args.data_claim, data_dir=args.data_dir,
+        output_claim=args.output_claim, output_dir=args.output_dir, output_size=args.output_size,
+        storage_class=args.storage_class, secret_name=args.secret_name, namespace=args.namespace, kind=args.kind,
+        port=args.port, master_port=args.master_port, network_policy=args.network_policy,
+        **given_settings(args, "k8s"),
     )
     secret = None if options.secret_name else secrets.token_hex(32)
     try:

@@ -23,8 +23,10 @@ import sys
 from collections.abc import Mapping
 
 from conveyor.cli import Command, CommandError
-from conveyor.cluster import STRATEGY_NAMES
-from conveyor.cluster.variables import JOB_SECRET_FILE_VAR, JOB_SECRET_VAR, SHARE_GPUS_VAR
+from conveyor.cluster.settings import add_arguments as add_settings
+from conveyor.cluster.settings import agreed_flags
+from conveyor.cluster.settings import given as given_settings
+from conveyor.cluster.variables import JOB_SECRET_FILE_VAR, JOB_SECRET_VAR
 from conveyor.launch import (
     OMP_DEFAULT_VAR,
     PeerError,
@@ -37,17 +39,13 @@ from conveyor.launch import (
     local_plan,
 )
 from conveyor.launch.binding import BIND_MODES
+from conveyor.launch.restarts import DELAY_CAP as RESTART_DELAY_CAP
+from conveyor.launch.restarts import RestartPolicy
 from conveyor.launch.slurm import allocation_note, slurm_node
 
-RESTART_DELAY_CAP = 30.0
 MAKE_SECRET = (f"make one with `openssl rand -hex 32 > job.secret && chmod 600 job.secret`, copy the same file to "
                f"every node and pass --job-secret-file job.secret (or set {JOB_SECRET_FILE_VAR} to its path, or "
                f"{JOB_SECRET_VAR} to its hex digits, e.g. from a Kubernetes Secret)")
-
-SPLIT_HELP = ("where each later stage begins: the modules to cut before (named_modules names, in forward order), "
-              "instead of a balanced --stages. A model that is not an nn.Sequential (its own forward: blocks in a "
-              "ModuleList, residuals) is cut this way only: torch.export traces it at the first batch and the "
-              "stages are cut from the graph")
 
 EXAMPLES = """\
 examples:
@@ -101,31 +99,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "only, not node 0)")
     job.add_argument("--ps", type=int, default=0, metavar="M",
                      help="parameter servers on this machine (default 0)")
-    job.add_argument("--strategy", default=None, metavar="NAME",
-                     help=f"{', '.join(STRATEGY_NAMES)} (default: allreduce; ps-sync with --ps; local for one "
-                     f"process)")
-    job.add_argument("--chief", action="store_true",
-                     help="name the first training task chief:0 instead of worker:0 (it is rank 0 either way)")
-    job.add_argument("--tf-flags", action="store_true",
-                     help="also give every task TensorFlow 1's cluster flags, right after SCRIPT: --ps_hosts=... "
-                     "--worker_hosts=... --job_name=worker|ps --task_index=I (not with --chief: worker 0 is TF1's "
-                     "chief)")
     job.add_argument("--linger", type=float, default=30.0, metavar="SECONDS",
                      help="once the job has succeeded (see below), how long tasks still running may take to exit "
                      "by themselves before they are stopped (default 30)")
     job.add_argument("--data-dir", default="data", metavar="D", help="the job's input folder (default ./data)")
     job.add_argument("--output-dir", default="output", metavar="O",
                      help="checkpoints, logs, metrics (default ./output)")
-    job.add_argument("--max-restarts", type=int, default=3, metavar="R",
-                     help="restart the whole job at most R times after a task fails (default 3)")
     job.add_argument("--restart-delay", type=float, default=1.0, metavar="SECONDS",
                      help="pause before a restart (default 1), doubled after each failure without a new "
                      f"checkpoint, at most {RESTART_DELAY_CAP:g} s (or SECONDS, if larger)")
-    job.add_argument("--no-resume", dest="resume", action="store_false",
-                     help="start from scratch, ignoring checkpoints already in OUTPUT_DIR (CONVEYOR_RESUME=0); "
-                          "restarts after a failure still resume from this job's own checkpoints")
-    job.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
-                     help="collective and rendezvous timeout, passed as CONVEYOR_TIMEOUT (default 300, at most 86400)")
     job.add_argument("--python", default=sys.executable, metavar="PATH",
                      help="interpreter that runs SCRIPT (default: the one running conveyor)")
     job.add_argument("--job-secret-file", default=None, metavar="FILE",
@@ -133,16 +115,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      f"600); default: ${JOB_SECRET_FILE_VAR}, ${JOB_SECRET_VAR}, else a fresh random one on one "
                      "machine. Required with --nnodes > 1: give every node the same file")
     job.add_argument("--dry-run", action="store_true", help="print every task's command and environment; start nothing")
-    _add_placement(parser)
+    place = parser.add_argument_group("placement: CPUs and GPUs")
+    place.add_argument("--bind", default="none", choices=BIND_MODES,
+                       help="pin each task of this machine to CPUs: core (an equal share of whole physical cores "
+                       "each), socket (one socket's cores, tasks round robin over sockets), none (default)")
     pipe = parser.add_argument_group("pipeline parallelism (--strategy pipeline)")
-    pipe.add_argument("--stages", type=int, default=None, metavar="S",
-                      help="cut the model (an nn.Sequential) into S stages balanced by parameter bytes; -n N with N a "
-                           "multiple of S runs N/S pipeline replicas")
-    pipe.add_argument("--microbatches", type=int, default=None, metavar="M",
-                      help="microbatches per batch (default 2*S, or the largest count below it that divides the "
-                           "batch); the batch size must be a multiple of M")
-    pipe.add_argument("--schedule", default=None, metavar="NAME", help="1f1b (default) or gpipe")
-    pipe.add_argument("--split", default=None, metavar="NAME,NAME", help=SPLIT_HELP)
+    add_settings(dict(job=job, placement=place, pipeline=pipe), "run")  # --strategy, --timeout, --stages, ...
     nodes = parser.add_argument_group("several machines")
     nodes.add_argument("--nnodes", type=int, default=None, metavar="K",
                        help="machines in the job (default 1; in an srun step: the step's nodes)")
@@ -153,25 +131,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="the script's arguments")
 
 
-def _add_placement(parser: argparse.ArgumentParser) -> None:
-    place = parser.add_argument_group("placement: CPUs and GPUs")
-    place.add_argument("--bind", default="none", choices=BIND_MODES,
-                       help="pin each task of this machine to CPUs: core (an equal share of whole physical cores "
-                       "each), socket (one socket's cores, tasks round robin over sockets), none (default)")
-    place.add_argument("--share-gpus", action="store_true",
-                       help="let more training tasks than visible GPUs share them (their collectives then go "
-                       f"through gloo, since NCCL refuses two ranks on one GPU; {SHARE_GPUS_VAR}=1); without it "
-                       "that is an error")
-
-
 def run(args: argparse.Namespace) -> int:
     options = RunOptions(
         script=args.script, script_args=tuple(args.script_args), workers=args.workers, ps=args.ps,
-        strategy=args.strategy, chief=args.chief, data_dir=os.path.abspath(args.data_dir),
-        output_dir=os.path.abspath(args.output_dir), max_restarts=args.max_restarts, resume=args.resume,
-        timeout=args.timeout, restart_delay=args.restart_delay, python=args.python, tf_flags=args.tf_flags,
-        linger=args.linger, stages=args.stages, microbatches=args.microbatches, schedule=args.schedule,
-        split=args.split, bind=args.bind, share_gpus=args.share_gpus,
+        data_dir=os.path.abspath(args.data_dir), output_dir=os.path.abspath(args.output_dir),
+        restart_delay=args.restart_delay, python=args.python, linger=args.linger, bind=args.bind,
+        **given_settings(args, "run"),
     )
     environ = dict(os.environ)  # before anything here touches os.environ: this is what the tasks inherit
     _from_slurm(args, environ)
@@ -200,19 +165,19 @@ def _supervisor(plan, options: RunOptions, peers=None) -> Supervisor:
               f"OMP_NUM_THREADS=1, as under torchrun, so that they do not overload the cores "
               f"(conveyor.init() gives its training tasks their share of the cores instead); set "
               f"OMP_NUM_THREADS to tune it", file=sys.stderr)
-    return Supervisor(plan, max_restarts=options.max_restarts, peers=peers, restart_delay=options.restart_delay,
-                      restart_delay_cap=max(RESTART_DELAY_CAP, options.restart_delay), linger=options.linger)
+    return Supervisor(plan, policy=RestartPolicy.for_run(options.max_restarts, options.restart_delay), peers=peers,
+                      linger=options.linger)
 
 
-#: The flags every node of a job must give alike: each node plans its own tasks from them, so a difference
-#: would split the job (two pipeline cuts, two strategies) instead of failing at the rendezvous.
-AGREED_FLAGS = ("strategy", "chief", "max_restarts", "tf_flags", "share_gpus", "resume", "timeout",
-                "stages", "microbatches", "schedule", "split")
+#: The flags every node of a job must give alike (the settings declared ``agreed``): each node plans its own
+#: tasks from them, so a difference would split the job (two pipeline cuts, two strategies) instead of
+#: failing at the rendezvous.
+AGREED_FLAGS = agreed_flags()
 
 
 def node_settings(options: RunOptions) -> dict:
     """What this node publishes at the rendezvous for the others to compare (``AGREED_FLAGS``)."""
-    return {flag: getattr(options, flag) for flag in AGREED_FLAGS}
+    return options.agreed()
 
 
 def _run_node(args: argparse.Namespace, options: RunOptions, environ: dict[str, str], secret: bytes) -> int:

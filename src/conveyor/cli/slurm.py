@@ -17,6 +17,8 @@ import subprocess
 import sys
 
 from conveyor.cli import Command, CommandError
+from conveyor.cluster.settings import add_arguments as add_settings
+from conveyor.cluster.settings import given as given_settings
 from conveyor.fileio import atomic_write
 from conveyor.launch.sbatch import SbatchJob, sbatch_script
 
@@ -51,7 +53,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "from node 0, or on --ps-nodes of their own")
     job.add_argument("--ps-nodes", type=int, default=0, metavar="P",
                      help="run the ps tasks alone on the last P of the --nodes (conveyor run -n 0 there)")
-    job.add_argument("--strategy", default=None, metavar="NAME", help="as conveyor run --strategy")
     job.add_argument("--data-dir", default="data", metavar="D", help="the job's input folder, shared (default ./data)")
     job.add_argument("--output-dir", default="output", metavar="O",
                      help="checkpoints, logs, metrics, shared (default ./output)")
@@ -59,6 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="the interpreter with conveyor installed, the same path on every node (default: this one)")
     job.add_argument("--run-option", action="append", default=[], metavar="ARG",
                      help="one more `conveyor run` argument, e.g. --run-option=--max-restarts=5 (repeat)")
+    settings = parser.add_argument_group("the job's settings, as `conveyor run` takes them (passed on to every node)")
+    add_settings(dict(job=settings), "slurm")
     slurm = parser.add_argument_group("Slurm")
     slurm.add_argument("--time", default=None, metavar="T", help="time limit, e.g. 90 or 1:30:00")
     slurm.add_argument("--partition", default=None, metavar="P")
@@ -79,11 +82,11 @@ def run(args: argparse.Namespace) -> int:
     workers = args.workers if args.workers is not None else (args.gpus_per_node or 1)
     job = SbatchJob(
         script=args.script, script_args=tuple(args.script_args), nodes=args.nodes, workers=workers,
-        gpus_per_node=args.gpus_per_node, ps=args.ps, ps_nodes=args.ps_nodes, strategy=args.strategy,
+        gpus_per_node=args.gpus_per_node, ps=args.ps, ps_nodes=args.ps_nodes,
         data_dir=os.path.abspath(args.data_dir), output_dir=os.path.abspath(args.output_dir), workdir=os.getcwd(),
         python=os.path.abspath(args.python), job_name=args.job_name, time=args.time, partition=args.partition,
         account=args.account, cpus_per_node=args.cpus_per_node, run_args=tuple(args.run_option),
-        sbatch_args=tuple(args.sbatch_option),
+        sbatch_args=tuple(args.sbatch_option), **given_settings(args, "slurm"),
     )
     text = sbatch_script(job)
     if args.output is not None:

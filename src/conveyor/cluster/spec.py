@@ -85,6 +85,8 @@ class ClusterConfigError(ConveyorError, ValueError):
     with status 2 on one) need not know this layer. The message names the field and the expected shape.
     """
 
+    usage_error = True  # a restart meets it again: `conveyor run` does not retry it
+
 
 class _ShortRepr(reprlib.Repr):
     def __init__(self) -> None:

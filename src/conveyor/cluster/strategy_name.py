@@ -40,6 +40,9 @@ class StrategyName:
             return self.kind
         return f"ps-ssp:{self.staleness}" if self.mode == "ssp" else f"ps-{self.mode}"
 
+    def __str__(self) -> str:
+        return self.name
+
     @property
     def uses_ps(self) -> bool:
         """True for the parameter-server strategies, which need ps tasks in the job."""
@@ -52,10 +55,13 @@ class StrategyName:
 
 
 def parse_strategy(text: object, *, what: str = "strategy") -> StrategyName:
-    """The :class:`StrategyName` spelt by ``text``; ``ValueError`` naming the value and the choices otherwise.
+    """The :class:`StrategyName` spelt by ``text`` (one already parsed is returned as it is); ``ValueError``
+    naming the value and the choices otherwise.
 
     ``what`` names where the value came from in the message (the launcher passes ``"--strategy"``).
     """
+    if isinstance(text, StrategyName):
+        return text
     if not isinstance(text, str):
         raise ValueError(f"{what} = {text!r}; expected one of {_choices()}")
     key = text.strip().lower()

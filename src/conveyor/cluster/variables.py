@@ -6,6 +6,8 @@
 :data:`VARIABLES` is the table: each variable, what it means, who sets it and who reads it. A launcher
 and the process it starts cannot drift apart about a name. TensorFlow's ``TF_CONFIG`` and torch's and
 torchrun's variables keep their own names (:mod:`conveyor.cluster.env`, :mod:`conveyor.launch.plan`).
+The job's settings among them (strategy, timeout, pipeline, ...) are declared with their flags and checks
+in :mod:`conveyor.cluster.settings`, which writes and reads them.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class Variable:
 
 _RUN = "`conveyor run`"
 _INIT = "conveyor.init()"
+_PIPE = f"{_INIT} (job.settings), for the pipeline strategy"
 
 #: Every ``CONVEYOR_*`` variable: the table users read to know what a task is told and what they may set.
 VARIABLES: tuple[Variable, ...] = (
@@ -101,12 +104,12 @@ VARIABLES: tuple[Variable, ...] = (
              "collectives then go through gloo: NCCL refuses two ranks on one GPU); otherwise that is refused",
              f"{_RUN} (--share-gpus), or the user", f"{_INIT} (its share_gpus argument wins)"),
     Variable(PIPELINE_STAGES_VAR, "pipeline stages S per replica", f"{_RUN} (--stages), or the user",
-             "the pipeline strategy"),
+             _PIPE),
     Variable(PIPELINE_MICROBATCHES_VAR, "microbatches M per step (default 2 S, or less to divide the batch)",
-             f"{_RUN} (--microbatches)", "the pipeline strategy"),
-    Variable(PIPELINE_SCHEDULE_VAR, "1f1b (default) or gpipe", f"{_RUN} (--schedule)", "the pipeline strategy"),
+             f"{_RUN} (--microbatches)", _PIPE),
+    Variable(PIPELINE_SCHEDULE_VAR, "1f1b (default) or gpipe", f"{_RUN} (--schedule)", _PIPE),
     Variable(PIPELINE_SPLIT_VAR, "layer names to cut the model before, comma-separated", f"{_RUN} (--split)",
-             "the pipeline strategy"),
+             _PIPE),
 )
 
 #: The names alone, in the table's order.

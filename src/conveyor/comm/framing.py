@@ -13,7 +13,7 @@ everything else with a :class:`BadMessage` whose ``reason`` (``frame_count``, ``
 transport counts drops by. Senders must be unique across restarts: :func:`sender_id` adds a
 per-process nonce, :func:`next_seq` counts per process. ``bfloat16`` travels as its ``uint16`` bit
 pattern; torch is imported only by the two torch helpers. The wire format, the reasons for two MACs and
-each rejection reason: ``docs/architecture.md``, "Message framing and authentication".
+each rejection reason: ``docs/ps.md``, "Message framing and authentication".
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ a port taken on rank 0 raises :class:`AddressInUseError` at once; the store rank
 torchrun with ``TORCHELASTIC_USE_AGENT_STORE=True`` every rank is a client of the agent's store.
 :func:`collective_guard` re-raises gloo's "connection closed" and "timed out" errors as
 :class:`PeerError`, naming the peer when it can be known, and lets every other error through untouched.
-What gloo says and how the peer is found: docs/architecture.md, "Process groups and rendezvous".
+What gloo says and how the peer is found: docs/launcher.md, "Process groups and rendezvous".
 """
 
 from __future__ import annotations

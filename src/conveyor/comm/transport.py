@@ -16,7 +16,7 @@ raises becomes a :class:`RemoteError` at the client; payloads over ``part_bytes`
 signed parts; every request has a timeout, after which :class:`ServerUnavailable` says what the
 connection looked like. Tensors travel without copies, so keep those given to :meth:`Client.send`
 unchanged until :meth:`Client.receive` returns. A socket belongs to one thread. The reasons and the
-measurements: ``docs/architecture.md``, "The parameter-server transport".
+measurements: ``docs/ps.md``, "The parameter-server transport".
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import pickletools
 import tarfile
 import zlib
 from collections.abc import Callable, Mapping
@@ -39,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from conveyor.data.convert import ConversionError, convert_arrays
+from conveyor.data.convert import ConversionError, check_class_names, convert_arrays
 
 __all__ = ["LAYOUTS", "CifarData", "CifarLayout", "CifarUnpickler", "UnsafePickleError", "convert_cifar",
            "detect_cifar", "read_cifar"]
@@ -111,10 +112,42 @@ class UnsafePickleError(ConversionError):
     """A pickle references a global that a CIFAR file never does; nothing of it was run."""
 
 
-def _reconstruct() -> Any:
+def _numpy_reconstruct() -> Any:
     # The function numpy itself pickles arrays with, taken from numpy rather than imported by name:
     # numpy 2 moved it to numpy._core, and importing numpy.core there warns.
     return np.ndarray.__reduce__(np.zeros(0, np.uint8))[0]
+
+
+_RECONSTRUCT = _numpy_reconstruct()
+
+
+class _NdarrayType:
+    """What ``numpy.ndarray`` unpickles to: only a token for `_empty_array`. The class itself would be
+    callable from the pickle, and ``ndarray((10**9,), "O")`` fills 8 GB with None."""
+
+
+_NDARRAY = _NdarrayType()
+
+
+def _empty_array(subtype: Any, shape: Any, typecode: Any) -> np.ndarray:
+    """numpy's ``_reconstruct`` as its pickles call it: an empty ndarray, filled by ``__setstate__``
+    (which checks the data against the shape). Any other shape would be allocated before that check."""
+    if subtype is not _NDARRAY or shape != (0,):
+        raise pickle.UnpicklingError(f"an array is reconstructed as {subtype!r} of shape {shape!r}, not as numpy "
+                                     f"pickles one (ndarray of shape (0,))")
+    return _RECONSTRUCT(np.ndarray, (0,), b"b")
+
+
+def _plain_dtype(spec: Any, align: Any = False, copy: Any = False) -> np.dtype:
+    """``numpy.dtype(spec, align, copy)`` for a plain number type, returned as numpy's shared instance.
+
+    The pickle then sets that dtype's state, which numpy ignores for its shared instances: a copy
+    would take any flags, and a uint8 flagged as holding objects makes numpy read pixels as pointers.
+    """
+    dtype = np.dtype(spec) if isinstance(spec, (str, bytes)) else None
+    if dtype is None or dtype.kind not in "biuf" or dtype.isbuiltin != 1:
+        raise pickle.UnpicklingError(f"the dtype {spec!r} is not a plain number type, which CIFAR arrays are")
+    return dtype
 
 
 class CifarUnpickler(pickle.Unpickler):
@@ -126,17 +159,18 @@ class CifarUnpickler(pickle.Unpickler):
     only numpy's array reconstructor, `numpy.ndarray` and `numpy.dtype` — all that the files (written
     by Python 2's cPickle, protocol 2) reference; dicts, lists, strings and ints need no global.
     Anything else (``os.system``, ``builtins.eval``, ...) stops loading before it can be called.
+    Those three are admitted only as the files use them: an empty array, a plain number dtype.
     """
 
     def __init__(self, file: io.BufferedIOBase, name: str):
         # latin1: the files are Python 2 pickles, and numpy needs their str data back byte for byte.
         super().__init__(file, encoding="latin1")
         self.name = name
-        self.allowed = {
-            ("numpy.core.multiarray", "_reconstruct"): _reconstruct(),  # how the official files spell it
-            ("numpy._core.multiarray", "_reconstruct"): _reconstruct(),  # the same, pickled under numpy 2
-            ("numpy", "ndarray"): np.ndarray,
-            ("numpy", "dtype"): np.dtype,
+        self.allowed = {  # each in the narrow form the files use it in (see the functions)
+            ("numpy.core.multiarray", "_reconstruct"): _empty_array,  # how the official files spell it
+            ("numpy._core.multiarray", "_reconstruct"): _empty_array,  # the same, pickled under numpy 2
+            ("numpy", "ndarray"): _NDARRAY,
+            ("numpy", "dtype"): _plain_dtype,
         }
 
     def find_class(self, module: str, name: str) -> Any:
@@ -154,10 +188,27 @@ class CifarUnpickler(pickle.Unpickler):
                                 f"unpickle it")
 
 
+_MEMO_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+
+
+def _check_opcodes(data: bytes, name: str) -> None:
+    """Read the pickle's opcodes without running them, refusing memo slots a pickler never writes.
+
+    A pickler numbers its memo slots from 0, one per opcode at most. The unpickler grows its memo
+    table to twice the largest slot it is given and zeroes it: ``LONG_BINPUT 2**28`` in a 9-byte
+    pickle costs 4 GiB. Truncated or unknown opcodes stop here too (ValueError).
+    """
+    for count, (op, arg, _) in enumerate(pickletools.genops(data), 1):
+        if op.name in _MEMO_PUTS and int(arg) >= count:
+            raise ConversionError(f"{name} is damaged: its opcode {count} stores into memo slot {arg}, which no "
+                                  f"pickler writes (it would cost {arg * 16} bytes of memory); not a CIFAR file")
+
+
 def _unpickle(data: bytes, name: str) -> dict[str, Any]:
     try:
+        _check_opcodes(data, name)
         obj = CifarUnpickler(io.BytesIO(data), name).load()
-    except UnsafePickleError:
+    except ConversionError:  # UnsafePickleError, or a memo bomb: already says what and where
         raise
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError,
             KeyError, MemoryError, UnicodeDecodeError) as e:
@@ -171,24 +222,93 @@ def _unpickle(data: bytes, name: str) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ archives
 
 
-def _tar_members(path: Path, wanted: set[str]) -> dict[str, bytes]:
-    """The regular files named in ``wanted``, read in one pass (a .tar.gz cannot seek cheaply)."""
+# What an official member can hold, checked before it is read: its records (CIFAR-10 has 10,000 per
+# batch, CIFAR-100 50,000 in train and 10,000 in test) plus, in a pickle, a label and a file name each.
+_RECORDS = {"train": 50_000, "test": 10_000}
+_PICKLE_BYTES_PER_RECORD = PIXELS + 256  # the official pickles hold about PIXELS + 32
+_SMALL_MEMBER = 1 << 16  # class names (the largest, CIFAR-100's meta, is 1.5 KB) and tar extension headers
+_MAX_ENTRIES = 64  # an official archive holds 5 to 9
+
+
+def _member_limits(layout: CifarLayout) -> dict[str, int]:
+    """Member → the most bytes it may hold in an official archive."""
+    limits = {}
+    for split, names in layout.splits.items():
+        records = _RECORDS[split] // len(names)
+        for name in names:
+            limits[name] = (records * (len(layout.label_keys) + PIXELS) if layout.binary
+                            else records * _PICKLE_BYTES_PER_RECORD + _SMALL_MEMBER)
+    for name in [layout.meta] if layout.meta else layout.names.values():
+        limits[name] = _SMALL_MEMBER
+    return limits
+
+
+def _too_large(layout: CifarLayout, where: str, size: int, limit: int) -> ConversionError:
+    return ConversionError(f"{where} is {size} bytes, more than the {limit} an official {layout.archive} member "
+                           f"can hold: not a CIFAR archive (a decompression bomb, or damaged), so it is not read; "
+                           f"download {layout.archive} again from {layout.url}")
+
+
+class _BoundedTarInfo(tarfile.TarInfo):
+    """A tar header whose extension blocks are size-checked before tarfile reads them whole into
+    memory: a long name or pax header claiming 3 GiB would otherwise be allocated on ``next()``."""
+
+    _EXTENSIONS = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE,
+                   tarfile.SOLARIS_XHDTYPE)
+
+    def _proc_member(self, tar: tarfile.TarFile) -> tarfile.TarInfo:
+        if self.type in self._EXTENSIONS and self.size > _SMALL_MEMBER:
+            raise ConversionError(f"{tar.name} holds a tar extension header of {self.size} bytes (a long name or "
+                                  f"pax header needs a few hundred): not a CIFAR archive (a decompression bomb, or "
+                                  f"damaged), so it is not read; download it again from {CIFAR_PAGE}")
+        return super()._proc_member(tar)
+
+
+def _open_tar(path: Path) -> tarfile.TarFile:
+    return tarfile.open(path, "r:*", tarinfo=_BoundedTarInfo)
+
+
+def _tar_members(path: Path, layout: CifarLayout, limits: dict[str, int]) -> dict[str, bytes]:
+    """The regular files named in ``limits`` (full member names), read in one pass (a .tar.gz cannot seek
+    cheaply), each checked against its limit before it is read."""
     found: dict[str, bytes] = {}
-    with tarfile.open(path, "r:*") as tar:
-        for member in tar:
-            if member.isfile() and member.name in wanted:
+    with _open_tar(path) as tar:
+        for count, member in enumerate(tar, 1):
+            if count > _MAX_ENTRIES:
+                raise ConversionError(f"{path} holds more than {_MAX_ENTRIES} entries, and an official "
+                                      f"{layout.archive} fewer than 10: not a CIFAR archive; download it again "
+                                      f"from {layout.url}")
+            if member.isfile() and member.name in limits:
+                if member.size > limits[member.name]:
+                    raise _too_large(layout, f"{member.name} in {path}", member.size, limits[member.name])
                 found[member.name] = tar.extractfile(member).read()
+                if len(found) == len(limits):
+                    break
+    return found
+
+
+def _folder_members(root: Path, layout: CifarLayout, limits: dict[str, int]) -> dict[str, bytes]:
+    """The regular files of an extracted folder, each checked against its limit before it is read."""
+    found = {}
+    for name, limit in limits.items():
+        path = root / name
+        if not path.is_file():  # follows links; a FIFO or device is not a file (and is reported missing)
+            continue
+        size = path.stat().st_size
+        if size > limit:
+            raise _too_large(layout, str(path), size, limit)
+        found[f"{layout.folder}/{name}"] = path.read_bytes()
     return found
 
 
 def _read_members(path: Path, layout: CifarLayout, wanted: list[str]) -> dict[str, bytes]:
+    limits = {n: limit for n, limit in _member_limits(layout).items() if n in wanted}
     names = {f"{layout.folder}/{n}" for n in wanted}
     if path.is_dir():
-        root = path if path.name == layout.folder else path / layout.folder
-        found = {f"{layout.folder}/{n}": (root / n).read_bytes() for n in wanted if (root / n).is_file()}
+        found = _folder_members(path if path.name == layout.folder else path / layout.folder, layout, limits)
     else:
         try:
-            found = _tar_members(path, names)
+            found = _tar_members(path, layout, {f"{layout.folder}/{n}": limit for n, limit in limits.items()})
         except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
             raise ConversionError(f"{path} is damaged or incomplete ({e}); download it again from "
                                   f"{layout.url}") from None
@@ -213,7 +333,7 @@ def detect_cifar(path: str | os.PathLike) -> CifarLayout | None:
     if not path.is_file() or not path.name.lower().endswith(TAR_ENDINGS):
         return None
     try:
-        with tarfile.open(path, "r:*") as tar:
+        with _open_tar(path) as tar:
             first = tar.next()
     except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
         raise ConversionError(f"{path} is damaged or not a tar archive ({e}); download the CIFAR archive again "
@@ -290,16 +410,31 @@ def _parse_python(layout: CifarLayout, name: str, batch: dict[str, Any]) -> tupl
     labels = {}
     for key in layout.label_keys:
         pykey = _PY_LABEL_KEY[(layout.dataset, key)]
-        values = batch.get(pykey)
-        try:
-            arr = np.asarray(values, dtype=np.int64)
-        except (TypeError, ValueError, OverflowError):
-            arr = None
-        if arr is None or arr.shape != (len(data),):
-            raise ConversionError(f"{name}: '{pykey}' must be a list of {len(data)} integers (one per row of "
-                                  f"'data'), got {type(values).__name__}")
-        labels[key] = arr
+        labels[key] = _python_labels(name, pykey, batch.get(pykey), len(data))
     return data, labels
+
+
+def _python_labels(name: str, key: str, values: Any, n: int) -> np.ndarray:
+    """``values`` as n int64 labels, checked to be a flat list of n ints *before* numpy converts it: in
+    a pickle's memo, 600 bytes of nested lists can stand for 10**9 integers (8 GB as an array)."""
+    if isinstance(values, np.ndarray) and values.shape == (n,) and values.dtype.kind in "iu":
+        return values.astype(np.int64)
+    seq = isinstance(values, (list, tuple))
+    odd = next((v for v in values if type(v) is not int), None) if seq and len(values) == n else None
+    if seq and len(values) == n and odd is None:
+        try:
+            return np.array(values, dtype=np.int64)
+        except OverflowError:
+            pass  # an integer beyond int64: refused below
+    if seq and len(values) != n:
+        got = f"{len(values)} items"
+    elif seq:
+        got = f"an item of type {type(odd).__name__}" if odd is not None else "an integer beyond int64"
+    elif isinstance(values, np.ndarray):
+        got = f"a {values.dtype} array of shape {values.shape}"
+    else:
+        got = type(values).__name__
+    raise ConversionError(f"{name}: '{key}' must be a list of {n} integers (one per row of 'data'), got {got}")
 
 
 def _class_names(layout: CifarLayout, files: dict[str, bytes], where: Callable[[str], str]) -> dict[str, list[str]]:
@@ -317,6 +452,7 @@ def _class_names(layout: CifarLayout, files: dict[str, bytes], where: Callable[[
         if not isinstance(names, list) or len(names) != layout.num_classes[key]:
             raise ConversionError(f"{origin} must name the {layout.num_classes[key]} classes of {layout.dataset}, "
                                   f"one each")
+        check_class_names(names, origin, f"not a CIFAR file; download {layout.archive} again from {layout.url}")
         out[key] = names
     return out
 

@@ -7,7 +7,7 @@ The output is what TensorFlow's converters produce: ``<prefix>-00000-of-00008.tf
 Example per row, plus ``dataset.json`` (records per shard, features, source) and, for image folders,
 ``classes.txt``. Rows are dealt round-robin over the shards (splits are shuffled, with seed 0 unless
 given), and no shard appears under its final name unless every shard was written. Needs numpy, Pillow
-and tqdm, never torch. Layout and encodings: ``docs/architecture.md``, "Converting data to TFRecord".
+and tqdm, never torch. Layout and encodings: ``docs/data.md``, "Converting data to TFRecord".
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from conveyor.fileio import atomic_write
 __all__ = [
     "IMAGE_EXTENSIONS",
     "ConversionError",
+    "check_class_names",
     "convert_arrays",
     "convert_image_folder",
     "load_npz",
@@ -52,6 +53,15 @@ _INT64_MAX = np.iinfo(np.int64).max
 
 class ConversionError(ValueError):
     """The source cannot be converted as asked (the message names the array, file or argument)."""
+
+
+def check_class_names(names: Sequence[str], origin: str, fix: str) -> None:
+    """Refuse a class name that would not be one line of ``classes.txt`` (line i names class i): one
+    holding a line break (``\\n``, ``\\r``, and the others ``str.splitlines`` splits at), or empty."""
+    for i, name in enumerate(names):
+        if name.splitlines() != [name]:
+            raise ConversionError(f"{origin}: class {i} is named {name!r}, which is not one line of {CLASSES_FILE} "
+                                  f"(line i names class i); {fix}")
 
 
 def shard_filename(prefix: str, index: int, count: int) -> str:
@@ -262,6 +272,7 @@ def scan_image_folder(folder: str | os.PathLike) -> tuple[list[str], list[tuple[
     if not root.is_dir():
         raise ConversionError(f"{root} is not a folder")
     classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    check_class_names(classes, str(root), "rename that folder")
     if not classes:
         raise ConversionError(
             f"{root} has no sub-folders; expected one sub-folder per class holding its images "

@@ -11,7 +11,7 @@ The only module of `conveyor.data` that imports torch; the rest of the data laye
 `to_torch(ds)` is the recommended way in (no DataLoader needed); `as_torch_dataset(ds)` is an
 `IterableDataset` for DataLoader-based code, which cannot resume. `to_tensors` converts without copying
 numpy arrays and keeps the element's structure. When to use which, and the conversion rules:
-`docs/architecture.md`, "PyTorch input".
+`docs/data.md`, "PyTorch input".
 """
 
 from __future__ import annotations

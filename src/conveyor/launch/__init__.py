@@ -6,7 +6,8 @@
 - :mod:`.binding`    - ``--bind``: each task's CPUs from the machine's topology, decided purely;
 - :mod:`.supervisor` - starts the plan's tasks in their own process groups, prefixes and logs their
   output, restarts the whole job when a task dies, stops every task on Ctrl-C/SIGTERM; one task's
-  process is :mod:`.tasks`, when to restart is :mod:`.restarts`;
+  process is :mod:`.tasks`, its states :mod:`.states`, when to restart :mod:`.restarts` (what failed:
+  :mod:`.failures`);
 - :mod:`.rendezvous` - several machines: the launchers meet at node 0's ``torch.distributed.TCPStore``
   and agree on one cluster (torch is imported there only, when a job spans machines).
 

@@ -30,18 +30,10 @@ import json
 import re
 from dataclasses import dataclass
 
-from conveyor.cluster import ClusterSpec, join_address
-from conveyor.cluster.strategy_name import parse_strategy
-from conveyor.cluster.variables import (
-    DATA_DIR_VAR,
-    JOB_SECRET_VAR,
-    OUTPUT_DIR_VAR,
-    RESTART_COUNT_VAR,
-    RESUME_VAR,
-    STRATEGY_VAR,
-    TIMEOUT_VAR,
-)
-from conveyor.launch.plan import MAX_TIMEOUT, resolve_strategy
+from conveyor.cluster import ClusterSpec, join_address, validate
+from conveyor.cluster.settings import JobSettings
+from conveyor.cluster.variables import JOB_SECRET_VAR, RESTART_COUNT_VAR
+from conveyor.launch.plan import job_strategy
 
 __all__ = ["JOBSET_API", "KINDS", "SECRET_KEY", "K8sOptions", "cluster_of", "manifests", "pod_host", "roles",
            "to_yaml"]
@@ -56,11 +48,12 @@ _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]
 _QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
 
 
-@dataclass(frozen=True)
-class K8sOptions:
-    """`conveyor k8s`'s settings, checked once (errors name the flag). ``workers`` counts training tasks,
-    the chief among them with ``chief=True``, as under `conveyor run`; ``strategy`` is resolved to its
-    canonical name (the default for the job's shape when ``None``)."""
+@dataclass(frozen=True, kw_only=True)
+class K8sOptions(JobSettings):
+    """`conveyor k8s`'s options: the job's settings (:class:`JobSettings`: strategy, timeout, pipeline, ...)
+    and the manifests' own, checked once (errors name the flag). ``workers`` counts training tasks, the
+    chief among them with ``chief=True``, as under `conveyor run`; ``strategy`` is resolved (the default
+    for the job's shape when ``None``)."""
 
     name: str
     image: str
@@ -69,33 +62,26 @@ class K8sOptions:
     script_args: tuple[str, ...] = ()
     workers: int = 1
     ps: int = 0
-    chief: bool = False
-    strategy: str | None = None
     gpus: int = 0
     data_claim: str | None = None
-    data_dir: str = "/data"
+    data_dir: str = "/data"  # the folders inside the pods
     output_dir: str = "/output"
     output_size: str | None = None
     storage_class: str | None = None
     secret_name: str | None = None
     namespace: str | None = None
     kind: str = "jobset"
-    max_restarts: int = 3
-    timeout: float = 300.0
-    resume: bool = True
     port: int = 2222
     master_port: int = 29500
-    tf_flags: bool = False
     network_policy: bool = True
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         object.__setattr__(self, "script_args", tuple(self.script_args))
         if self.kind not in KINDS:
             raise ValueError(f"--kind {self.kind!r}: expected {' or '.join(KINDS)}")
-        for flag, value, low in (("--workers", self.workers, 1), ("--ps", self.ps, 0), ("--gpus", self.gpus, 0),
-                                 ("--max-restarts", self.max_restarts, 0)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"{flag} {value!r}: expected a whole number >= {low}")
+        for flag, value, low in (("--workers", self.workers, 1), ("--ps", self.ps, 0), ("--gpus", self.gpus, 0)):
+            validate.count(value, flag, low)
         if self.gpus > 1:
             raise ValueError(f"--gpus {self.gpus}: a pod runs one training process, which trains on one GPU "
                              f"(conveyor.init() takes the GPU of its local rank); for more GPUs run more pods "
@@ -103,14 +89,10 @@ class K8sOptions:
         for flag, port in (("--port", self.port), ("--master-port", self.master_port)):
             if not 1 <= port <= 65535:
                 raise ValueError(f"{flag} {port}: expected a port number 1-65535")
-        if not 0 < self.timeout <= MAX_TIMEOUT:
-            raise ValueError(f"--timeout {self.timeout:g}: expected 0 < seconds <= {MAX_TIMEOUT:g}")
         if not self.image or any(c.isspace() for c in self.image):
             raise ValueError(f"--image {self.image!r}: expected an image reference such as registry/train:1.0")
         if not self.script:
             raise ValueError("SCRIPT is missing: give the training script's path inside the image")
-        if self.tf_flags and self.chief:
-            raise ValueError("--tf-flags gives TensorFlow 1's flags, which have no chief job: drop --chief")
         for flag, path in (("--data-dir", self.data_dir), ("--output-dir", self.output_dir)):
             if not path.startswith("/") or path.rstrip("/") == "":
                 raise ValueError(f"{flag} {path!r}: expected an absolute folder inside the pods, such as /data")
@@ -119,11 +101,8 @@ class K8sOptions:
         if self.output_size is not None and not _QUANTITY.fullmatch(self.output_size):
             raise ValueError(f"--output-size {self.output_size!r}: expected a Kubernetes quantity such as 50Gi")
         self._check_names()
-        strategy = resolve_strategy(self.strategy, self.workers, self.ps)
-        if parse_strategy(strategy).kind == "pipeline":
-            raise ValueError("--strategy pipeline: conveyor k8s writes data-parallel jobs (allreduce, ps-sync, "
-                             "ps-async, ps-ssp:K, or local for one worker); run pipeline jobs with `conveyor run`")
-        object.__setattr__(self, "strategy", strategy)
+        self.check_job(self.workers)
+        object.__setattr__(self, "strategy", job_strategy(self.strategy, self.workers, self.ps))
 
     def _check_names(self) -> None:
         longest = max(len(pod_host(self, role, count - 1)) for role, count in roles(self))
@@ -263,27 +242,21 @@ def _pod_spec(options: K8sOptions, role: str) -> dict:
     if role != "ps":
         ports.append({"name": "rendezvous", "containerPort": options.master_port})
     container: dict = {"name": role, "image": options.image, "command": ["conveyor", "k8s-task"], "args": args,
-                       "env": _env(options), "ports": ports, "volumeMounts": mounts}
+                       "env": _env(options, role), "ports": ports, "volumeMounts": mounts}
     if options.gpus and role != "ps":
         container["resources"] = {"limits": {"nvidia.com/gpu": options.gpus}}
     return {"subdomain": options.name, "restartPolicy": "Never", "automountServiceAccountToken": False,
             "enableServiceLinks": False, "containers": [container], "volumes": volumes}
 
 
-def _env(options: K8sOptions) -> list[dict]:
-    """What every pod is told alike; its own task is derived at start (conveyor k8s-task)."""
-    env: list[dict] = [
-        {"name": STRATEGY_VAR, "value": options.strategy},
-        {"name": DATA_DIR_VAR, "value": options.data_dir},
-        {"name": OUTPUT_DIR_VAR, "value": options.output_dir},
-        {"name": TIMEOUT_VAR, "value": f"{options.timeout:g}"},
-        {"name": RESUME_VAR, "value": "1" if options.resume else "0"},
-        {"name": JOB_SECRET_VAR, "valueFrom": {"secretKeyRef": {"name": options.secret, "key": SECRET_KEY}}},
-    ]
-    if options.kind == "jobset":
-        env.append({"name": RESTART_COUNT_VAR, "valueFrom": {"fieldRef": {
-            "fieldPath": f"metadata.annotations['{RESTART_ATTEMPT}']"}}})
-    else:
-        env.append({"name": RESTART_COUNT_VAR, "value": "0"})
+def _env(options: K8sOptions, role: str) -> list[dict]:
+    """What every pod of ``role`` is told alike: the job's settings (:meth:`JobSettings.environ`), the secret;
+    its own task is derived at start (conveyor k8s-task)."""
+    env: list[dict] = [{"name": name, "value": value}
+                       for name, value in options.environ(training=role != "ps").items()]
+    if options.kind == "jobset":  # JobSet counts the restarts: each attempt's pods carry the count
+        restarts = {"valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{RESTART_ATTEMPT}']"}}}
+        env = [{"name": RESTART_COUNT_VAR, **restarts} if e["name"] == RESTART_COUNT_VAR else e for e in env]
+    env.append({"name": JOB_SECRET_VAR, "valueFrom": {"secretKeyRef": {"name": options.secret, "key": SECRET_KEY}}})
     env.append({"name": "PYTHONUNBUFFERED", "value": "1"})  # kubectl logs shows lines as they are printed
     return env

@@ -10,7 +10,7 @@ between attempts. Node 0's thread reads the beats; a node that has not beaten fo
 and has not left, is lost (its machine died, or is cut off): node 0 writes the job's abort record naming
 it, and every launcher stops its tasks and fails (a job cannot go on without one of its machines). A
 lost node 0 takes the store with it, which every other launcher's next call to it reports. Why:
-docs/architecture.md, "Process groups and rendezvous".
+docs/launcher.md, "Process groups and rendezvous".
 """
 
 from __future__ import annotations

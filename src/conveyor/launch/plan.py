@@ -10,9 +10,9 @@ Arguments + free ports (+ what the other machines published at the rendezvous) â
 ``TaskLaunch(task, argv, env, log_path)``. Nothing here starts a process or opens a socket, so every
 environment can be compared by equality and printed by ``--dry-run``. Rank 0 runs on node 0; every
 task gets the caller's environment minus the launcher's own variables, plus its cluster identity,
-conveyor's and torchrun's variables (docs/training-contracts.md, "Launcher"), and with
+conveyor's and torchrun's variables (docs/launcher.md, "Settings from the launcher to the task"), and with
 ``tf_flags=True`` TensorFlow 1's cluster flags; with ``bind`` each task's CPUs (``launch/binding.py``).
-Placement and every variable: ``docs/architecture.md``, "The launcher: restarts and failures".
+Placement and every variable: ``docs/launcher.md``, "The plan".
 """
 
 from __future__ import annotations
@@ -26,19 +26,15 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from conveyor.cluster import ClusterSpec, TaskId, join_address, task_environment
+from conveyor.cluster import ClusterSpec, TaskId, join_address, task_environment, validate
+from conveyor.cluster.settings import JobSettings, owned_variables
 from conveyor.cluster.strategy_name import NAMES as STRATEGY_NAMES
-from conveyor.cluster.strategy_name import default_strategy, parse_strategy
+from conveyor.cluster.strategy_name import StrategyName, default_strategy, parse_strategy
 from conveyor.cluster.variables import (  # re-exported: conveyor.launch.*_VAR and the supervisor use them
-    DATA_DIR_VAR,
     JOB_SECRET_VAR,
     OMP_DEFAULT_VAR,
-    OUTPUT_DIR_VAR,
-    PIPELINE_VARS,
     RESTART_COUNT_VAR,
     RESUME_VAR,
-    SHARE_GPUS_VAR,
-    STRATEGY_VAR,
     TASK_INDEX_VAR,
     TASK_TYPE_VAR,
     TIMEOUT_VAR,
@@ -62,6 +58,7 @@ __all__ = [
     "build_plan",
     "cluster_from_nodes",
     "describe_plan",
+    "job_strategy",
     "local_plan",
     "max_tasks_per_node",
     "resolve_strategy",
@@ -85,22 +82,20 @@ STRATEGIES: tuple[str, ...] = STRATEGY_NAMES
 FILES_PER_TASK = 3
 #: Open files the launcher keeps for itself (stdio, the interpreter's own, torch and the rendezvous store).
 _FILES_RESERVED = 64
-#: The longest --timeout: one day. A longer collective or rendezvous timeout is a typo, or a hang unnoticed.
-MAX_TIMEOUT = 86400.0
 
 #: Variables the launcher sets on some or all tasks; removed from the inherited environment first, so
 #: that only the launcher's own values (or none) reach a task.
 #: TORCH_NCCL_ASYNC_ERROR_HANDLING is not among them: the caller's value is passed on, as torchrun does.
 OWNED_VARS: tuple[str, ...] = (
     "TF_CONFIG", *(v for v in TORCHRUN_VARS if v != "TORCH_NCCL_ASYNC_ERROR_HANDLING"),
-    TASK_TYPE_VAR, TASK_INDEX_VAR, STRATEGY_VAR, DATA_DIR_VAR, OUTPUT_DIR_VAR, JOB_SECRET_VAR,
-    RESTART_COUNT_VAR, RESUME_VAR, TIMEOUT_VAR, OMP_DEFAULT_VAR, *PIPELINE_VARS.values(),
+    TASK_TYPE_VAR, TASK_INDEX_VAR, JOB_SECRET_VAR, OMP_DEFAULT_VAR, *owned_variables(),
 )
 
 
-@dataclass(frozen=True)
-class RunOptions:
-    """`conveyor run`'s settings for this machine, checked once (errors name the flag).
+@dataclass(frozen=True, kw_only=True)
+class RunOptions(JobSettings):
+    """`conveyor run`'s options for this machine: the job's settings (:class:`JobSettings`: strategy, timeout,
+    pipeline, ...) and the launcher's own, checked once (errors name the flag).
 
     ``workers`` counts training tasks (``worker:0..N-1``; with ``chief=True`` the first is ``chief:0``
     instead); either way rank 0 is the chief that writes checkpoints. ``data_dir``/``output_dir`` must be
@@ -114,71 +109,35 @@ class RunOptions:
     script_args: tuple[str, ...] = ()
     workers: int = 1
     ps: int = 0
-    strategy: str | None = None
-    chief: bool = False
-    max_restarts: int = 3
-    resume: bool = True
-    timeout: float = 300.0
     restart_delay: float = 1.0
     python: str = sys.executable
-    tf_flags: bool = False
     linger: float = 30.0
-    stages: int | None = None  # --strategy pipeline: --stages, --microbatches, --schedule, --split
-    microbatches: int | None = None
-    schedule: str | None = None
-    split: str | None = None
     bind: str = "none"  # --bind none|core|socket: each task's CPU affinity (launch/binding.py)
-    share_gpus: bool = False  # --share-gpus: more training tasks than GPUs may share them
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         object.__setattr__(self, "script_args", tuple(self.script_args))
         if not isinstance(self.script, str) or not self.script:
             raise ValueError("SCRIPT is missing: give the training script to run, e.g. conveyor run -n 2 train.py")
-        _check_count(self.ps, "--ps", 0, "parameter servers on this machine")
+        validate.count(self.ps, "--ps", 0, "parameter servers on this machine")
         # -n 0 is a machine of parameter servers only, one node of a job on several machines (cli/run.py
         # checks that); with no --ps it would start nothing at all.
-        _check_count(self.workers, "--workers", 0 if self.ps else 1,
-                     "training processes on this machine; -n 0 only with --ps M, for a node of parameter servers")
-        _check_count(self.max_restarts, "--max-restarts", 0, "job restarts after a task fails")
-        if self.strategy is not None:
-            parse_strategy(self.strategy, what="--strategy")
-        # inf would reach torch as a timedelta it cannot hold, and kill every task at start
-        _check_seconds(self.timeout, "--timeout", False, MAX_TIMEOUT, "e.g. --timeout 300")
-        _check_seconds(self.restart_delay, "--restart-delay", True, 3600.0, "e.g. --restart-delay 1, or 0: none")
-        _check_seconds(self.linger, "--linger", True, 3600.0, "e.g. --linger 30, or 0: stop them at once")
+        validate.count(self.workers, "--workers", 0 if self.ps else 1,
+                       "training processes on this machine; -n 0 only with --ps M, for a node of parameter servers")
+        validate.seconds(self.restart_delay, "--restart-delay", zero_ok=True, most=3600.0,
+                         example="e.g. --restart-delay 1, or 0: none")
+        validate.seconds(self.linger, "--linger", zero_ok=True, most=3600.0,
+                         example="e.g. --linger 30, or 0: stop them at once")
         _check_task_files(self.workers, self.ps)
-        self._check_pipeline()
+        self.check_job(self.workers)
         if self.bind not in BIND_MODES:
             raise ValueError(f"--bind {self.bind!r}: expected one of {', '.join(BIND_MODES)}")
-        if self.tf_flags and self.chief:
-            raise ValueError("--tf-flags gives TensorFlow 1's --ps_hosts/--worker_hosts, which have no chief job "
-                             "(worker 0 is the chief there): drop --chief, or drop --tf-flags and read TF_CONFIG")
         for flag, path in (("--data-dir", self.data_dir), ("--output-dir", self.output_dir)):
             if not isinstance(path, str) or not os.path.isabs(path):
                 raise ValueError(f"{flag} {path!r} must be an absolute path here (the command line makes it "
                                  f"absolute from the current folder)")
         if not isinstance(self.python, str) or not self.python:
             raise ValueError("--python is empty; give an interpreter, e.g. --python /usr/bin/python3")
-
-    def _check_pipeline(self) -> None:
-        given = [f"--{k}" for k in PIPELINE_VARS if getattr(self, k) is not None]
-        pipeline = (self.strategy or "").strip().lower() == "pipeline"
-        if given and not pipeline:
-            raise ValueError(f"{', '.join(given)} belong(s) to pipeline parallelism: add --strategy pipeline, or drop "
-                             f"{'them' if len(given) > 1 else 'it'}")
-        if pipeline and self.stages is None and not self.split:
-            raise ValueError("--strategy pipeline needs the split: --stages S (an nn.Sequential cut into S stages "
-                             "balanced by parameter bytes) or --split NAME,NAME (the layers to cut before)")
-        for flag, value in (("--stages", self.stages), ("--microbatches", self.microbatches)):
-            if value is not None:
-                _check_count(value, flag, 1, "pipeline stages" if flag == "--stages" else "microbatches per batch")
-        if self.stages is not None and self.workers % self.stages:
-            raise ValueError(f"-n {self.workers} --stages {self.stages}: each pipeline replica runs all {self.stages} "
-                             f"stages, so -n must be a multiple of {self.stages} (e.g. -n {self.stages})")
-
-    def pipeline_env(self) -> dict[str, str]:
-        """The pipeline variables (``PIPELINE_VARS``) of the flags given."""
-        return {var: str(getattr(self, key)) for key, var in PIPELINE_VARS.items() if getattr(self, key) is not None}
 
     @property
     def tasks_per_node(self) -> int:
@@ -252,12 +211,17 @@ def max_tasks_per_node() -> tuple[int, int, int]:
     return max(0, (soft - _FILES_RESERVED) // FILES_PER_TASK), soft, hard
 
 
-def resolve_strategy(strategy: str | None, world_size: int, num_ps: int) -> str:
-    """The strategy name to run, in its canonical spelling: the one given, checked against the job's
+def resolve_strategy(strategy: StrategyName | str | None, world_size: int, num_ps: int) -> str:
+    """The strategy name to run, in its canonical spelling: see :func:`job_strategy`."""
+    return job_strategy(strategy, world_size, num_ps).name
+
+
+def job_strategy(strategy: StrategyName | str | None, world_size: int, num_ps: int) -> StrategyName:
+    """The strategy to run: the one given (parsed already by :class:`JobSettings`), checked against the job's
     shape, or the default (``conveyor.cluster.default_strategy``, which ``conveyor.init()`` uses too).
     """
     if strategy is None:
-        return default_strategy(world_size, num_ps)
+        return parse_strategy(default_strategy(world_size, num_ps))
     parsed = parse_strategy(strategy, what="--strategy")
     if parsed.uses_ps and not num_ps:
         raise ValueError(f"--strategy {parsed.name} needs parameter servers: add --ps M (e.g. --ps 1)")
@@ -267,7 +231,7 @@ def resolve_strategy(strategy: str | None, world_size: int, num_ps: int) -> str:
     if not parsed.distributed and world_size > 1:
         raise ValueError(f"--strategy local trains one process alone, but the job has {world_size} training "
                          f"processes: use --strategy allreduce, or -n 1")
-    return parsed.name
+    return parsed
 
 
 def cluster_from_nodes(nodes: Sequence[NodeInfo], chief: bool = False) -> ClusterSpec:
@@ -307,7 +271,8 @@ def build_plan(
                          "checkpoints: give node 0 -n 1 or more, and the parameter-server-only node (-n 0) another "
                          "--node-rank")
     spec = cluster_from_nodes(nodes, options.chief)
-    strategy = resolve_strategy(options.strategy, spec.world_size, len(spec.ps))
+    settings = options.replace(strategy=job_strategy(options.strategy, spec.world_size, len(spec.ps)))
+    strategy = settings.strategy.name  # what every task is told, the strategy resolved
     base = {k: v for k, v in environ.items() if k not in OWNED_VARS}
     node = nodes[node_rank]
     extra, torchrun = _node_env(options, node, node_rank, len(nodes), secret, environ)
@@ -327,8 +292,7 @@ def build_plan(
         )
         if task.is_training:
             own.update(torchrun, ROLE_RANK=own["RANK"], ROLE_WORLD_SIZE=own["WORLD_SIZE"])
-            if options.share_gpus:
-                own[SHARE_GPUS_VAR] = "1"
+        own.update(settings.environ(training=task.is_training))
         own.update(extra)
         if place is not None and not environ.get("OMP_NUM_THREADS"):
             own["OMP_NUM_THREADS"] = str(place.threads)  # the user's own value wins, as without --bind
@@ -353,14 +317,9 @@ def _placements(options: RunOptions, tasks: int,
 
 def _node_env(options: RunOptions, node: NodeInfo, node_rank: int, nnodes: int, secret: bytes,
               environ: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
-    """The variables every task of this node gets, and those torchrun gives its training tasks."""
-    extra = {
-        RESTART_COUNT_VAR: "0",
-        RESUME_VAR: "1" if options.resume else "0",
-        TIMEOUT_VAR: f"{options.timeout:g}",
-        "PYTHONUNBUFFERED": "1",  # lines reach the launcher (and the log) as they are printed
-        **options.pipeline_env(),
-    }
+    """The variables every task of this node gets besides the settings', and those torchrun gives its
+    training tasks."""
+    extra = {"PYTHONUNBUFFERED": "1"}  # lines reach the launcher (and the log) as they are printed
     if node.workers + node.ps > 1 and not environ.get("OMP_NUM_THREADS") and options.bind == "none":
         # torchrun's default: N processes with a full-size OpenMP pool each would overload the cores
         # (a bound task gets its own cores' count instead, in build_plan).
@@ -431,18 +390,6 @@ def describe_plan(plan: LaunchPlan) -> str:
             shown = f"<masked: {len(value)} hex digits>" if name == JOB_SECRET_VAR else shlex.quote(value)
             lines.append(f"    {name}={shown}")
     return "\n".join(lines)
-
-
-def _check_count(value: object, flag: str, low: int, what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{flag} {value!r}: expected a whole number >= {low} ({what})")
-
-
-def _check_seconds(value: object, flag: str, zero_ok: bool, most: float, example: str) -> None:
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and 0 <= value <= most
-    if not ok or (value == 0 and not zero_ok):  # a NaN fails every comparison, inf the last one
-        low = ">= 0" if zero_ok else "> 0"
-        raise ValueError(f"{flag} {value!r}: expected a finite number of seconds {low} and at most {most:g}, {example}")
 
 
 def _check_task_files(workers: int, ps: int) -> None:

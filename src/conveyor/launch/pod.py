@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from conveyor.cluster import ClusterSpec, TaskId, split_address, task_environment
+from conveyor.cluster.settings import JobSettings
 from conveyor.cluster.spec import ClusterConfigError, parse_decimal, show
 from conveyor.cluster.variables import (
     DATA_DIR_VAR,
@@ -161,13 +162,9 @@ def _secret(environ: Mapping[str, str]) -> bytes:
     return secret
 
 
-def timeout_of(environ: Mapping[str, str], default: float = 300.0) -> float:
-    """The job's timeout (``CONVEYOR_TIMEOUT``), which also bounds the wait for the pods' names."""
-    text = environ.get(TIMEOUT_VAR, "").strip()
-    try:
-        value = float(text) if text else default
-    except ValueError:
-        raise ClusterConfigError(f"{TIMEOUT_VAR}={show(text)} is not a number of seconds; {_FROM_MANIFEST}") from None
-    if not 0 < value < float("inf"):
-        raise ClusterConfigError(f"{TIMEOUT_VAR}={show(text)}: expected seconds > 0")
-    return value
+def timeout_of(environ: Mapping[str, str]) -> float:
+    """The job's timeout (``CONVEYOR_TIMEOUT``, default 300), which also bounds the wait for the pods' names."""
+    try:  # the job's settings' one reading of the variable; only this one is needed before the script starts
+        return JobSettings.from_environ({TIMEOUT_VAR: environ.get(TIMEOUT_VAR, "")}).timeout
+    except ValueError as e:
+        raise ClusterConfigError(f"{e}; {_FROM_MANIFEST}") from None

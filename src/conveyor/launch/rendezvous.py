@@ -15,7 +15,7 @@ listens on the ``--rdzv`` address only and stays up for the whole job, as the su
 :class:`~conveyor.launch.supervisor.Peers` (:class:`StorePeers`), through which the launchers' heartbeats
 end the job naming a lost node (``launch/liveness.py``); on node 0 an ``--rdzv`` name that resolves to
 loopback is refused. torch is imported here only, lazily.
-The records, and what the unauthenticated store still exposes: docs/architecture.md, "Process groups
+The records, and what the unauthenticated store still exposes: docs/launcher.md, "Process groups
 and rendezvous".
 """
 

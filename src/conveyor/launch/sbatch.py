@@ -21,7 +21,7 @@ import re
 import shlex
 from dataclasses import dataclass
 
-from conveyor.cluster.strategy_name import parse_strategy
+from conveyor.cluster.settings import JobSettings
 
 __all__ = ["SbatchJob", "node_layout", "sbatch_script"]
 
@@ -29,10 +29,11 @@ _TIME_RE = re.compile(r"[0-9]+(-[0-9]+)?(:[0-9]+){0,2}")  # minutes, MM:SS, HH:M
 _WORD_RE = re.compile(r"[A-Za-z0-9_.,:+=@%/\-]+")  # what a #SBATCH value may hold: no spaces or quotes
 
 
-@dataclass(frozen=True)
-class SbatchJob:
-    """One conveyor job on Slurm. ``workers`` and the GPUs are per node; ``ps`` counts the whole job's
-    parameter servers. Paths are used as given: make them absolute (``conveyor slurm`` does)."""
+@dataclass(frozen=True, kw_only=True)
+class SbatchJob(JobSettings):
+    """One conveyor job on Slurm: the job's settings (:class:`JobSettings`, passed on to each node's
+    `conveyor run` as its flags) and the script's own. ``workers`` and the GPUs are per node; ``ps`` counts
+    the whole job's parameter servers. Paths are used as given: make them absolute (``conveyor slurm`` does)."""
 
     script: str
     data_dir: str
@@ -45,7 +46,6 @@ class SbatchJob:
     gpus_per_node: int | None = None
     ps: int = 0
     ps_nodes: int = 0  # nodes of parameter servers only, the last ones; 0: the ps tasks go beside the workers
-    strategy: str | None = None
     job_name: str | None = None
     time: str | None = None
     partition: str | None = None
@@ -55,6 +55,7 @@ class SbatchJob:
     sbatch_args: tuple[str, ...] = ()  # more #SBATCH options, e.g. ("--mem=0",)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         object.__setattr__(self, "script_args", tuple(self.script_args))
         object.__setattr__(self, "run_args", tuple(self.run_args))
         object.__setattr__(self, "sbatch_args", tuple(self.sbatch_args))
@@ -73,8 +74,7 @@ class SbatchJob:
         if self.gpus_per_node is not None and self.workers > self.gpus_per_node:
             raise ValueError(f"-n {self.workers} with --gpus-per-node {self.gpus_per_node}: two training processes "
                              f"would share a GPU; one process per GPU is -n {self.gpus_per_node}")
-        if self.strategy is not None:
-            parse_strategy(self.strategy, what="--strategy")
+        self.check_job(self.workers)
         if self.time is not None and not _TIME_RE.fullmatch(self.time):
             raise ValueError(f"--time {self.time!r}: expected Slurm's form, e.g. 90 (minutes), 1:30:00 or 2-00:00:00")
         for flag, value in (("--job-name", self.job_name), ("--partition", self.partition),
@@ -158,9 +158,8 @@ def _srun(job: SbatchJob) -> list[str]:
     srun = f"srun --ntasks-per-node=1 --cpus-per-task={cpus} --kill-on-bad-exit=1"
     if job.gpus_per_node is not None:
         srun += f" --gpus-per-node={job.gpus_per_node}"
-    common = []
-    if job.strategy is not None:
-        common.append(f"--strategy {shlex.quote(job.strategy)}")
+    # the job's settings as every node's `conveyor run` flags: --strategy NAME, --stages S, --chief, ...
+    common = [shlex.join(flag) for flag in job.flags("run")]
     common += [f"--data-dir {shlex.quote(job.data_dir)}", '--output-dir "$OUTPUT"', '--job-secret-file "$SECRET"']
     if job.run_args:
         common.append(shlex.join(job.run_args))

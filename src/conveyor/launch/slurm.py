@@ -13,7 +13,7 @@ The traps users of torchrun under Slurm meet are refused, naming the node: a fir
 does not resolve, or resolves to a loopback address (Debian's ``127.0.1.1 <hostname>`` line), never
 becomes "localhost" - each node would form its own world; a ``--node-rank`` expanded once by the
 batch shell (every node claims rank 0) disagrees with ``SLURM_NODEID``; a ``SLURM_NODEID`` that names
-another node than ``SLURMD_NODENAME``; several launchers per node. docs/architecture.md, "Slurm".
+another node than ``SLURMD_NODENAME``; several launchers per node. docs/clusters.md, "Slurm".
 """
 
 from __future__ import annotations

@@ -1,21 +1,23 @@
 """Start a plan's tasks on this machine, relay their output, restart the job when a task dies.
 
-    result = Supervisor(plan, max_restarts=3).run()     # blocks until the job ends
-    sys.exit(result.exit_code)                           # 0, 1 (failed for good), 130/143 (interrupted)
+    result = Supervisor(plan, policy=RestartPolicy(max_restarts=3)).run()     # until the job ends
+    sys.exit(result.exit_code)      # 0, 1 (failed for good), 130/143 (interrupted)
 
 What it promises: every task runs in its own process group, and stopping the job (a failure, Ctrl-C,
 SIGTERM) stops every group - SIGTERM, ``grace`` seconds, SIGKILL - and, on Linux, a launcher killed
 outright takes its tasks with it. Each task's output goes to ``<output>/logs/<type>-<index>.log`` and,
 prefixed ``[worker:1]``, to stdout. The job succeeds as Kubeflow's TFJob does (the chief exits 0, or
-without a chief every worker); a failure before that restarts the whole job, up to ``max_restarts``
-times, with a growing pause, and ends it early when the same failure repeats without a new checkpoint.
-Across machines the launchers coordinate through :class:`Peers` (``launch/rendezvous.py``).
-:meth:`Supervisor.run` must run on a thread that outlives the tasks (the main thread). The design, with
-its reasons: ``docs/architecture.md``, "The launcher: restarts and failures".
+without a chief every worker); a failure before that restarts the whole job as :func:`.restarts.decide`
+says: up to ``max_restarts`` times with a growing pause, never for a usage error, and not again when
+the same failure (by what failed, not which task: :mod:`.failures`) repeats without a new checkpoint.
+The states it moves through: :mod:`.states`. Across machines the launchers coordinate through
+:class:`Peers` (``launch/rendezvous.py``). :meth:`Supervisor.run` must run on a thread that outlives the
+tasks (the main thread). The design: ``docs/launcher.md``, "The supervisor: success, failure, restarts".
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -23,18 +25,26 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import IO, Protocol
 
+from conveyor.cluster.failure_report import read_report, report_path
 from conveyor.errors import PeerError  # re-exported: its old home
+from conveyor.launch.failures import peer_signature, signature, signature_line
 from conveyor.launch.plan import LaunchPlan
-from conveyor.launch.restarts import (
-    FailureStreak,
-    RestartPolicy,
-    last_line,
-    latest_step,
-    repeated_failure,
-    resume_point,
+from conveyor.launch.restarts import Failure, RestartPolicy, Stop, decide, latest_step, resume_point, stop_message
+from conveyor.launch.states import (
+    Done,
+    Failed,
+    GaveUp,
+    Interrupted,
+    JobResult,
+    Lingering,
+    Restarting,
+    Running,
+    Starting,
+    State,
+    TaskExit,
 )
 from conveyor.launch.tasks import Console, RunningTask, stop_tasks
 
@@ -84,49 +94,6 @@ class Peers(Protocol):
     @property
     def timeout(self) -> float:
         """Seconds to wait for the other nodes at a barrier before giving up."""
-
-
-@dataclass(frozen=True)
-class TaskExit:
-    """How a task ended: its exit status (negative: killed by that signal) and its last output lines."""
-
-    task: str
-    returncode: int
-    log_path: str
-    last_lines: tuple[str, ...] = ()
-
-    def describe(self) -> str:
-        if self.returncode < 0:
-            try:
-                name = signal.Signals(-self.returncode).name
-            except ValueError:
-                name = f"signal {-self.returncode}"
-            return f"{self.task} was killed by {name}"
-        return f"{self.task} exited with status {self.returncode}"
-
-
-@dataclass(frozen=True)
-class JobResult:
-    """How the job ended. ``exit_code``: 0 success, 1 failed for good, 128 + signal when interrupted."""
-
-    ok: bool
-    restarts: int
-    failure: TaskExit | None = None
-    signal: int | None = None
-    message: str = ""
-
-    @property
-    def exit_code(self) -> int:
-        if self.ok:
-            return 0
-        return 128 + self.signal if self.signal else 1
-
-
-@dataclass(frozen=True)
-class _Outcome:
-    kind: str  # "done", "failed" (a task here), "peer" (a task on another node), "signal", "final" (no restart)
-    failure: TaskExit | None = None
-    message: str = ""
 
 
 class _Signals:
@@ -195,17 +162,19 @@ class Supervisor:
     (default: ``sys.stderr``). ``grace`` is how long a task has to exit after SIGTERM. ``linger`` is how
     long the tasks still running when the job has succeeded (see :func:`_ended`) may take to exit by
     themselves (conveyor's parameter servers do, once the workers are done) before they are stopped
-    (TensorFlow's serving tasks never do). ``peers`` coordinates with
-    the other nodes of a multi-node job. ``restart_delay`` is the pause before the first restart, doubled
-    after each further failure without progress, at most ``restart_delay_cap``; ``same_failure_limit``
-    identical failures in a row without progress end the job early (:class:`~.restarts.RestartPolicy`).
+    (TensorFlow's serving tasks never do). ``peers`` coordinates with the other nodes of a multi-node job.
+    ``policy`` (:class:`~.restarts.RestartPolicy`) says when to restart; ``max_restarts``, ``restart_delay``,
+    ``restart_delay_cap`` and ``same_failure_limit``, where given, replace its fields. The job moves through
+    the states of :mod:`.states`, one method each; :func:`~.restarts.decide` weighs each failure.
+    Long because it is the state machine: eight states, one method each, and the peer calls they make.
     """
 
     def __init__(
         self,
         plan: LaunchPlan,
         *,
-        max_restarts: int = 3,
+        policy: RestartPolicy | None = None,
+        max_restarts: int | None = None,
         grace: float = 5.0,
         linger: float = 30.0,
         poll: float = 0.05,
@@ -213,15 +182,13 @@ class Supervisor:
         out: IO[str] | None = None,
         err: IO[str] | None = None,
         peers: Peers | None = None,
-        restart_delay: float = 1.0,
-        restart_delay_cap: float = 30.0,
-        same_failure_limit: int = 3,
+        restart_delay: float | None = None,
+        restart_delay_cap: float | None = None,
+        same_failure_limit: int | None = None,
     ) -> None:
-        self.policy = RestartPolicy(max_restarts, restart_delay, restart_delay_cap, same_failure_limit)
-        self.max_restarts = max_restarts
-        self.restart_delay = restart_delay
-        self.restart_delay_cap = restart_delay_cap
-        self.same_failure_limit = same_failure_limit
+        given = {"max_restarts": max_restarts, "delay": restart_delay, "delay_cap": restart_delay_cap,
+                 "same_failure_limit": same_failure_limit}
+        self.policy = replace(policy or RestartPolicy(), **{k: v for k, v in given.items() if v is not None})
         self.plan = plan
         self.grace = grace
         self.linger = linger
@@ -232,6 +199,9 @@ class Supervisor:
         self._say = self._console.say  # from any thread
         self.peers = peers
         self._signals = _Signals()
+        self._tasks: list[RunningTask] = []  # the current attempt's, until they are stopped
+        self._history: tuple[Failure, ...] = ()  # the failures restarted so far, oldest first
+        self._next_peer_check = 0.0
 
     # -- the job ----------------------------------------------------------------------------------
 
@@ -246,122 +216,152 @@ class Supervisor:
                 raise
 
     def _run(self) -> JobResult:
-        attempt = 0
-        streak = FailureStreak()
-        while True:
-            outcome = self._attempt(attempt)
-            if outcome.kind == "done":
-                return JobResult(ok=True, restarts=attempt)
-            if outcome.kind == "signal":
-                return self._interrupted(attempt)
-            # A peer's description is a line, then that task's last lines.
-            what, _, details = (outcome.failure.describe() if outcome.failure else outcome.message).partition("\n")
-            if outcome.kind == "final":
-                return JobResult(ok=False, restarts=attempt, failure=outcome.failure, message=outcome.message)
-            if attempt >= self.max_restarts:
-                why = f"gave up after {attempt} restart(s) (--max-restarts {self.max_restarts})"
-                message = f"{what}; {why}" + (f"\n{details}" if details else "")
-                return JobResult(ok=False, restarts=attempt, failure=outcome.failure, message=message)
-            step = latest_step(self.plan.checkpoint_dir)
-            last = last_line(outcome.failure.last_lines if outcome.failure else details.splitlines())
-            streak.add((what, last), step)
-            if self.policy.gives_up(streak):
-                log_path = outcome.failure.log_path if outcome.failure is not None else None
-                message = repeated_failure(what, last, streak.same, log_path, self.plan.checkpoint_dir)
-                return JobResult(ok=False, restarts=attempt, failure=outcome.failure, message=message)
-            attempt += 1
-            delay = self.policy.delay_after(streak)
-            self._say(f"{what}; restarting the job {resume_point(step, self.plan.node_rank)} in {delay:g} s "
-                      f"(restart {attempt} of {self.max_restarts})")
-            if self._signals.wait(delay, self.poll):
-                return self._interrupted(attempt - 1)
-
-    def _interrupted(self, attempt: int) -> JobResult:
-        signum = self._signals.received[0]
-        name = signal.Signals(signum).name
-        self._tell_peers_abort(f"node {self.plan.node_rank}'s launcher was stopped by {name}")
-        self._say(f"stopped every task ({name})")
-        return JobResult(ok=False, restarts=attempt, signal=signum, message=f"interrupted by {name}")
-
-    def _attempt(self, attempt: int) -> _Outcome:
-        running: list[RunningTask] = []
+        handlers = {Starting: self._starting, Running: self._running, Lingering: self._lingering,
+                    Failed: self._failed, Restarting: self._restarting}
+        state: State = Starting(0)
+        self._history = ()
         try:
-            for launch in self.plan.tasks:
-                running.append(RunningTask.start(launch, attempt, self._console))
-            pids = ", ".join(f"{r.name} pid {r.proc.pid}" for r in running)
-            self._say(f"attempt {attempt}: started {pids}; logs in {self.plan.log_dir}")
-            outcome = self._watch(running, attempt)
+            while not isinstance(state, (Done, GaveUp, Interrupted)):
+                new = handlers[type(state)](state)
+                if self._tasks and not isinstance(new, (Running, Lingering)):
+                    new = self._leave_attempt(new)
+                elif type(new) is type(state) and isinstance(new, (Running, Lingering)):
+                    self._signals.wake.wait(self.poll)  # nothing changed: look again in a moment
+                state = new
         finally:
-            # A second Ctrl-C: no more patience.
-            stop_tasks(running, self.grace, lambda: len(self._signals.received) >= 2, self._say)
-        if outcome.kind == "failed" and outcome.failure is not None:
-            # The tail is complete only now that the pump threads have drained the pipes.
-            rt = next(r for r in running if r.name == outcome.failure.task)
-            outcome = _Outcome("failed", TaskExit(rt.name, outcome.failure.returncode, rt.launch.log_path,
-                                                  tuple(rt.tail)))
-        if self.peers is not None and outcome.kind in ("failed", "peer") and attempt < self.max_restarts:
-            outcome = self._sync_restart(self.peers, attempt, outcome)
-        return outcome
+            self._stop_tasks()  # an exception (a task that could not start) leaves no task behind
+        if isinstance(state, Interrupted):
+            self._tell_peers_abort(f"node {self.plan.node_rank}'s launcher was stopped by {state.name}")
+            self._say(f"stopped every task ({state.name})")
+        return state.result()
 
-    def _watch(self, running: list[RunningTask], attempt: int) -> _Outcome:
-        ended_at: float | None = None  # when the job succeeded (see _ended)
-        trained = False  # this node's training tasks have all exited 0 (several machines, no chief)
-        done_here = False
-        next_peer_check = 0.0
-        while True:
-            if self._signals.received:
-                name = signal.Signals(self._signals.received[0]).name
-                self._tell_peers_abort(f"node {self.plan.node_rank}'s launcher was stopped by {name}")
-                return _Outcome("signal")
-            if ended_at is None and not trained and _ended(running):
-                if self.peers is None or _has_chief(running):
-                    ended_at = time.monotonic()
-                    if self.peers is not None:
-                        self._tell_peers_succeeded(attempt)
-                else:  # the job has succeeded when every node's training tasks have (Peers.succeeded)
-                    self._tell_peers_trained(attempt)
-                    trained = True
-            if ended_at is None:  # once the job has succeeded, how the other tasks end no longer matters
-                for rt in running:
-                    code = rt.proc.poll()
-                    if code is not None and code != 0:
-                        failure = TaskExit(rt.name, code, rt.launch.log_path)
-                        self._report_failure(attempt, rt, failure)
-                        return _Outcome("failed", failure)
-            elif not done_here:
-                rest = [rt for rt in running if rt.proc.poll() is None]
-                if rest and time.monotonic() - ended_at > self.linger:
-                    self._say(f"{', '.join(rt.name for rt in rest)} still running {self.linger:g} s after "
-                              f"{_end_condition(self.plan)}; stopping {'it' if len(rest) == 1 else 'them'}")
-                    rest = []
-                if not rest:
-                    self._note_late_failures(running)
-                    if self.peers is None:
-                        return _Outcome("done")
-                    done_here = True
-                    try:
-                        self.peers.report_done(attempt)
-                    except PeerError as e:
-                        return _Outcome("final", message=str(e))
-            if self.peers is not None and time.monotonic() >= next_peer_check:
-                next_peer_check = time.monotonic() + self.peer_poll
+    # -- one method per state -------------------------------------------------------------------
+
+    def _starting(self, s: Starting) -> Running:
+        start_step = latest_step(self.plan.checkpoint_dir)
+        for launch in self.plan.tasks:
+            with contextlib.suppress(OSError):  # an earlier attempt's report would describe this one's failure
+                os.remove(report_path(launch.log_path))
+            self._tasks.append(RunningTask.start(launch, s.attempt, self._console))
+        pids = ", ".join(f"{r.name} pid {r.proc.pid}" for r in self._tasks)
+        self._say(f"attempt {s.attempt}: started {pids}; logs in {self.plan.log_dir}")
+        self._next_peer_check = 0.0
+        return Running(s.attempt, tuple(self._tasks), start_step)
+
+    def _running(self, s: Running) -> State:
+        if self._signals.received:
+            return self._interrupt(s.attempt)
+        if not s.trained and _ended(list(s.tasks)):
+            if self.peers is None or _has_chief(list(s.tasks)):
+                if self.peers is not None:
+                    self._tell_peers_succeeded(s.attempt)
+                return Lingering(s.attempt, s.tasks, s.start_step, since=time.monotonic())
+            self._tell_peers_trained(s.attempt)  # the job has succeeded once every node's have (Peers.succeeded)
+            s = replace(s, trained=True)
+        for rt in s.tasks:
+            code = rt.proc.poll()
+            if code is not None and code != 0:
+                failure = TaskExit(rt.name, code, rt.launch.log_path)
+                self._report_failure(s.attempt, rt, failure)
+                return Failed(s.attempt, s.start_step, "task", failure)
+        return self._ask_peers(s)
+
+    def _lingering(self, s: Lingering) -> State:
+        """The job has succeeded; how the other tasks end no longer matters."""
+        if self._signals.received:
+            return self._interrupt(s.attempt)
+        if not s.reported:
+            rest = [rt for rt in s.tasks if rt.proc.poll() is None]
+            if rest and time.monotonic() - s.since > self.linger:
+                self._say(f"{', '.join(rt.name for rt in rest)} still running {self.linger:g} s after "
+                          f"{_end_condition(self.plan)}; stopping {'it' if len(rest) == 1 else 'them'}")
+                rest = []
+            if not rest:
+                self._note_late_failures(s.tasks)
+                if self.peers is None:
+                    return Done(s.attempt)
                 try:
-                    reason = self.peers.aborted()
-                    if reason:
-                        return _Outcome("final", message=reason)
-                    message = self.peers.failure(attempt)
-                    if message:
-                        return _Outcome("peer", message=message)
-                    if ended_at is None and self.peers.succeeded(attempt):  # the chief's node or every node
-                        ended_at = time.monotonic()
-                    if done_here and self.peers.all_done(attempt):
-                        return _Outcome("done")
+                    self.peers.report_done(s.attempt)
                 except PeerError as e:
-                    return _Outcome("final", message=str(e))
-            self._signals.wake.wait(self.poll)
+                    return Failed(s.attempt, s.start_step, "final", message=str(e))
+                s = replace(s, reported=True)
+        return self._ask_peers(s)
 
+    def _failed(self, s: Failed) -> GaveUp | Restarting:
+        if s.kind == "final":
+            return GaveUp(s.attempt, s.failure, s.message)
+        failure = self._weigh(s)
+        decision = decide(failure, self._history, self.policy)
+        if isinstance(decision, Stop):
+            return GaveUp(s.attempt, s.failure, stop_message(decision, failure, self.policy, self.plan.checkpoint_dir))
+        self._history = (*self._history, failure)
+        self._say(f"{failure.what}; restarting the job {resume_point(failure.step, self.plan.node_rank)} in "
+                  f"{decision.delay:g} s (restart {decision.number} of {self.policy.max_restarts})")
+        return Restarting(s.attempt + 1, decision.delay)
 
-    def _note_late_failures(self, running: list[RunningTask]) -> None:
+    def _restarting(self, s: Restarting) -> Starting | Interrupted:
+        if self._signals.wait(s.delay, self.poll):
+            return Interrupted(s.attempt - 1, self._signals.received[0])
+        return Starting(s.attempt)
+
+    # -- what the states share ------------------------------------------------------------------
+
+    def _interrupt(self, attempt: int) -> Interrupted:
+        signum = self._signals.received[0]
+        self._tell_peers_abort(f"node {self.plan.node_rank}'s launcher was stopped by {signal.Signals(signum).name}")
+        return Interrupted(attempt, signum)
+
+    def _stop_tasks(self) -> None:
+        tasks, self._tasks = self._tasks, []
+        # A second Ctrl-C: no more patience.
+        stop_tasks(tasks, self.grace, lambda: len(self._signals.received) >= 2, self._say)
+
+    def _leave_attempt(self, state: State) -> State:
+        """Stop the attempt's tasks, complete a failed task's tail, and (several nodes) wait until every node
+        has stopped before a restart."""
+        tasks = self._tasks
+        self._stop_tasks()
+        if isinstance(state, Failed) and state.kind == "task" and state.failure is not None:
+            # The tail is complete only now that the pump threads have drained the pipes.
+            rt = next(r for r in tasks if r.name == state.failure.task)
+            state = replace(state, failure=replace(state.failure, last_lines=tuple(rt.tail)))
+        if (self.peers is not None and isinstance(state, Failed) and state.kind != "final"
+                and state.attempt < self.policy.max_restarts):
+            state = self._sync_restart(self.peers, state)
+        return state
+
+    def _weigh(self, s: Failed) -> Failure:
+        """The failure ``s`` as :func:`decide` sees it: what failed (its signature), and the progress made."""
+        step = latest_step(self.plan.checkpoint_dir)
+        if s.failure is not None:
+            report = read_report(report_path(s.failure.log_path))
+            sig = signature(s.failure.returncode, s.failure.last_lines, report)
+            return Failure(s.failure.describe(), sig, step, s.start_step, s.failure.log_path)
+        sig, description = peer_signature(s.message)  # a peer's description: a line, then that task's last lines
+        what, _, details = description.partition("\n")
+        return Failure(what, sig, step, s.start_step, None, details)
+
+    def _ask_peers(self, s: Running | Lingering) -> State:
+        """What the other nodes say (at most every ``peer_poll`` seconds): an abort, a failure, success."""
+        if self.peers is None or time.monotonic() < self._next_peer_check:
+            return s
+        self._next_peer_check = time.monotonic() + self.peer_poll
+        try:
+            reason = self.peers.aborted()
+            if reason:
+                return Failed(s.attempt, s.start_step, "final", message=reason)
+            message = self.peers.failure(s.attempt)
+            if message:
+                return Failed(s.attempt, s.start_step, "peer", message=message)
+            if isinstance(s, Running) and self.peers.succeeded(s.attempt):  # the chief's node or every node
+                return Lingering(s.attempt, s.tasks, s.start_step, since=time.monotonic())
+            if isinstance(s, Lingering) and s.reported and self.peers.all_done(s.attempt):
+                return Done(s.attempt)
+        except PeerError as e:
+            return Failed(s.attempt, s.start_step, "final", message=str(e))
+        return s
+
+    def _note_late_failures(self, running: tuple[RunningTask, ...]) -> None:
         """Say which tasks failed after the job had succeeded (or in the same instant): not a failure of the
         job, whose outcome the chief decides, but worth a line in case it hides a problem."""
         for rt in running:
@@ -372,38 +372,40 @@ class Supervisor:
 
     def _report_failure(self, attempt: int, rt: RunningTask, failure: TaskExit) -> None:
         """Tell the other nodes at once (before stopping anything here), so the first failure - the likely
-        cause - is the one every node reports, not a peer's collective that broke because of it."""
+        cause - is the one every node reports, not a peer's collective that broke because of it. Its
+        signature travels with it, so that every node weighs the same failure the same way."""
         if self.peers is None:
             return
         rt.pump.join(timeout=0.5)  # the task has exited: its last lines are on their way
         lines = "".join(f"\n  | {line}" for line in rt.tail)
+        sig = signature(failure.returncode, tuple(rt.tail), read_report(report_path(failure.log_path)))
         description = (f"{failure.describe()} on node {self.plan.node_rank} (log: {failure.log_path} there)\n"
-                       f"last {len(rt.tail)} lines of {failure.log_path}:{lines}")
+                       f"last {len(rt.tail)} lines of {failure.log_path}:{lines}\n{signature_line(sig)}")
         try:
             self.peers.report_failure(attempt, description)
         except PeerError:
             pass  # the barrier after the stop reports the lost peers
 
-    def _sync_restart(self, peers: Peers, attempt: int, outcome: _Outcome) -> _Outcome:
+    def _sync_restart(self, peers: Peers, s: Failed) -> State:
         """Multi-node: before anyone restarts, every node must have stopped the failed attempt's tasks, or an
         old task could join the new attempt's process group."""
         try:
-            peers.report_stopped(attempt)
+            peers.report_stopped(s.attempt)
             deadline = time.monotonic() + peers.timeout
-            while not peers.all_stopped(attempt):
+            while not peers.all_stopped(s.attempt):
                 if self._signals.received:
-                    return _Outcome("signal")
+                    return Interrupted(s.attempt, self._signals.received[0])
                 reason = peers.aborted()  # a node lost for good never reports stopped
                 if reason:
-                    return _Outcome("final", outcome.failure, reason)
+                    return replace(s, kind="final", message=reason)
                 if time.monotonic() > deadline:
-                    what = outcome.failure.describe() if outcome.failure else outcome.message.partition("\n")[0]
-                    return _Outcome("final", outcome.failure, f"{what}; then the other nodes did not stop their "
-                                                              f"tasks within {peers.timeout:g} s")
+                    what = s.failure.describe() if s.failure else s.message.partition("\n")[0]
+                    return replace(s, kind="final", message=f"{what}; then the other nodes did not stop their "
+                                                            f"tasks within {peers.timeout:g} s")
                 self._signals.wake.wait(self.peer_poll)
         except PeerError as e:
-            return _Outcome("final", outcome.failure, str(e))
-        return outcome
+            return replace(s, kind="final", message=str(e))
+        return s
 
     def _tell_peers_succeeded(self, attempt: int) -> None:
         """Nodes without the chief learn from this that their serving tasks may stop (they never exit)."""

@@ -8,7 +8,7 @@
 A task leads its own process group, and stopping it signals the whole group. Its merged stdout+stderr
 is appended to its log and printed as ``[worker:1] <line>``; a log that cannot be written (a full disk)
 is reported once and given up while the console still gets every line. Why it is done this way:
-``docs/architecture.md``, "The launcher: restarts and failures".
+``docs/launcher.md``, "Running the tasks".
 """
 
 from __future__ import annotations

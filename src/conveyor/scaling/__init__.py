@@ -5,7 +5,7 @@
 
 `measured` reads one worker's step from summary.json, `cluster` the target, `comm` holds the
 arithmetic, `model` combines them per strategy and worker count, `report` prints, writes and plots.
-Formulas, assumptions and what the model lacks: docs/architecture.md, "Scaling model".
+Formulas, assumptions and what the model lacks: docs/scaling-model.md.
 """
 
 from conveyor.scaling.cluster import Cluster, cluster_from_mapping, load_cluster

@@ -8,7 +8,7 @@
     agreement_seconds(n, latency)
 
 Pure functions of seconds, bytes and bytes per second; the formulas and their assumptions are in
-docs/architecture.md, "Scaling model".
+docs/scaling-model.md.
 """
 
 from __future__ import annotations

@@ -9,8 +9,7 @@ workers share) and ``pipeline`` (``Options.stages`` stages of ``Options.microbat
 N / stages data-parallel replicas; N must be a multiple of the stages). Efficiency is samples/s over
 N x the samples/s of one worker of the same cluster. The bound is ``input`` when the input pipeline
 is slower than the rest of the step, else the largest of ``compute``, ``communication``, ``bubble``
-and ``server`` (the parameter servers' own update work, ps-async). Formulas: docs/architecture.md,
-"Scaling model".
+and ``server`` (the parameter servers' own update work, ps-async). Formulas: docs/scaling-model.md.
 """
 
 from __future__ import annotations

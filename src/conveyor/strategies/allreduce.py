@@ -9,7 +9,7 @@ What it promises beyond plain DDP: every worker starts from rank 0's parameters 
 :meth:`AllReduceStep.comm_seconds` (``strategy.step``) is the wall time the gradient all-reduces were in
 flight (much of it overlapping backward, so not the time it added to the step); a dead or silent peer surfaces as a
 ``PeerError`` naming its rank and task. Any torch optimizer works unchanged; with one process the model
-is returned unwrapped. Why and how: ``docs/architecture.md``, "Data-parallel all-reduce".
+is returned unwrapped. Why and how: ``docs/strategies.md``, "Data-parallel all-reduce".
 """
 
 from __future__ import annotations

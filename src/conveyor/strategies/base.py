@@ -11,8 +11,8 @@
     strategy.shutdown()
 
 ``conveyor.init()`` does the first two lines and ``job.prepare`` the third. A :class:`Strategy` says how
-workers hold the model and keep together (``setup``, ``prepare``, ``coordinator``, ``data_shard``, the
-checkpoint hooks, ``report``, ``shutdown``); its :class:`Step` says how one step runs (``train``,
+workers hold the model and keep together (``setup``, ``prepare``, ``coordinator``, ``data_shard``,
+``checkpoint_items``, ``report``, ``shutdown``); its :class:`Step` says how one step runs (``train``,
 ``eval_forward``, ``counted_samples``, ``comm_seconds``, ``check``). The trainer calls only these, and
 never asks which strategy it runs.
 """
@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from conveyor.strategies.coordination import Coordinator, LockstepCoordinator
+from conveyor.train.checkpoint.items import Item, Model, Stateful
 
 __all__ = ["Step", "Strategy", "check_optimizer"]
 
@@ -117,35 +118,10 @@ class Strategy(ABC):
         parallelism; strategies whose processes share a batch (pipeline stages) say otherwise."""
         return int(self.job.world_size), int(self.job.rank)
 
-    # -- checkpoints (one ``checkpoint_items`` hook to come: these five hooks are its present form) ------------
-
-    def save_optimizer(self, optimizer: Any, checkpoints: Any, step: int) -> tuple[Any, list[str]]:
-        """What the chief's checkpoint of ``step`` holds for ``optimizer``, and the files other tasks add.
-
-        ``checkpoints`` is the trainer's checkpoint manager (its ``root`` is the folder). The default is
-        the optimizer's own ``state_dict()`` and no other files; parameter servers write their shards
-        themselves and return a reference to them.
-        """
-        return optimizer.state_dict(), []
-
-    def restore_optimizer(self, optimizer: Any, state: Any, checkpoints: Any, step: int) -> None:
-        """Undo :meth:`save_optimizer` on resume (every rank calls it)."""
-        optimizer.load_state_dict(state)
-
-    def checkpoint_model(self, module: nn.Module) -> Any:
-        """What the chief's checkpoint holds as ``model`` (default: the whole module's ``state_dict()``)."""
-        return module.state_dict()
-
-    def checkpoint_parts(self, module: nn.Module, optimizer: Any) -> dict[str, Any]:
-        """State trees this rank adds to a checkpoint, by part name (every rank calls it at each save; the
-        trainer writes each as ``<name>.safetensors`` + ``<name>.json``). Default: none."""
-        return {}
-
-    def restore_checkpoint(self, module: nn.Module, optimizer: Any, saved_optimizer: Any,
-                           read_part: Callable[[str], Any]) -> bool:
-        """Restore ``module`` and ``optimizer`` from a checkpoint the strategy wrote in parts (``read_part(name)``
-        gives a part's state tree); False (the default): the trainer loads ``model`` and the optimizer itself."""
-        return False
+    def checkpoint_items(self, module: nn.Module, optimizer: Any) -> dict[str, Item]:
+        """What the model and optimizer add to a checkpoint, by item name (:mod:`conveyor.train.checkpoint.items`):
+        every rank saves and restores them in this order. Default: both stateful, written by the chief."""
+        return {"model": Model(module), "optimizer": Stateful(optimizer)}
 
     # -- the end of a run ------------------------------------------------------------------------
 

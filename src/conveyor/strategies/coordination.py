@@ -21,7 +21,6 @@ The training loop asks these questions and never branches on the strategy. Two a
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -209,7 +208,3 @@ class IndependentCoordinator(Coordinator):
     def shared_progress(self) -> tuple[int, int | None] | None:
         return self.offset + self.board.global_progress()[0], self.planned
 
-
-def decode_positions(gathered: list[bytes | None]) -> dict[str, Any]:
-    """Gathered data positions as a checkpoint's ``data_states`` (workers without one are left out)."""
-    return {f"worker-{r}": json.loads(bytes(b).decode()) for r, b in enumerate(gathered) if b is not None}

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from conveyor.cluster.settings import JobSettings
 from conveyor.cluster.variables import SHARE_GPUS_VAR, TASK_TYPE_VAR
 from conveyor.errors import ConveyorError
 
@@ -31,6 +32,8 @@ SLURM_GPUS_PER_TASK = "SLURM_GPUS_PER_TASK"
 
 class GpuPlacementError(ConveyorError, ValueError):
     """More training tasks on a machine than GPUs they can see, and sharing was not asked for."""
+
+    usage_error = True  # a restart meets it again: `conveyor run` does not retry it
 
 
 def choose_gpu(local_rank: int, local_world_size: int, visible: int, share: bool, *,
@@ -63,7 +66,7 @@ def share_gpus_from(share: bool | None, environ: Mapping[str, str]) -> bool:
     """The argument when given, else whether the sharing variable is ``1``."""
     if share is not None:
         return bool(share)
-    return environ.get(SHARE_GPUS_VAR, "").strip() == "1"
+    return JobSettings.from_environ({SHARE_GPUS_VAR: environ.get(SHARE_GPUS_VAR, "")}).share_gpus  # its one reader
 
 
 def task_device(local_rank: int, local_world_size: int, share: bool, environ: Mapping[str, str]):

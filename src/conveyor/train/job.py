@@ -10,11 +10,10 @@ or none at all: a single local worker), picks the strategy, joins the process gr
 than one training process, and binds the strategy to the job. The same methods work with one process
 and no process group, so a script runs unchanged under ``python train.py``.
 
-Variables read here besides discovery's: ``CONVEYOR_TIMEOUT`` (seconds, default 300: bounds the
-rendezvous and every collective), ``CONVEYOR_RESTART_COUNT`` (default 0), ``CONVEYOR_RESUME``
-(``"0"`` disables resuming), ``CONVEYOR_SHARE_GPUS`` (``"1"``: tasks may share GPUs, see
-:mod:`conveyor.train.devices`), and under torchrun ``TORCHELASTIC_USE_AGENT_STORE`` /
-``TORCHELASTIC_RESTART_COUNT`` (the agent then hosts the rendezvous store).
+The launcher's settings (``CONVEYOR_TIMEOUT``, ``CONVEYOR_RESTART_COUNT``, ``CONVEYOR_RESUME``,
+``CONVEYOR_SHARE_GPUS``, the pipeline's, ...) are read once, into ``job.settings``
+(:class:`conveyor.cluster.settings.JobSettings`); under torchrun ``TORCHELASTIC_USE_AGENT_STORE`` /
+``TORCHELASTIC_RESTART_COUNT`` say that the agent hosts the rendezvous store.
 """
 
 from __future__ import annotations
@@ -30,9 +29,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conveyor.cluster import Discovered
+from conveyor.cluster import Discovered, failure_report, validate
 from conveyor.cluster.argv import discover_with_flags
-from conveyor.cluster.strategy_name import default_strategy
+from conveyor.cluster.settings import JobSettings
+from conveyor.cluster.strategy_name import default_strategy, parse_strategy
 from conveyor.cluster.variables import OMP_DEFAULT_VAR, RESTART_COUNT_VAR, RESUME_VAR, TIMEOUT_VAR
 from conveyor.comm.gloo_interface import GLOO_IFNAME_VAR, interface_for
 from conveyor.comm.mpi_rendezvous import agree_rendezvous
@@ -71,34 +71,34 @@ def init(strategy: str | None = None, *, timeout: float | None = None, share_gpu
     for ``barrier``/``all_gather_bytes``/``all_reduce``.
     """
     env: Mapping[str, str] = os.environ if environ is None else environ
+    failure_report.install(env)  # under `conveyor run`: a fatal error tells the launcher what failed
     found = discover_with_flags(sys.argv[1:] if argv is None else argv, env)
+    settings = JobSettings.from_environ(env)  # every setting the launcher gave, read and checked once
+    if timeout is not None:
+        settings = settings.replace(timeout=validate.timeout(timeout, "conveyor.init(timeout=...)"))
     if found.task.type == "ps":  # serves until the job ends, then the process exits: it never returns
-        sys.exit(serve_ps_task(found, strategy, _timeout(timeout, env), checkpoints=CheckpointManager))
+        sys.exit(serve_ps_task(found, strategy, settings.timeout, checkpoints=CheckpointManager))
     if found.rank is None:
         raise NotImplementedError(f"this process is the {found.task} task, which has no training rank; only "
                                   f"chief and worker tasks can call conveyor.init() for now")
     num_ps = found.spec.num_tasks("ps") if found.spec is not None else 0
-    name = strategy or found.strategy or default_strategy(found.world_size, num_ps)
-    chosen = get_strategy(name)
+    # the argument, else the launcher's, else the default for the job's shape: parsed once, here
+    parsed = parse_strategy(strategy or settings.strategy or default_strategy(found.world_size, num_ps))
+    chosen = get_strategy(parsed.name)
     if found.world_size > 1 and not chosen.distributed:
         raise ValueError(f"strategy {chosen.name!r} trains in one process, but this job has {found.world_size} "
                          f"training processes (source: {found.source}), which would each train their own model; "
                          f"use 'allreduce', or run a single process")
-    seconds = _timeout(timeout, env)
-    restart_count = _whole_number(env, RESTART_COUNT_VAR, 0)
-    resume = env.get(RESUME_VAR, "1").strip() != "0"
-    data_dir = Path(found.data_dir or "data")
-    output_dir = Path(found.output_dir or "output")
+    settings = settings.replace(strategy=parsed, share_gpus=share_gpus_from(share_gpus, env))
+    output_dir = Path(settings.output_dir or "output")
     output_dir.mkdir(parents=True, exist_ok=True)
-    share = share_gpus_from(share_gpus, env)
-    device = task_device(found.local_rank, found.local_world_size, share, env)
+    device = task_device(found.local_rank, found.local_world_size, settings.share_gpus, env)
     _limit_threads(found.local_world_size, env)
 
     # NCCL refuses two ranks on one GPU; sharing is allowed per job, so every rank picks the same backend
-    backend = "nccl" if device.type == "cuda" and not share else "gloo"
-    owns_group = found.world_size > 1 and _join_group(found, backend, seconds, env)
-    job = Job(found, chosen, timeout=seconds, device=device, backend=backend, data_dir=data_dir,
-              output_dir=output_dir, restart_count=restart_count, resume=resume, owns_group=owns_group, environ=env)
+    backend = "nccl" if device.type == "cuda" and not settings.share_gpus else "gloo"
+    owns_group = found.world_size > 1 and _join_group(found, backend, settings.timeout, env)
+    job = Job(found, chosen, settings, device=device, backend=backend, owns_group=owns_group)
     try:
         chosen.setup(job)
     except BaseException:
@@ -108,19 +108,18 @@ def init(strategy: str | None = None, *, timeout: float | None = None, share_gpu
 
 
 class Job:
-    """One training process's view of the job; built by :func:`init`. See ``docs/training-contracts.md``.
+    """One training process's view of the job; built by :func:`init`. See ``docs/training.md``.
 
     Attributes: ``rank``, ``world_size``, ``local_rank``, ``local_world_size``, ``is_chief``, ``task_type``,
-    ``task_index``, ``cluster`` (``ClusterSpec`` or ``None``), ``strategy``, ``device``, ``data_dir``,
+    ``task_index``, ``cluster`` (``ClusterSpec`` or ``None``), ``strategy``, ``settings`` (the launcher's
+    :class:`~conveyor.cluster.settings.JobSettings`, the strategy resolved), ``device``, ``data_dir``,
     ``output_dir``, ``restart_count``, ``resume``, ``timeout`` (seconds), ``backend``, ``data_shard``, ``source`` (which
     launcher's variables described this process), ``secret`` (the job's message-signing key, or ``None``;
-    kept out of ``repr``), ``environ`` (the variables ``init`` read: its ``environ`` argument, else the
-    process's; strategies take their settings from it, never from ``os.environ``).
+    kept out of ``repr``). Strategies take their settings from ``settings``, never from ``os.environ``.
     """
 
-    def __init__(self, found: Discovered, strategy: Strategy, *, timeout: float, device: torch.device,
-                 backend: str, data_dir: Path, output_dir: Path, restart_count: int, resume: bool,
-                 owns_group: bool, environ: Mapping[str, str] | None = None) -> None:
+    def __init__(self, found: Discovered, strategy: Strategy, settings: JobSettings, *, device: torch.device,
+                 backend: str, owns_group: bool) -> None:
         self.rank: int = found.rank if found.rank is not None else 0
         self.world_size = found.world_size
         self.local_rank = found.local_rank
@@ -133,13 +132,13 @@ class Job:
         self.strategy = strategy
         self.device = device
         self.backend = backend
-        self.data_dir = data_dir
-        self.output_dir = output_dir
-        self.restart_count = restart_count
-        self.resume = resume
-        self.timeout = timeout
+        self.settings = settings
+        self.data_dir = Path(settings.data_dir or "data")
+        self.output_dir = Path(settings.output_dir or "output")
+        self.restart_count = settings.restart_count
+        self.resume = settings.resume
+        self.timeout = settings.timeout
         self.secret = found.secret  # signs parameter-server messages (never printed: not in repr)
-        self.environ: Mapping[str, str] = os.environ if environ is None else environ
         self._owns_group = owns_group
         self._closed = False
         # nccl moves only CUDA tensors; gloo only CPU ones here. Byte collectives build their tensors there.
@@ -346,32 +345,6 @@ def _join_group(found: Discovered, backend: str, timeout: float, env: Mapping[st
     init_process_group(backend, addr, port, found.rank, found.world_size, timeout,
                        host_store=False if agent_store else None, store_prefix=prefix, listener=listener)
     return True
-
-
-def _timeout(timeout: float | None, env: Mapping[str, str]) -> float:
-    if timeout is None:
-        text = env.get(TIMEOUT_VAR, "").strip()
-        if not text:
-            return DEFAULT_TIMEOUT
-        try:
-            timeout = float(text)
-        except ValueError:
-            raise ValueError(f"{TIMEOUT_VAR}={text!r} is not a number of seconds; e.g. {TIMEOUT_VAR}=300") from None
-        where = TIMEOUT_VAR
-    else:
-        where = "conveyor.init(timeout=...)"
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
-        raise ValueError(f"{where} = {timeout!r}; expected a number of seconds > 0, e.g. 300")
-    return float(timeout)
-
-
-def _whole_number(env: Mapping[str, str], name: str, default: int) -> int:
-    text = env.get(name, "").strip()
-    if not text:
-        return default
-    if not (text.isascii() and text.isdigit()):
-        raise ValueError(f"{name}={text!r} is not a whole number >= 0; the launcher sets it (unset it for {default})")
-    return int(text)
 
 
 def _as_bytes(data: Any, what: str) -> bytes:

@@ -17,7 +17,7 @@
 
 `forward_backward` includes communication that overlapped backward; `communication` is reported next
 to it, never subtracted. Never imports matplotlib (the plots are `conveyor.train.plots`). What each
-number means and the trace's tracks: `docs/architecture.md`, "Profiling".
+number means and the trace's tracks: `docs/training.md`, "Profiling".
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@
 `meta` is strict JSON that round-trips exactly (int keys, tuples, non-finite floats, numpy scalars and
 bytes are tagged); tensor names are the tree's key paths, so a model's `model.safetensors` loads with
 any safetensors tool. `rng_state` / `set_rng_state` capture every RNG the same way. Why no pickle and
-the tags: `docs/architecture.md`, "State without pickle".
+the tags: `docs/training.md`, "State without pickle".
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 Global figures (samples, input-wait and accelerator-idle fractions) are summed over ranks;
 ``step_breakdown`` is this rank's; ``scaling`` is what ``conveyor predict`` reads
 (``conveyor.train.scaling_figures``). The chief adds the strategy's own figures (``communication``) and
-writes ``<output>/summary.json`` atomically. See ``docs/training-contracts.md`` for the keys.
+writes ``<output>/summary.json`` atomically. The keys: ``docs/training.md``, "Outputs".
 """
 
 from __future__ import annotations

@@ -14,13 +14,12 @@
 
 `fit()` trains, logs, evaluates, checkpoints, resumes from the latest checkpoint and writes the trace,
 plots and `summary.json`, the same way under every strategy. What it does when:
-`docs/architecture.md`, "The training loop".
+`docs/training.md`, "The training loop".
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 import time
 import warnings
@@ -33,13 +32,12 @@ import torch
 
 from conveyor.comm.process_group import collective_guard
 from conveyor.data.torch_adapter import to_torch
-from conveyor.strategies.coordination import decode_positions
-from conveyor.train.checkpoint import CheckpointManager, CheckpointPolicy
+from conveyor.train.checkpoint import CheckpointManager, CheckpointPolicy, Item, Stateful, StepWrite, commit
 from conveyor.train.evaluation import Evaluator, accuracy, batch_size, evaluate, split_batch
+from conveyor.train.position import DataPosition, TrainerPosition
 from conveyor.train.profiler import StepProfiler, StepTimes
 from conveyor.train.reporting import Reporter
-from conveyor.train.resume import ResumeError, data_state, optimizer_name, resume
-from conveyor.train.state_io import rng_state, state_to_bytes
+from conveyor.train.resume import ResumeError, resume
 from conveyor.train.summary import summarize
 
 __all__ = ["ResumeError", "StepEnd", "TrainConfig", "Trainer", "accuracy"]
@@ -123,12 +121,13 @@ class Trainer:
     `model` and `optimizer` are what `job.prepare` returned. Options are `TrainConfig`'s fields as
     keywords (`epochs=3, checkpoint_every_steps=100`) or a `config=TrainConfig(...)`; `metric_fn(outputs,
     targets)` returns a batch mean (accuracy by default, reported as `eval_<its name>`); each of
-    `callbacks` is called with a `StepEnd` after every step.
+    `callbacks` is called with a `StepEnd` after every step. `scheduler`, a torch LR scheduler over
+    `optimizer`, steps after every training step (not every epoch) and is checkpointed with the run.
     """
 
     def __init__(self, job, model: torch.nn.Module, optimizer, loss_fn: Callable, train_data, *,
                  eval_data=None, metric_fn: Callable = accuracy, callbacks: Sequence[Callable[[StepEnd], Any]] = (),
-                 config: TrainConfig | None = None, **options: Any):
+                 scheduler: Any = None, config: TrainConfig | None = None, **options: Any):
         self.config = _config(config, options)
         for name, ds in (("train_data", train_data), ("eval_data", eval_data)):
             if ds is not None and not hasattr(ds, "iterator"):
@@ -139,6 +138,7 @@ class Trainer:
         self.job, self.model, self.optimizer, self.loss_fn = job, model, optimizer, loss_fn
         self.train_data, self.eval_data, self.metric_fn = train_data, eval_data, metric_fn
         self.callbacks = list(callbacks)
+        self.scheduler = scheduler
         self.module = _unwrap(model)
         self.checkpoints = CheckpointManager(Path(job.output_dir) / "checkpoints", keep=self.config.keep_checkpoints)
         self.step = 0
@@ -206,6 +206,12 @@ class _Run:
         self.prof = StepProfiler(int(self.job.rank), sync=sync)
         self.batches = _Batches(self)
         self.evaluator = Evaluator(trainer.eval_data, self.cfg.eval_every_steps, self.coord, self._evaluate)
+        self.position = TrainerPosition(self.job, self.coord, trainer.optimizer, current=self.batches.position,
+                                        run_info=self._run_info)
+        self.items: dict[str, Item] = {"trainer": self.position,
+                                       **self.strategy.checkpoint_items(trainer.module, trainer.optimizer)}
+        if trainer.scheduler is not None:
+            self.items["scheduler"] = Stateful(trainer.scheduler)
         self.checkpointer = _Checkpointer(self)
         self.reporter: Reporter | None = None
         self.resumed_from: int | None = None
@@ -214,10 +220,10 @@ class _Run:
 
     def start(self) -> None:
         t = self.t
-        resumed = resume(self.job, t.checkpoints, self.coord, t.module, t.optimizer)
+        resumed = resume(self.job, t.checkpoints, self.items)
         t.step = resumed.step if resumed else 0
         self.resumed_from = self.checkpointer.last_saved = resumed.step if resumed else None
-        self.batches.start(resumed)
+        self.batches.start(resumed is not None, self.position)
         if resumed is not None and self.job.is_chief and self._already_done():
             print(f"this job already finished: it trained {t.step} steps over {t.epoch} epoch(s), so there is "
                   f"nothing left to do. To train again from scratch, run it with --no-resume (CONVEYOR_RESUME=0) or "
@@ -244,6 +250,8 @@ class _Run:
             comm_before = step.comm_seconds()
             loss = step.train(t.model, t.optimizer, t.loss_fn, inputs, targets, self.prof.mark)
             t.step += 1
+            if t.scheduler is not None:
+                t.scheduler.step()
             samples = step.counted_samples(batch_size(targets))
             times = self.prof.end_step(t.step, samples, step.comm_seconds() - comm_before)
             self.reporter.add(loss, samples, times.input_wait)
@@ -264,6 +272,10 @@ class _Run:
                                  epochs=self.t.epoch, eval_result=self.evaluator.result,
                                  resumed_from=self.resumed_from, checkpoints=self.t.checkpoints.root,
                                  module=self.t.module)
+
+    def _run_info(self) -> dict[str, Any]:
+        """What the checkpoint records of this run besides the workers' positions."""
+        return {"epoch": self.t.epoch, "steps_per_epoch": self.batches.steps_per_epoch}
 
     def _already_done(self) -> bool:
         """Whether the run resumed from holds every step this one asks for (lockstep bounds; workers running
@@ -314,24 +326,22 @@ class _Batches:
     def active(self) -> bool:
         return self.it is not None
 
-    def start(self, resumed: Any) -> None:
+    def start(self, resumed: bool, position: TrainerPosition) -> None:
         """Position the data where the run resumes (or at the start)."""
         t = self.t
         t.epoch = 0
-        self.resumed = resumed is not None
-        if resumed is not None and resumed.steps_per_epoch:
-            self.steps_per_epoch = resumed.steps_per_epoch
-        state = resumed.data if resumed is not None else None
+        self.resumed = resumed
+        if resumed and position.steps_per_epoch:
+            self.steps_per_epoch = position.steps_per_epoch
+        state = position.data if resumed else None
         if state is None:  # a fresh start, or a worker whose data starts over
             self.it = self._iterator(0)
             return
-        self.root_seed = int(state["root_seed"])
-        t.epoch = int(state["epoch"])
-        self.in_epoch = int(state["batches"])
+        self.root_seed, t.epoch, self.in_epoch = state.root_seed, state.epoch, state.batches
         if not self._done_epochs():  # (a finished run resumed with more epochs continues with the next one)
             self.it = self._iterator(t.epoch)
-            if state["iterator"] is not None:
-                self.it.load_state_dict(state["iterator"])
+            if state.iterator is not None:
+                self.it.load_state_dict(state.iterator)
 
     def next(self) -> Any:
         """This step's batch; None when this worker's training data is over."""
@@ -350,9 +360,9 @@ class _Batches:
             if not self._next_epoch():  # (closes this epoch's iterator, surplus batches and all)
                 return None
 
-    def state(self) -> dict[str, Any]:
-        return data_state(epoch=self.t.epoch, batches=self.in_epoch, root_seed=self.root_seed,
-                          iterator=None if self.it is None else self.it.state_dict())
+    def position(self) -> DataPosition:
+        return DataPosition.now(epoch=self.t.epoch, batches=self.in_epoch, root_seed=self.root_seed,
+                                iterator=None if self.it is None else self.it.state_dict())
 
     def close(self) -> None:
         if self.it is not None:
@@ -394,8 +404,8 @@ class _Batches:
 
 
 class _Checkpointer:
-    """When and what the run checkpoints: the policy's cadence, agreed by the coordinator, every worker's
-    data position, and the strategy's optimizer state (parameter servers write their own shards)."""
+    """When the run checkpoints (the policy's cadence, agreed by the coordinator); each of the run's items
+    says what it adds."""
 
     def __init__(self, run: _Run):
         self.run, self.t, self.job, self.coord = run, run.t, run.job, run.coord
@@ -409,27 +419,17 @@ class _Checkpointer:
         return self.coord.should_save(step, self.policy)
 
     def save(self, step: int, final: bool = False) -> None:
-        """Checkpoint ``step`` (the chief writes; the coordinator gathers every worker's data position)."""
+        """Checkpoint ``step``: every rank's items add to it, the chief writes it."""
         if self.last_saved == step and not self.coord.meets_for(final):
             return
-        t = self.t
         with self.run.prof.span("checkpoint", step=step):
-            if self.last_saved != step:  # parts of ranks that hold state of their own (pipeline stages)
-                for name, tree in self.job.strategy.checkpoint_parts(t.module, t.optimizer).items():
-                    tensors, meta = state_to_bytes(tree)
-                    t.checkpoints.save_part(step, f"{name}.safetensors", tensors)
-                    t.checkpoints.save_part(step, f"{name}.json", meta)
-            mine = json.dumps(self.run.batches.state(), separators=(",", ":")).encode()
-            gathered = self.coord.positions(mine, final)
-            if self.job.is_chief and self.last_saved != step:  # (meeting at the end, it may be written already)
-                extra = {"epoch": t.epoch, "world_size": int(self.job.world_size), "strategy": self.job.strategy.name,
-                         "restarts": int(self.job.restart_count), "steps_per_epoch": self.run.batches.steps_per_epoch,
-                         "optimizer": optimizer_name(t.optimizer),
-                         **self.coord.checkpoint_extra()}
-                optimizer_state, parts = self.job.strategy.save_optimizer(t.optimizer, t.checkpoints, step)
-                t.checkpoints.save(step, self.job.strategy.checkpoint_model(t.module), optimizer_state, extra=extra,
-                                   data_states=decode_positions(gathered), rng=rng_state(), parts=parts,
-                                   parts_timeout=float(self.job.timeout))
+            if self.last_saved == step:  # a meeting at the end for a step written already
+                self.run.position.meet(final)
+            else:
+                out = StepWrite(step, is_chief=bool(self.job.is_chief), root=self.t.checkpoints.root, final=final)
+                for name, item in self.run.items.items():
+                    item.save(name, out)
+                commit(self.t.checkpoints, out, timeout=float(self.job.timeout))
         self.last_saved = step
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import gzip
 import os
 import struct
@@ -26,6 +27,7 @@ from conveyor.data.records import (
     read_records,
     write_index,
 )
+from peak_memory import peak_growth
 
 COMPRESSIONS = [None, "GZIP", "ZLIB"]
 RECORDS = [b"", b"hello", b"\x00" * 17, bytes(range(256)), b"x"]
@@ -311,6 +313,18 @@ def test_matches_tensorflow_byte_for_byte(tmp_path):
         got = [t.numpy() for t in tf.data.TFRecordDataset(ours, compression_type=compression)]
         assert got == records
 
+@pytest.mark.parametrize("compression", COMPRESSIONS)
+@pytest.mark.parametrize("size", [100, 3 << 20])  # flushed on close; written through at once
+def test_a_full_disk_names_the_file(compression, size):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full (a device whose writes fail with ENOSPC)")
+    with pytest.raises(OSError, match=r"No space left on device: '/dev/full'") as e:
+        with TFRecordWriter("/dev/full", compression) as w:
+            w.write(os.urandom(size))
+            w.flush()
+    assert e.value.errno == errno.ENOSPC and e.value.filename == "/dev/full"
+
+
 
 # --- hostile lengths: refused before anything is allocated --------------------------------------
 
@@ -353,6 +367,46 @@ def test_compressed_length_bomb_is_refused_before_inflating(tmp_path, compressio
     assert err.path == str(path) and err.offset == 0
     assert str(1 << 40) in str(err) and "max_record_bytes" in str(err)
     assert peak < 8 << 20, peak
+
+
+_READ_ALL = """
+try:
+    result = [len(r) for r in reader]
+except DataLossError as e:
+    result = [str(e)]
+"""
+
+
+def _read_in_a_process(path, compression) -> tuple[list, int]:
+    """Record lengths (or the error) of ``path`` read in a fresh process, and its peak memory growth."""
+    setup = ("from conveyor.data.errors import DataLossError\nfrom conveyor.data.records import TFRecordReader\n"
+             "reader = TFRecordReader(sys.argv[1], sys.argv[2] or None)")
+    return peak_growth(setup, _READ_ALL, str(path), compression or "")
+
+
+@pytest.mark.parametrize(("compression", "cut"), [("GZIP", False), ("ZLIB", False), ("GZIP", True), (None, False)])
+def test_a_long_record_costs_its_length_once(tmp_path, compression, cut):
+    # A GZIP bomb under the 2 GiB cap: 128 MiB of zeros in ~128 KiB. The reader joined its chunks and
+    # then sliced the record out of them, holding it twice (the issue's 2 MB file cost 4.0 GB).
+    n = 128 << 20
+    data = bytes(n)
+    path = tmp_path / "long"
+    framed = _header(n) + data + struct.pack("<I", masked_crc32c(data))
+    if cut:  # the stream ends half-way through the record
+        framed = framed[: n // 2]
+    if compression:
+        comp = zlib.compressobj(9, zlib.DEFLATED, {"GZIP": 31, "ZLIB": 15}[compression])
+        framed = comp.compress(framed) + comp.flush()
+        assert len(framed) < n // 256
+    path.write_bytes(framed)
+    del data, framed
+    lengths, growth = _read_in_a_process(path, compression)
+    if cut:
+        assert len(lengths) == 1 and "truncated record" in lengths[0] and str(path) in lengths[0]
+        assert growth < 0.7 * n, growth  # what arrived of it, about once
+    else:
+        assert lengths == [n]
+        assert growth < 1.3 * n, growth
 
 
 def test_uncompressed_length_past_end_of_file_is_refused_before_reading(tmp_path):

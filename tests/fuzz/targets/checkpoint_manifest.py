@@ -34,8 +34,9 @@ def _fixture() -> bytes:
 
     _mgr.save_part(1, "ps-0.safetensors", safetensors_bytes({"w": torch.ones(3)}))
     _mgr.save_part(1, "ps-0.json", b'{"ps": 0}')
-    folder = _mgr.save(1, {"w": torch.arange(4.0)}, {"state": {0: {"m": torch.zeros(4)}}, "param_groups": []},
-                       extra={"epoch": 0}, data_states={"worker-0": {"pos": 3}},
+    folder = _mgr.save(1, {"model": {"w": torch.arange(4.0)},
+                           "optimizer": {"state": {0: {"m": torch.zeros(4)}}, "param_groups": []}},
+                       extra={"epoch": 0}, docs={"data/worker-0": {"pos": 3}},
                        parts=["ps-0.safetensors", "ps-0.json"])
     manifest = json.loads((folder / MANIFEST).read_bytes())
     manifest["time"] = 0.0

@@ -22,6 +22,7 @@ behind one) is a :class:`DataLossError`, not gigabytes of memory.
 
 from __future__ import annotations
 
+import io
 import os
 import stat
 import struct
@@ -31,8 +32,8 @@ from typing import BinaryIO
 
 import numpy as np
 
-from conveyor.data.errors import DataLossError
-from conveyor.fileio import atomic_write
+from conveyor.data.errors import DataLossError, InvalidArgumentError
+from conveyor.fileio import atomic_write, raise_naming
 
 from .crc import masked_crc32c
 
@@ -45,6 +46,7 @@ __all__ = [
     "count_records",
     "default_index_path",
     "detect_compression",
+    "not_regular",
     "read_index",
     "read_records",
     "write_index",
@@ -95,6 +97,38 @@ def _check_max_record_bytes(max_record_bytes: int) -> int:
     return max_record_bytes
 
 
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"))
+# Opening a FIFO for reading blocks until a writer opens it; non-blocking, the open returns at once.
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+
+
+def not_regular(mode: int) -> str | None:
+    """What a file of this ``st_mode`` is when it is not a regular file ("a FIFO (named pipe), not a
+    regular file"); None for a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    kind = next((what for test, what in _KINDS if test(mode)), "a special file")
+    return f"{kind}, not a regular file"
+
+
+def _open_regular(path: str) -> BinaryIO:
+    """``path`` opened for unbuffered reading, refusing what is not a regular file: a FIFO blocks every
+    read until some writer comes (forever, if none does), and a device such as /dev/zero never ends."""
+    fd = os.open(path, os.O_RDONLY | _NONBLOCK)
+    try:
+        what = not_regular(os.fstat(fd).st_mode)
+        if what is not None:
+            raise InvalidArgumentError(f"{path} is {what}: TFRecord files are read from regular files only; "
+                                       f"remove it from the file list (or narrow the file pattern)")
+        if _NONBLOCK:
+            os.set_blocking(fd, True)
+        return open(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _valid_header(head: bytes) -> bool:
     return len(head) >= _HEADER_SIZE and _CRC.unpack_from(head, 8)[0] == masked_crc32c(head[:8])
 
@@ -108,7 +142,7 @@ def detect_compression(path: str | os.PathLike) -> str | None:
     ``"GZIP"`` even if what follows is damaged, so that reading it blames the stream. At most 12
     bytes are inflated, whatever the file holds.
     """
-    with open(path, "rb") as f:
+    with _open_regular(os.fspath(path)) as f:
         head = f.read(_SNIFF_BYTES)
     if _valid_header(head):
         return ""
@@ -175,19 +209,22 @@ class TFRecordWriter:
             self._last_header = len_bytes + _CRC.pack(masked_crc32c(len_bytes))
             self._last_len = n
         footer = _CRC.pack(masked_crc32c(record))
-        if self._compressor is None:
-            write = self._file.write
-            write(self._last_header)
-            write(record)
-            write(footer)
-        else:
-            pending = self._pending
-            pending += self._last_header
-            pending += record
-            pending += footer
-            if len(pending) >= _WRITE_BUFFER:
-                self._file.write(self._compressor.compress(pending))
-                pending.clear()
+        try:
+            if self._compressor is None:
+                write = self._file.write
+                write(self._last_header)
+                write(record)
+                write(footer)
+            else:
+                pending = self._pending
+                pending += self._last_header
+                pending += record
+                pending += footer
+                if len(pending) >= _WRITE_BUFFER:
+                    self._file.write(self._compressor.compress(pending))
+                    pending.clear()
+        except OSError as e:  # a full disk says "No space left on device", not where
+            raise_naming(e, self.path)
 
     def flush(self) -> None:
         """Push everything written so far to the operating system.
@@ -197,11 +234,14 @@ class TFRecordWriter:
         """
         if self._file is None:
             return
-        if self._compressor is not None:
-            self._file.write(self._compressor.compress(self._pending))
-            self._pending.clear()
-            self._file.write(self._compressor.flush(zlib.Z_SYNC_FLUSH))
-        self._file.flush()
+        try:
+            if self._compressor is not None:
+                self._file.write(self._compressor.compress(self._pending))
+                self._pending.clear()
+                self._file.write(self._compressor.flush(zlib.Z_SYNC_FLUSH))
+            self._file.flush()
+        except OSError as e:
+            raise_naming(e, self.path)
 
     def close(self) -> None:
         """Finish the stream and close the file (idempotent)."""
@@ -209,13 +249,16 @@ class TFRecordWriter:
             return
         f, self._file = self._file, None
         try:
-            if self._compressor is not None:
-                f.write(self._compressor.compress(self._pending))
-                self._pending.clear()
-                f.write(self._compressor.flush(zlib.Z_FINISH))
-                self._compressor = None
-        finally:
-            f.close()
+            try:
+                if self._compressor is not None:
+                    f.write(self._compressor.compress(self._pending))
+                    self._pending.clear()
+                    f.write(self._compressor.flush(zlib.Z_FINISH))
+                    self._compressor = None
+            finally:
+                f.close()  # flushes the buffer: where a full disk shows
+        except OSError as e:
+            raise_naming(e, self.path)
 
     def __enter__(self) -> TFRecordWriter:
         return self
@@ -307,13 +350,10 @@ class TFRecordReader:
         self._last_len = -1
         self._last_len_crc = -1
         self._size: int | None = None  # of an uncompressed regular file, to bound record lengths
-        self._raw: BinaryIO | None = open(self.path, "rb", buffering=0)
+        self._raw: BinaryIO | None = _open_regular(self.path)
         try:
             if compression is None:
-                st = os.fstat(self._raw.fileno())
-                size = st.st_size
-                if stat.S_ISREG(st.st_mode):
-                    self._size = size
+                size = self._size = os.fstat(self._raw.fileno()).st_size  # a regular file: _open_regular
                 if offset > size:
                     what = f"offset is past the end of the file ({size} bytes)"
                     raise DataLossError(self.path, offset, what)
@@ -386,6 +426,39 @@ class TFRecordReader:
         self._pos = 0
         return buf
 
+    def _next_long(self, buf: bytes, pos: int, length: int) -> bytes:
+        """The record whose header is at ``buf[pos:]`` and whose data does not fit in the buffer.
+
+        Its data is streamed into one buffer of its own, so it costs about its length once: joining
+        the chunks and then slicing the record out of them held it twice (a GZIP bomb claiming 2 GiB
+        cost 4 GiB). ``BytesIO`` grows by ``realloc`` and ``getvalue`` hands over that very buffer.
+        """
+        out = io.BytesIO()
+        start = pos + _HEADER_SIZE
+        out.write(memoryview(buf)[start : start + length])  # what the last fill brought of it
+        left = length - out.tell()
+        self._buf, self._pos = b"", 0
+        read = self._read
+        try:
+            while left:
+                chunk = read(min(left, _CHUNK))
+                if not chunk:
+                    raise self._loss("truncated record: partial data")
+                out.write(chunk)
+                left -= len(chunk)
+        except _StreamError as e:
+            raise self._loss(str(e)) from None
+        data = out.getvalue()
+        del out
+        footer = self._fill(_FOOTER_SIZE)
+        if len(footer) < _FOOTER_SIZE:
+            raise self._loss("truncated record: partial data")
+        if self.verify and _CRC.unpack_from(footer, 0)[0] != masked_crc32c(data):
+            raise self._loss("corrupted record: data CRC mismatch")
+        self._pos = _FOOTER_SIZE
+        self.offset += _HEADER_SIZE + length + _FOOTER_SIZE
+        return data
+
     def __iter__(self) -> TFRecordReader:
         return self
 
@@ -412,6 +485,8 @@ class TFRecordReader:
         end = pos + _HEADER_SIZE + length + _FOOTER_SIZE
         if len(buf) < end:  # not all buffered: check the length before reading (or inflating) it
             self._check_fits(length)
+            if length > _CHUNK:
+                return self._next_long(buf, pos, length)
             buf = self._fill(end - pos)
             end -= pos
             pos = 0

@@ -19,7 +19,9 @@ Loading a state never opens a file it does not list: the saved file must be one 
 input's elements when those are known (a list, `list_files`, and shuffle/shard/take/... of them;
 names computed by `map` cannot be listed and are taken as they are). A file whose size or
 modification time differs from the saved ones is refused (`StateMismatchError`: the offset would
-land in other data); a state saved before these were recorded is accepted with a warning.
+land in other data); a state saved before these were recorded is accepted with a warning. Either
+way a record must start at the saved offset (its header's CRC is checked on the first read), or the
+state is refused (`StateError` naming the file and the byte).
 """
 
 from __future__ import annotations
@@ -113,6 +115,7 @@ class TFRecordIter(Iter):
         self._stat: tuple[int, int] | None = None  # (size, mtime_ns) of the current file when opened
         self._resumed: StateField | None = None  # the restored offset field, until the file is reopened
         self._resumed_where: str | None = None  # where the restored state sat in the whole state
+        self._resumed_unchecked = False  # the restored state recorded no size and mtime to check the file by
         self._tracking = False
         self._source: list | None = None  # [path, size, mtime_ns] of the open file, the elements' provenance
         self._last_offset = 0  # where the record the last `next` returned starts
@@ -142,8 +145,10 @@ class TFRecordIter(Iter):
         field, self._resumed = self._resumed, None
         if field is None or e.offset != self._offset:
             return e
-        return field.error(f"{self._path} has no record at byte {self._offset} ({e.what}), although its size and "
-                           f"modification time are those saved with the state")
+        why = ("although its size and modification time are those saved with the state" if not self._resumed_unchecked
+               else "so the offset is not a record boundary (the state records no size and modification time to "
+               "tell whether the file changed)")
+        return field.error(f"{self._path} has no record at byte {self._offset} ({e.what}), {why}")
 
     def enable_provenance(self) -> bool:
         # Only files from a known list: a restore re-opens what the state names, which must be listed.
@@ -224,6 +229,9 @@ class TFRecordIter(Iter):
             warnings.warn(f"resuming inside {self._path} from a state saved by an earlier conveyor, which did not "
                           f"record the file's size and modification time: cannot check that the file is unchanged",
                           stacklevel=2)
+            # The offset is still checked, on the first read: a record must start there (its header's CRC),
+            # or the state, not the file, is wrong.
+            self._resumed, self._resumed_where, self._resumed_unchecked = state["offset"], state.where, True
             return
         if size is None or mtime is None:
             raise (size or mtime).error("expected both 'size' and 'mtime_ns' of the file, got only this one")
@@ -239,7 +247,7 @@ class TFRecordIter(Iter):
         if now != saved:
             raise _changed(self._path, saved, now, self._offset, state.where)
         self._stat = saved
-        self._resumed, self._resumed_where = state["offset"], state.where
+        self._resumed, self._resumed_where, self._resumed_unchecked = state["offset"], state.where, False
 
     def _listed(self, field: StateField) -> str:
         """The saved current file, which must be one the file-name input can produce."""

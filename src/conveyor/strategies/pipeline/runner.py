@@ -21,7 +21,7 @@ torch's schedules and stage communication do the work (``torch.distributed.pipel
   latest one's end, found by an exchange after the optimizer step that carries the loss too. The
   rest of the window is waiting for a neighbour's activations or gradients, or for the pipeline to
   drain: the *measured bubble* of this stage, next to (S−1)/(M+S−1). Waiting for a stage that
-  started late (a slower optimizer step) is counted apart, ``start_wait`` (docs/architecture.md,
+  started late (a slower optimizer step) is counted apart, ``start_wait`` (docs/strategies.md,
   Pipeline parallelism).
 """
 
@@ -224,7 +224,7 @@ class StageRunner:
         # A static stage takes requires_grad from these examples as given. Shapes computed under no_grad say
         # False, and then the next stage's received activations need no gradient, none is sent back, and the
         # previous stage's backward fails with "grad can be implicitly created only for scalar outputs"
-        # (torch's dynamic inference sets it as below; reproduction in docs/architecture.md, Pipeline).
+        # (torch's dynamic inference sets it as below; reproduction in docs/strategies.md, Pipeline).
         x, y = (t.detach().requires_grad_(training and t.is_floating_point()) for t in (x, y))
         return _TimedStage(self.module, self.index, self.num_stages, self.device, input_args=x, output_args=y,
                            group=self.group, clock=self.clock)

@@ -34,6 +34,8 @@ __all__ = ["SplitError", "SplitPlan", "StageModule", "TracedPlan", "check_microb
 class SplitError(ValueError):
     """A split that cannot work: more stages than layers, an unknown name, an empty stage, a bad batch."""
 
+    usage_error = True  # a restart meets it again: `conveyor run` does not retry it
+
 
 @dataclass(frozen=True)
 class SplitPlan:

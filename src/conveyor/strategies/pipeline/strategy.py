@@ -13,15 +13,15 @@ stage's layers (the others go to the meta device) and rebuilds the optimizer ove
 is not an nn.Sequential: at its first batch, when its split is traced, ``traced.py``); a step
 (``step.py``) runs torch's schedule over the microbatches, averages each stage's gradients over its
 replicas, and equals one process training the whole model on the replicas' combined batch. Settings
-left None come from the job's (``conveyor.cluster.pipeline_settings``). Rank layout, data, splits and
-the numbers: ``docs/architecture.md``, "Pipeline parallelism".
+left None come from the job's (``job.settings``). Rank layout, data, splits and the numbers:
+``docs/strategies.md``, "Pipeline parallelism".
 """
 
 from __future__ import annotations
 
 import inspect
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conveyor.cluster.pipeline_settings import pipeline_settings
 from conveyor.comm.process_group import collective_guard
 from conveyor.strategies.base import Strategy, check_optimizer
+from conveyor.strategies.pipeline.checkpoint import StagesItem
 from conveyor.strategies.pipeline.figures import pipeline_figures
 from conveyor.strategies.pipeline.runner import StageRunner, schedule_class
 from conveyor.strategies.pipeline.split import (
@@ -40,15 +40,14 @@ from conveyor.strategies.pipeline.split import (
     TracedPlan,
     default_microbatches,
     meta_copy,
-    plan_from_signature,
     plan_split,
 )
 from conveyor.strategies.pipeline.step import PipelineStep
 from conveyor.strategies.pipeline.traced import TracedRunner, TracedSplit, TracedStage
+from conveyor.train.checkpoint.items import Item
 
 __all__ = ["PipelineStrategy"]
 
-_CHECKPOINT_FORMAT = "conveyor.pipeline.stages"
 
 
 class PipelineStrategy(Strategy):
@@ -78,7 +77,7 @@ class PipelineStrategy(Strategy):
 
     def _take_settings(self, job: Any) -> None:
         """Fill the arguments left None from the job's settings (the launcher's flags)."""
-        given = pipeline_settings(job)
+        given = job.settings  # the launcher's flags, read once by conveyor.init (JobSettings)
         self.stages = self.stages if self.stages is not None else given.stages
         self.microbatches = self.microbatches if self.microbatches is not None else given.microbatches
         self.schedule = self.schedule or given.schedule or "1f1b"
@@ -197,43 +196,11 @@ class PipelineStrategy(Strategy):
         return {"pipeline": pipeline_figures(reports, stages=self.plan.num_stages, microbatches=microbatches,
                                              schedule=self.schedule, split=self.runner.layers())}
 
-    # -- checkpoints: one part per stage (replica 0's), the chief's optimizer entry names them -------
+    # -- checkpoints: one part per stage (replica 0's), the chief's header names them -------------
 
-    def checkpoint_model(self, module: nn.Module) -> Any:
-        return {}  # every stage, the chief's included, is a part of its own
-
-    def checkpoint_parts(self, module: nn.Module, optimizer: Any) -> dict[str, Any]:
-        """Replica 0's stages write ``stage-<i>``: parameters (whole-model names) and optimizer state."""
-        if self.replica != 0:
-            return {}
-        plan = self._plan()
-        return {f"stage-{self.stage}": {"stage": self.stage, "split": plan.signature(),
-                                        "model": self.module.model_state_dict(), "optimizer": optimizer.state_dict()}}
-
-    def save_optimizer(self, optimizer: Any, checkpoints: Any, step: int) -> tuple[Any, list[str]]:
-        plan = self._plan()
-        names = [f"stage-{i}" for i in range(plan.num_stages)]
-        header = {"format": _CHECKPOINT_FORMAT, "split": plan.signature(), "stages": names}
-        return header, [f"{n}.{ext}" for n in names for ext in ("safetensors", "json")]
-
-    def restore_checkpoint(self, module: nn.Module, optimizer: Any, saved_optimizer: Any,
-                           read_part: Callable[[str], Any]) -> bool:
-        """Every process reads its stage's part; a checkpoint of another split is refused, naming both."""
-        plan = self._plan()
-        if not (isinstance(saved_optimizer, dict) and saved_optimizer.get("format") == _CHECKPOINT_FORMAT):
-            raise ValueError("it was not written by the pipeline strategy (it holds the whole model): resume it with "
-                             "the strategy that wrote it")
-        saved = plan_from_signature(saved_optimizer["split"])
-        if saved != plan:
-            raise ValueError(f"it was written with the split [{saved.short()}] ({saved.num_stages} stages) and this "
-                             f"job splits [{plan.short()}] ({plan.num_stages} stages): resume with the split that "
-                             f"wrote it ({saved.resume_flags()})")
-        state = read_part(f"stage-{self.stage}")
-        if isinstance(self.runner, TracedRunner) and not self.runner.ready:
-            self._restored = state  # loaded when the first batch has decided what this stage holds
-        else:
-            self._load_part(state, optimizer)
-        return True
+    def checkpoint_items(self, module: nn.Module, optimizer: Any) -> dict[str, Item]:
+        """Every stage's model and optimizer state as a part of its own (``pipeline/checkpoint.py``)."""
+        return {"optimizer": StagesItem(self, optimizer)}
 
     def _load_part(self, state: Any, optimizer: Any) -> None:
         self.module.load_model_state_dict(dict(state["model"]))

@@ -12,7 +12,7 @@ One message per gradient tensor (ResNet-20 has 65) costs a header, signatures, a
 reply each, on both sides, and wakes the server once per tensor; one message per bucket costs that
 once per ~MiB. DDP buckets gradients for the same reason. The bucket is shared by all servers: when it
 fills, every server with pieces in it gets one push. Why the server's sums do not change:
-docs/architecture.md, "The parameter-server strategy", "Buckets".
+docs/ps.md, "The parameter-server strategy", "Buckets".
 """
 
 from __future__ import annotations

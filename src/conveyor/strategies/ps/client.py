@@ -13,7 +13,7 @@ Promises: pulled values are copied into the model's parameters in place, so the 
 valid; a server that answers ``wait`` is asked again until the timeout; from construction to
 :meth:`~PSConnections.close` every server is pinged every quarter of ``timeout`` (at most 5 s), so a
 busy but live worker keeps its ps tasks up. Gradient accumulation over several backward calls per step
-works with ``ps-sync`` only. How and why: docs/architecture.md, "The parameter-server strategy".
+works with ``ps-sync`` only. How and why: docs/ps.md, "The parameter-server strategy".
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ class PSConnections:
 class PSClient(PSConnections):
     """Connections to every ps task and the per-step push/pull protocol.
 
-    How it overlaps backward and the next batch: docs/architecture.md, "The parameter-server strategy".
+    How it overlaps backward and the next batch: docs/ps.md, "The parameter-server strategy".
     """
 
     def __init__(self, addresses: Sequence[str], secret: bytes, *, rank: int, num_workers: int, sender: str,

@@ -9,7 +9,7 @@
 Promises: the update is torch's own single-tensor implementation, bitwise the same as a single-process
 run on a CPU worker however the parameters are cut into pieces; only elementwise optimizers on an
 allow-list are accepted (subclasses refused too); :func:`mean_of_gradients` sums in rank order and
-divides once, so a run is reproducible. Why this is exact: docs/architecture.md, "Pieces and the
+divides once, so a run is reproducible. Why this is exact: docs/ps.md, "Pieces and the
 optimizer on the servers".
 """
 
@@ -28,7 +28,7 @@ from conveyor.strategies.ps.sharding import Piece, parse_piece_key, piece_key
 __all__ = ["SUPPORTED", "GroupSpec", "OptimizerSpec", "ServerOptimizer", "group_hyperparameters",
            "mean_of_gradients"]
 
-#: Optimizers the servers can run, all elementwise (why: docs/architecture.md, "Pieces and the optimizer
+#: Optimizers the servers can run, all elementwise (why: docs/ps.md, "Pieces and the optimizer
 #: on the servers"). Their state is
 #: per element (moments, buffers) plus a per-parameter step count.
 SUPPORTED: tuple[str, ...] = ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop")
@@ -146,7 +146,7 @@ def group_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, An
 
 
 def mean_of_gradients(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The average of the workers' gradients for one piece, ``grads`` in rank order (docs/architecture.md).
+    """The average of the workers' gradients for one piece, ``grads`` in rank order (docs/ps.md).
 
     ``(g_0 + g_1 + ... + g_{n-1}) / n``: summed left to right in float32 (float64 stays float64), divided
     once, returned in the gradients' dtype. Always a new tensor.

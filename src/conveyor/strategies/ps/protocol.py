@@ -6,7 +6,7 @@
 
 Requests go from a worker to a ps task: ``init``, ``push``, ``commit``, ``pull``, ``stats``, ``state``,
 ``load_state``, ``save``, ``restore``, ``position``, ``positions``, ``ping``, ``done``; each class says
-its fields, and the table of requests, replies and their fields is in docs/architecture.md, "The
+its fields, and the table of requests, replies and their fields is in docs/ps.md, "The
 parameter-server protocol".
 
 Promises: ``from_header`` refuses a header with a missing field, a field of the wrong type or out of

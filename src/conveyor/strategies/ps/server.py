@@ -10,7 +10,7 @@ bound to the task's TF_CONFIG address; each handler ``_on_<kind>`` takes one typ
 Promises: only authenticated, well-formed requests addressed to this task reach the handlers, so
 garbage on the port cannot change the parameters; an unauthenticated peer holds at most
 :func:`max_frame_bytes` per connection, for at most ``handshake_timeout`` seconds; the update rules
-(``sync``, ``async``, ``ssp:K``) are applied as docs/architecture.md, "The parameter-server protocol",
+(``sync``, ``async``, ``ssp:K``) are applied as docs/ps.md, "The parameter-server protocol",
 describes, with staleness recorded per push and commit; and :meth:`ParameterServer.serve` raises
 :class:`IdleTimeout` after the job's timeout without hearing from a worker (twice that before the
 first), so a ps task cannot outlive its job.
@@ -133,7 +133,7 @@ class ShardFiles:
 
 
 class ParameterServer:
-    """One ps task's state and request handler (docs/architecture.md, "The parameter-server protocol")."""
+    """One ps task's state and request handler (docs/ps.md, "The parameter-server protocol")."""
 
     def __init__(self, address: str, secret: bytes, *, index: int, num_workers: int, mode: str,
                  staleness: int = 0, max_skew: float = 300.0,

@@ -13,7 +13,7 @@ go whole to the least-loaded server.
 Promises: the same list always gives the same placement (no randomness, no dict-order or hash
 dependence), and ``to_json()`` carries a fingerprint both sides check; the load per server differs by
 at most the largest piece's bytes, so max/min ≤ 1.25 once the average share is at least 5 × the
-largest piece. The construction and its proof: docs/architecture.md, "Pieces and the optimizer on the
+largest piece. The construction and its proof: docs/ps.md, "Pieces and the optimizer on the
 servers".
 """
 
@@ -95,7 +95,7 @@ class ParamInfo:
 
 def place(named_shapes_dtypes: Iterable[tuple[str, Sequence[int], torch.dtype | str]], num_servers: int,
           chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Placement:
-    """Spread parameters ``(name, shape, dtype)`` over ``num_servers`` servers (algorithm: docs/architecture.md).
+    """Spread parameters ``(name, shape, dtype)`` over ``num_servers`` servers (algorithm: docs/ps.md).
 
     ``dtype`` is a ``torch.dtype`` or its name (``"float32"``). Which server gets which piece depends
     only on the list's contents, not its order; the placement lists parameters (and their pieces) in

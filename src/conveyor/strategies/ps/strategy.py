@@ -10,13 +10,13 @@ The servers own the parameters and the optimizer; ``prepare`` returns the model 
 :class:`PSOptimizer` (``step()``: finish the pushes, commit, pull; ``param_groups`` shared with the real
 optimizer, whose ``zero_grad()`` it is). ``strategy.step.comm_seconds()`` and :meth:`PSStrategy.report`
 report push, pull and wait-for-servers time, bytes and the servers' counters;
-:meth:`PSStrategy.save_optimizer` has every ps task write its shard into the chief's checkpoint step.
+the checkpoint item ``optimizer`` has every ps task write its shard into the chief's checkpoint step.
 
 Promises: ``ps-sync`` is numerically an all-reduce and returns from ``step()`` with the new parameters
 in place; ``ps-async``/``ps-ssp:K`` let workers run apart (a pull waits while more than K steps ahead
 of the slowest) and deliver the new parameters by the model's next forward or ``state_dict``. Weights
 loaded into the model after ``prepare`` are overwritten by the next pull. How and why:
-docs/architecture.md, "The parameter-server strategy".
+docs/ps.md, "The parameter-server strategy".
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ from conveyor.fileio import atomic_write
 from conveyor.strategies.base import Step, Strategy, check_optimizer
 from conveyor.strategies.coordination import Coordinator, IndependentCoordinator, LockstepCoordinator
 from conveyor.strategies.ps.client import PSClient
+from conveyor.train.checkpoint.items import Item, Model, StepWrite
+from conveyor.train.checkpoint.read import Checkpoint
 
 __all__ = ["PSOptimizer", "PSStrategy", "staleness_summary"]
 
@@ -102,26 +104,9 @@ class PSStrategy(Strategy):
             print(placement.describe(), flush=True)
         return model, PSOptimizer(optimizer, self)
 
-    def save_optimizer(self, optimizer: Any, checkpoints: Any, step: int) -> tuple[Any, list[str]]:
-        """Every ps task writes its shard into step ``step`` under ``checkpoints.root``; returns a reference."""
-        client = self._client("checkpoint")
-        parts = client.save_shards(step, Path(checkpoints.root).resolve())  # the ps tasks may run in another folder
-        return {"format": _STATE_FORMAT, "num_ps": client.num_servers, "shards": parts}, parts
-
-    def restore_optimizer(self, optimizer: Any, state: Any, checkpoints: Any, step: int) -> None:
-        """Rank 0 has every ps task load its shard of step ``step``; then every worker pulls."""
-        client = self._client("resume")
-        if not (isinstance(state, dict) and "shards" in state):
-            optimizer.load_state_dict(state)  # a state fetched to the worker (PSOptimizer.state_dict)
-            return
-        if state.get("format") != _STATE_FORMAT or state.get("num_ps") != client.num_servers:
-            raise ValueError(f"checkpoint step {step} holds shards of {state.get('num_ps')} ps tasks; this job has "
-                             f"{client.num_servers}: resume with --ps {state.get('num_ps')} or start over "
-                             f"with --no-resume")
-        if self.job.rank == 0:
-            client.restore_shards(step, Path(checkpoints.root).resolve())
-        self.job.barrier()  # no worker pulls before every shard is back
-        client.pull()
+    def checkpoint_items(self, module: nn.Module, optimizer: Any) -> dict[str, Item]:
+        """The model as the workers see it, and the optimizer as shards every ps task writes itself."""
+        return {"model": Model(module), "optimizer": _ShardedOptimizer(self, optimizer)}
 
     def coordinator(self, job: Any) -> Coordinator:
         """``ps-sync`` (or a single worker) moves in lockstep; ``ps-async``/``ps-ssp`` workers run apart,
@@ -296,7 +281,7 @@ class PSOptimizer(torch.optim.Optimizer):
             raise RuntimeError("optimizer.load_state_dict() after the job was shut down")
         if "shards" in state:
             raise ValueError("this optimizer state names shards the ps tasks wrote into a checkpoint folder; "
-                             "job.strategy.restore_optimizer(optimizer, state, checkpoints, step) restores it "
+                             "the item of job.strategy.checkpoint_items(model, optimizer) restores it "
                              "(the Trainer does this on resume)")
         if state.get("format") != _STATE_FORMAT or len(state.get("servers", ())) != client.num_servers:
             raise ValueError(f"not a parameter-server optimizer state for {client.num_servers} ps tasks (a "
@@ -306,3 +291,34 @@ class PSOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"PSOptimizer({type(self.optimizer).__name__}, strategy={self._strategy.name!r})"
+
+
+class _ShardedOptimizer(Item):
+    """The optimizer state of a ps job: every ps task writes its shard into the step; the chief's tree is a
+    reference to them."""
+
+    def __init__(self, strategy: PSStrategy, optimizer: Any):
+        self.strategy, self.optimizer = strategy, optimizer
+
+    def save(self, name: str, out: StepWrite) -> None:
+        if not out.is_chief:
+            return
+        client = self.strategy._client("checkpoint")
+        parts = client.save_shards(out.step, Path(out.root).resolve())  # the ps tasks may run in another folder
+        out.tree(name, {"format": _STATE_FORMAT, "num_ps": client.num_servers, "shards": parts})
+        out.expect(parts)
+
+    def restore(self, name: str, ckpt: Checkpoint) -> None:
+        """Rank 0 has every ps task load its shard of the step; then every worker pulls."""
+        client, state = self.strategy._client("resume"), ckpt.tree(name)
+        if not (isinstance(state, dict) and "shards" in state):
+            self.optimizer.load_state_dict(state)  # a state fetched to the worker (PSOptimizer.state_dict)
+            return
+        if state.get("format") != _STATE_FORMAT or state.get("num_ps") != client.num_servers:
+            raise ValueError(f"checkpoint step {ckpt.step} holds shards of {state.get('num_ps')} ps tasks; this job "
+                             f"has {client.num_servers}: resume with --ps {state.get('num_ps')} or start over "
+                             f"with --no-resume")
+        if self.strategy.job.rank == 0:
+            client.restore_shards(ckpt.step, Path(ckpt.root).resolve())
+        self.strategy.job.barrier()  # no worker pulls before every shard is back
+        client.pull()

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.fileio import sync_dir, write_file
-from conveyor.train.checkpoint_files import FORMAT, MANIFEST, PART_RE, VERSION, CheckpointError, hash_file
+from conveyor.train.checkpoint.read import FORMAT, MANIFEST, PART_RE, VERSION, CheckpointError, hash_file
 from conveyor.train.state_io import flatten_state, save_tensors
 
 
@@ -24,15 +24,24 @@ def json_bytes(obj: Any) -> bytes:
     return json.dumps(obj, allow_nan=False, separators=(",", ":")).encode()
 
 
-def data_state_files(data_states: Mapping[str, Any] | None) -> dict[str, Any]:
-    """`{"data/<task>.json": state}` for `save`'s `data_states`, task names checked before anything is written."""
+def doc_files(docs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`{"<group>/<name>.json": doc}` for `save`'s `docs`, names checked before anything is written."""
     files = {}
-    for task, st in (data_states or {}).items():
-        name = f"data/{task}.json"
-        if not PART_RE.fullmatch(name):
-            raise ValueError(f"data state task name {task!r}: use letters, digits, '.', '_' and '-' only")
-        files[name] = st
+    for doc, value in (docs or {}).items():
+        name = f"{doc}.json"
+        if "/" not in doc or not PART_RE.fullmatch(name):
+            raise ValueError(f"checkpoint document {doc!r}: name it <group>/<name> (such as data/<task name>) in "
+                             f"letters, digits, '.', '_' and '-' only")
+        files[name] = value
     return files
+
+
+def tree_names(trees: Mapping[str, Any]) -> list[str]:
+    """The names of `save`'s `trees`, checked: each becomes `<name>.safetensors` + `<name>.json` in the step."""
+    for name in trees:
+        if not (isinstance(name, str) and "/" not in name and PART_RE.fullmatch(f"{name}.safetensors")):
+            raise ValueError(f"checkpoint tree name {name!r}: use letters, digits, '.', '_' and '-' only")
+    return list(trees)
 
 
 def extra_meta(extra: Mapping[str, Any] | None) -> Any:
@@ -46,25 +55,18 @@ def extra_meta(extra: Mapping[str, Any] | None) -> Any:
     return meta
 
 
-def write_own(
-    folder: Path,
-    model_state: Mapping[str, Any],
-    optimizer_state: Mapping[str, Any] | None,
-    rng: Mapping[str, Any] | None,
-    data_files: Mapping[str, Any],
-    fsync: bool,
-) -> list[str]:
-    """Write the chief's own files of `CheckpointManager.save` into `folder`; returns their names."""
-    files = write_tree(folder, "model", model_state, fsync)
-    if optimizer_state is not None:
-        files += write_tree(folder, "optimizer", optimizer_state, fsync)
-    if rng is not None:
-        files += write_tree(folder, "rng", rng, fsync)
-    for name, st in data_files.items():
+def write_own(folder: Path, trees: Mapping[str, Any], docs: Mapping[str, Any], fsync: bool) -> list[str]:
+    """Write the chief's own files of `CheckpointManager.save` (`doc_files` names the docs) into `folder`;
+    returns their names."""
+    files = []
+    for name, tree in trees.items():
+        files += write_tree(folder, name, tree, fsync)
+    for name, doc in docs.items():
         try:
-            data = json.dumps(st, sort_keys=True).encode()
+            data = json.dumps(doc, sort_keys=True).encode()
         except (TypeError, ValueError) as e:
-            raise TypeError(f"data state for {name}: a data iterator state must be JSON ({e})") from e
+            raise TypeError(f"{name} is not JSON ({e}): a checkpoint document such as a data iterator state must be "
+                            f"JSON") from e
         files.append(write_member(folder, name, data, fsync))
     return files
 
@@ -87,9 +89,9 @@ def write_member(folder: Path, name: str, data: bytes, fsync: bool) -> str:
     return name
 
 
-def write_state(folder: Path, step: int, extra: Any, fsync: bool) -> str:
-    """state.json: step, time, format version and `extra_meta(extra)`."""
-    state = {"format": FORMAT, "version": VERSION, "step": step, "time": time.time(), "extra": extra}
+def write_state(folder: Path, step: int, extra: Any, trees: list[str], fsync: bool) -> str:
+    """state.json: step, time, format version, `extra_meta(extra)` and the names of the chief's `trees`."""
+    state = {"format": FORMAT, "version": VERSION, "step": step, "time": time.time(), "extra": extra, "trees": trees}
     return write_member(folder, "state.json", json_bytes(state), fsync)
 
 

@@ -1,5 +1,8 @@
 """The files of one checkpoint step folder as a reader sees them: names, the manifest, parts, and what is damaged.
 
+A step holds trees (`<name>.safetensors` + `<name>.json`, written by the chief and listed in
+state.json), JSON documents (`<group>/<name>.json`, such as `data/worker-0.json`), `extra` (state.json)
+and parts other tasks contributed; `Checkpoint` gives them back by name, knowing none of them.
 A reader trusts nothing in the folder (`conveyor.train.checkpoint`, "What a reader trusts"): the
 manifest is read only up to MANIFEST_MAX_BYTES and must be strict JSON of the right types, part
 names must stay inside the step folder, a symlink leading out of it is refused, and every part that
@@ -21,7 +24,7 @@ from typing import Any
 from safetensors import SafetensorError, safe_open
 
 from conveyor.errors import ConveyorError
-from conveyor.train.state_io import load_tensors, unflatten_state
+from conveyor.train.state_io import load_tensors, state_from_bytes, unflatten_state
 
 FORMAT = "conveyor.checkpoint"
 VERSION = 1
@@ -33,27 +36,64 @@ PART_NAME_MAX = 255
 STEP_RE = re.compile(r"^step-(\d{8,})$")
 PART_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
-TREES = ("model", "optimizer", "rng")
-RESERVED = {MANIFEST, "state.json"} | {f"{t}.{ext}" for t in TREES for ext in ("safetensors", "json")}
+# The trees of a step folder written before state.json listed them (the Trainer's, before checkpoint items):
+# read so that those folders still load; also names no other task may give a part.
+LEGACY_TREES = ("model", "optimizer", "rng")
+RESERVED = {MANIFEST, "state.json"} | {f"{t}.{ext}" for t in LEGACY_TREES for ext in ("safetensors", "json")}
 
 
 class CheckpointError(ConveyorError, RuntimeError):
     """A checkpoint is missing, incomplete, damaged or from another format; the message says what to do."""
 
 
+class ResumeError(CheckpointError):
+    """The checkpoint found cannot be resumed by this job; the message names the fix."""
+
+    usage_error = True  # a restart meets it again: `conveyor run` does not retry it
+
+
 @dataclass
 class Checkpoint:
-    """Everything `CheckpointManager.load` read from one step folder."""
+    """Everything `CheckpointManager.load` read from one step folder, by name; parts are read on demand."""
 
     step: int
     path: Path
-    model_state: dict[str, Any] | None = None
-    optimizer_state: dict[str, Any] | None = None
+    trees: dict[str, Any] = field(default_factory=dict)  # the chief's state trees, by name
+    docs: dict[str, Any] = field(default_factory=dict)  # JSON documents by name ("data/worker-0"), any writer's
     extra: dict[str, Any] = field(default_factory=dict)
-    data_states: dict[str, Any] = field(default_factory=dict)
-    rng: dict[str, Any] | None = None
     time: float | None = None
     parts: dict[str, Path] = field(default_factory=dict)  # every file the manifest lists, by part name
+
+    @property
+    def root(self) -> Path:
+        return self.path.parent
+
+    def tree(self, name: str) -> Any:
+        """Tree `name`; `ResumeError` naming the fix when the job that wrote the step had none."""
+        if name not in self.trees:
+            raise ResumeError(f"checkpoint {self.path} holds no {name!r} (the job that wrote it had none; it holds "
+                              f"{sorted(self.trees)}): resume without {name!r}, or " + self.start_over())
+        return self.trees[name]
+
+    def group(self, prefix: str) -> dict[str, Any]:
+        """The documents `<prefix>/<name>`, by name: `group("data")` -> {"worker-0": ...}."""
+        return {k[len(prefix) + 1 :]: v for k, v in self.docs.items() if k.startswith(prefix + "/")}
+
+    def read_part(self, name: str) -> bytes:
+        """The bytes of part `name`, checked against the manifest (`CheckpointReader.read_part`)."""
+        return read_part(self.path, name)
+
+    def part_tree(self, name: str) -> Any:
+        """The tree another task wrote as parts `<name>.safetensors` + `<name>.json` (`state_io.state_to_bytes`)."""
+        try:
+            return state_from_bytes(self.read_part(f"{name}.safetensors"), self.read_part(f"{name}.json"))
+        except (SafetensorError, ValueError) as e:
+            raise damaged(self.path, self.path / f"{name}.json", f"not a state tree ({e})") from e
+
+    def start_over(self) -> str:
+        """The fix that always works: what a refusal to resume ends with."""
+        return (f"start over with --no-resume (CONVEYOR_RESUME=0), or give this job another output folder than "
+                f"{self.root.parent} (--output-dir)")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -132,13 +172,16 @@ def read_step(step: int, folder: Path, map_location: str, verify: bool) -> Check
         for name, expected in manifest["parts"].items()
     }
     ckpt = Checkpoint(step=step, path=folder, parts=parts)
+    names: Any = [t for t in LEGACY_TREES if f"{t}.json" in parts]
     if "state.json" in parts:
-        ckpt.extra, ckpt.time = _read_state(folder)
-    trees = {name: _read_tree(folder, name, map_location) for name in TREES if f"{name}.json" in parts}
-    ckpt.model_state, ckpt.optimizer_state, ckpt.rng = trees.get("model"), trees.get("optimizer"), trees.get("rng")
+        ckpt.extra, ckpt.time, names = _read_state(folder, names)
+    unlisted = [n for n in names if not {f"{n}.json", f"{n}.safetensors"} <= parts.keys()]
+    if unlisted:
+        raise damaged(folder, folder / "state.json", f"trees {unlisted} are not in the {MANIFEST} manifest")
+    ckpt.trees = {name: _read_tree(folder, name, map_location) for name in names}
     for name in parts:
-        if name.startswith("data/") and name.endswith(".json"):
-            ckpt.data_states[name[len("data/") : -len(".json")]] = _read_json(folder, name)
+        if "/" in name and name.endswith(".json"):
+            ckpt.docs[name[: -len(".json")]] = _read_json(folder, name)
     return ckpt
 
 
@@ -241,8 +284,8 @@ def _read_json(folder: Path, name: str) -> Any:
     return _parse_json(folder, path, _read_bytes(folder, path))
 
 
-def _read_state(folder: Path) -> tuple[dict[str, Any], float | None]:
-    """state.json's `extra` and `time`."""
+def _read_state(folder: Path, legacy: list[str]) -> tuple[dict[str, Any], float | None, list[str]]:
+    """state.json's `extra`, `time` and the names of the chief's trees (`legacy` where it lists none)."""
     path = folder / "state.json"
     state = _read_json(folder, "state.json")
     if not isinstance(state, dict):
@@ -254,7 +297,11 @@ def _read_state(folder: Path) -> tuple[dict[str, Any], float | None]:
     saved = state.get("time")
     if not isinstance(extra, dict) or not (saved is None or _is_number(saved)):
         raise damaged(folder, path, "extra is not an object or time not a number")
-    return extra, saved
+    trees = state.get("trees", legacy)
+    plain = isinstance(trees, list) and all(isinstance(t, str) and is_plain_part_name(f"{t}.json") for t in trees)
+    if not plain or any("/" in t for t in trees):
+        raise damaged(folder, path, "trees is not a list of plain names")
+    return extra, saved, trees
 
 
 def _read_tree(folder: Path, name: str, map_location: str) -> Any:

@@ -1,4 +1,4 @@
-"""When to checkpoint: every N steps and/or every T seconds (`conveyor.train.checkpoint` writes them)."""
+"""When to checkpoint: every N steps and/or every T seconds (`conveyor.train.checkpoint.store` writes them)."""
 
 from __future__ import annotations
 

@@ -1,18 +1,8 @@
-"""Checkpoints that a reader on another machine never sees half-written, in safetensors + JSON.
+"""Checkpoint step folders that a reader on another machine never sees half-written: write, find, rotate, read.
 
-    mgr = CheckpointManager(output_dir / "checkpoints")
-    mgr.save_part(1000, "ps-0.safetensors", data)                  # on every other task that owns state
-    mgr.save(1000, model.state_dict(), opt.state_dict(), rng=rng_state(),
-             parts=["ps-0.safetensors"], parts_timeout=60)         # on the chief
-    step = mgr.resume_step()                                       # None: start fresh
-    ckpt = mgr.load(verify=True)
-
-What it promises: a `step-XXXXXXXX` folder appears by one atomic rename, complete with every expected
-part and listed with sizes and sha256 in its `COMPLETE` manifest, or not at all; `latest` and rotation
-never expose a partial folder; `resume_step()` passes over damaged steps with a warning and raises
-`CheckpointError` only when every step is damaged; nothing read from the folder is trusted. This module
-is the layout and the public names; `checkpoint_write`, `checkpoint_files` and `checkpoint_policy` fill,
-read and schedule. The layout on disk and the reasons: `docs/architecture.md`, "Checkpoints on disk".
+`CheckpointManager` stores named state trees, JSON documents, `extra` and other tasks' parts without
+knowing what they are (`conveyor.train.checkpoint` has the promises and an example); `write`, `read`
+and `policy` fill, read back and schedule one step folder.
 """
 
 from __future__ import annotations
@@ -28,15 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.fileio import atomic_write, sync_dir
-from conveyor.train import checkpoint_write as write
-from conveyor.train.checkpoint_files import (
-    FORMAT,
+from conveyor.train.checkpoint import write
+from conveyor.train.checkpoint.read import (
     LATEST,
     MANIFEST,
-    MANIFEST_MAX_BYTES,
-    PART_NAME_MAX,
     STEP_RE,
-    VERSION,
     Checkpoint,
     CheckpointError,
     check_folder,
@@ -47,14 +33,10 @@ from conveyor.train.checkpoint_files import (
     step_folder_name,
     step_numbers,
 )
-from conveyor.train.checkpoint_policy import CheckpointPolicy
 
-__all__ = [
-    "FORMAT", "LATEST", "MANIFEST", "MANIFEST_MAX_BYTES", "PART_NAME_MAX", "VERSION",
-    "Checkpoint", "CheckpointError", "CheckpointManager", "CheckpointPolicy", "CheckpointReader",
-]
+__all__ = ["CheckpointManager", "CheckpointReader"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("conveyor.train.checkpoint")  # the name its warnings have always had
 
 
 class CheckpointReader:
@@ -233,35 +215,34 @@ class CheckpointManager(CheckpointReader):
     def save(
         self,
         step: int,
-        model_state: Mapping[str, Any],
-        optimizer_state: Mapping[str, Any] | None = None,
-        extra: Mapping[str, Any] | None = None,
-        data_states: Mapping[str, Any] | None = None,
-        rng: Mapping[str, Any] | None = None,
+        trees: Mapping[str, Any] | None = None,
         *,
+        docs: Mapping[str, Any] | None = None,
+        extra: Mapping[str, Any] | None = None,
         parts: Iterable[str] = (),
         parts_timeout: float = 0.0,
     ) -> Path:
         """Write step `step` and return its folder; on any error nothing becomes visible.
 
-        `extra` is JSON-able run information (epoch, best loss, config) stored in state.json;
-        `data_states` maps a task name ("worker-0") to its data iterator's `state_dict()`; `rng` is
-        `state_io.rng_state()` (None: not saved). `parts` names files other tasks contribute with
-        `save_part`, awaited for `parts_timeout` seconds. Saving a step that already exists
+        `trees` maps a name to a state tree (a `state_dict()`: tensors, numbers, strings, lists, dicts),
+        each written as `<name>.safetensors` + `<name>.json` and read back as `Checkpoint.trees[name]`;
+        `docs` maps `<group>/<name>` ("data/worker-0") to JSON, read back as `Checkpoint.docs`; `extra`
+        is JSON-able run information stored in state.json. `parts` names files other tasks contribute
+        with `save_part`, awaited for `parts_timeout` seconds. Saving a step that already exists
         replaces it.
         """
         step = check_step(step)
-        data_files = write.data_state_files(data_states)
-        own = partial(write.write_own, model_state=model_state, optimizer_state=optimizer_state, rng=rng,
-                      data_files=data_files, fsync=self.fsync)
-        return self._build(step, own, parts, parts_timeout, extra)
+        trees = dict(trees or {})
+        names, doc_files = write.tree_names(trees), write.doc_files(docs)
+        own = partial(write.write_own, trees=trees, docs=doc_files, fsync=self.fsync)
+        return self._build(step, own, parts, parts_timeout, extra, names)
 
     def save_part(self, step: int, name: str, data: bytes) -> Path:
         """Contribute one file to step `step` from another task (a parameter-server shard, an iterator state).
 
         Written atomically (temp file, fsync, rename) into `.parts-step-XXXXXXXX/<name>`, where the
         chief's `save(..., parts=[name])` or `finalize` picks it up. Names are file names, or
-        `data/<task>.json` for data-iterator states (those come back in `Checkpoint.data_states`).
+        `<group>/<name>.json` for JSON documents (those come back in `Checkpoint.docs`).
         """
         step = check_step(step)
         check_part_name(name)
@@ -280,11 +261,11 @@ class CheckpointManager(CheckpointReader):
         timeout: float = 0.0,
     ) -> Path:
         """Make step `step` from contributed parts alone (waiting up to `timeout` s for them) and return it."""
-        return self._build(check_step(step), lambda tmp: [], expected_parts, timeout, extra)
+        return self._build(check_step(step), lambda tmp: [], expected_parts, timeout, extra, [])
 
     def _build(
         self, step: int, write_own: Callable[[Path], list[str]], parts: Iterable[str], timeout: float,
-        extra: Mapping[str, Any] | None,
+        extra: Mapping[str, Any] | None, trees: list[str],
     ) -> Path:
         """Fill a `.tmp-*` folder (own files, state.json, the parts), seal it, rename it into place, rotate."""
         parts = list(dict.fromkeys(parts))
@@ -300,7 +281,7 @@ class CheckpointManager(CheckpointReader):
             clash = sorted(set(files) & set(parts))
             if clash:
                 raise CheckpointError(f"step {step}: parts {clash} clash with files the chief writes; rename them")
-            files.append(write.write_state(tmp, step, meta, self.fsync))
+            files.append(write.write_state(tmp, step, meta, trees, self.fsync))
             collected = write.collect_parts(step, staging, tmp, parts, timeout)
             write.seal(step, tmp, files + collected, self.fsync)
             final = self._publish(step, tmp)

@@ -1,0 +1,59 @@
+"""The pipeline strategy's checkpoint item: one part per stage, written by the process that holds the stage.
+
+    items = strategy.checkpoint_items(model, optimizer)      # {"optimizer": StagesItem(strategy, optimizer)}
+
+Replica 0's process of stage i writes part `stage-<i>` (its parameters under whole-model names, and
+its optimizer state); the chief writes the header (format, split, part names) as the tree `optimizer`,
+the name it has had on disk since before items. On resume every process reads its own stage's part;
+a checkpoint of another split, or not written by this strategy, is refused naming both and the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from conveyor.strategies.pipeline.split import plan_from_signature
+from conveyor.strategies.pipeline.traced import TracedRunner
+from conveyor.train.checkpoint.items import Item, StepWrite
+from conveyor.train.checkpoint.read import Checkpoint
+
+__all__ = ["CHECKPOINT_FORMAT", "StagesItem"]
+
+CHECKPOINT_FORMAT = "conveyor.pipeline.stages"
+
+
+class StagesItem(Item):
+    """Every stage's model and optimizer state, as parts (module docstring)."""
+
+    def __init__(self, strategy: Any, optimizer: Any):
+        self.strategy, self.optimizer = strategy, optimizer
+
+    def save(self, name: str, out: StepWrite) -> None:
+        s = self.strategy
+        plan = s._plan()
+        if s.replica == 0:
+            out.part_tree(f"stage-{s.stage}", {"stage": s.stage, "split": plan.signature(),
+                                               "model": s.module.model_state_dict(),
+                                               "optimizer": self.optimizer.state_dict()})
+        if out.is_chief:
+            names = [f"stage-{i}" for i in range(plan.num_stages)]
+            out.tree(name, {"format": CHECKPOINT_FORMAT, "split": plan.signature(), "stages": names})
+            out.expect(f"{n}.{ext}" for n in names for ext in ("safetensors", "json"))
+
+    def restore(self, name: str, ckpt: Checkpoint) -> None:
+        """Every process reads its stage's part; a checkpoint of another split is refused, naming both."""
+        s = self.strategy
+        plan, header = s._plan(), ckpt.tree(name)
+        if not (isinstance(header, dict) and header.get("format") == CHECKPOINT_FORMAT):
+            raise ValueError("it was not written by the pipeline strategy (it holds the whole model): resume it with "
+                             "the strategy that wrote it")
+        saved = plan_from_signature(header["split"])
+        if saved != plan:
+            raise ValueError(f"it was written with the split [{saved.short()}] ({saved.num_stages} stages) and this "
+                             f"job splits [{plan.short()}] ({plan.num_stages} stages): resume with the split that "
+                             f"wrote it ({saved.resume_flags()})")
+        state = ckpt.part_tree(f"stage-{s.stage}")
+        if isinstance(s.runner, TracedRunner) and not s.runner.ready:
+            s._restored = state  # loaded when the first batch has decided what this stage holds
+        else:
+            s._load_part(state, self.optimizer)

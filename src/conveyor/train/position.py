@@ -1,0 +1,137 @@
+"""Where a training run is, as the checkpoint item `trainer`: its epoch, every worker's data position, the RNGs.
+
+    position = TrainerPosition(job, coordinator, optimizer, current=lambda: DataPosition.now(...))
+    items = {"trainer": position, **job.strategy.checkpoint_items(module, optimizer)}
+    ... after `resume`: position.data (this worker's DataPosition, None: its data starts over), position.steps_per_epoch
+
+`DataPosition` is one worker's place in its training data: the epoch, the batches taken in it, the
+pipeline's root seed, the iterator's state and the RNG states, as versioned JSON
+(`data/worker-<rank>.json` of a step). A checkpoint written by another number of workers is refused:
+its data positions describe other shards, so resuming would lose or repeat samples.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+from conveyor.train.checkpoint import Checkpoint, Item, ResumeError, StepWrite
+from conveyor.train.state_io import rng_from_json, rng_state, rng_to_json, set_rng_state
+
+__all__ = ["DataPosition", "TrainerPosition", "optimizer_name"]
+
+
+@dataclass(frozen=True)
+class DataPosition:
+    """One worker's place in its training data (module docstring); `rng` is `rng_to_json(rng_state())` or None."""
+
+    FORMAT: ClassVar[str] = "conveyor.trainer.data"
+    VERSION: ClassVar[int] = 1
+
+    epoch: int
+    batches: int
+    root_seed: int
+    iterator: Any
+    rng: dict[str, Any] | None = None
+
+    @classmethod
+    def now(cls, *, epoch: int, batches: int, root_seed: int, iterator: Any) -> DataPosition:
+        """This worker's position, with the RNG states as they are now."""
+        return cls(epoch, batches, root_seed, iterator, rng_to_json(rng_state()))
+
+    def to_bytes(self) -> bytes:
+        """What a worker sends the chief (the coordinator gathers it) and the chief writes."""
+        return json.dumps({"format": self.FORMAT, "version": self.VERSION, **asdict(self)},
+                          separators=(",", ":")).encode()
+
+    @classmethod
+    def docs(cls, gathered: list[bytes | None]) -> dict[str, Any]:
+        """The gathered positions as the step's documents `data/worker-<rank>` (workers without one left out)."""
+        return {f"data/worker-{r}": json.loads(bytes(b).decode()) for r, b in enumerate(gathered) if b is not None}
+
+    @classmethod
+    def from_doc(cls, doc: Any, where: str) -> DataPosition:
+        """Read back what `to_bytes` wrote, refusing another program's file or another version."""
+        if not isinstance(doc, dict) or doc.get("format") != cls.FORMAT:
+            raise ResumeError(f"{where} is not a conveyor Trainer data state; it was written by another program: "
+                              f"start over with --no-resume (CONVEYOR_RESUME=0)")
+        if doc.get("version") != cls.VERSION:
+            raise ResumeError(f"{where}: Trainer data state version {doc.get('version')}, this conveyor reads "
+                              f"{cls.VERSION}; resume with the conveyor version that wrote it")
+        return cls(int(doc["epoch"]), int(doc["batches"]), int(doc["root_seed"]), doc["iterator"], doc.get("rng"))
+
+    @classmethod
+    def for_rank(cls, ckpt: Checkpoint, rank: int, world: int, tolerates_missing: Callable[[Any], bool]
+                 ) -> DataPosition | None:
+        """Worker `rank`'s position in `ckpt`, after checking that `ckpt` holds one for each of `world` workers
+        (None: `tolerates_missing` let this worker start its data over)."""
+        saved = ckpt.extra.get("world_size")
+        if saved != world:
+            raise ResumeError(f"checkpoint {ckpt.path} was written by a job of {saved} worker(s); this job has "
+                              f"{world}. Its data positions describe {saved} shards, so resuming would lose or repeat "
+                              f"samples: " + _fix(saved, ckpt))
+        docs = ckpt.group("data")
+        missing = [f"worker-{r}" for r in range(world) if f"worker-{r}" not in docs]
+        if missing and not tolerates_missing(docs):  # checked for every rank on every rank: all refuse together
+            raise ResumeError(f"checkpoint {ckpt.path} has no data-iterator state for {missing} (it has "
+                              f"{sorted(docs)}), so those workers cannot continue where they were: "
+                              + _fix(saved, ckpt))
+        doc = docs.get(f"worker-{rank}")
+        if doc is None:
+            warnings.warn(f"worker {rank}: checkpoint {ckpt.path} has no data position for this worker (it had "
+                          f"published none yet); its data starts over from the first epoch", stacklevel=3)
+            return None
+        return cls.from_doc(doc, f"{ckpt.path}/data/worker-{rank}.json")
+
+
+def _fix(world: Any, ckpt: Checkpoint) -> str:
+    return (f"run with the same number of workers as the job that wrote it (conveyor run -n {world}), or start "
+            f"over with --no-resume (CONVEYOR_RESUME=0) or another output folder than {ckpt.root.parent}")
+
+
+def optimizer_name(optimizer: Any) -> str:
+    """The class of the user's optimizer (wrappers such as the parameter servers' proxy hold it as `.optimizer`)."""
+    return type(getattr(optimizer, "optimizer", optimizer)).__name__
+
+
+class TrainerPosition(Item):
+    """The item `trainer`: the run's epoch and counts (state.json's `extra`), every worker's `DataPosition`
+    (gathered by the coordinator) and the chief's RNG states (tree `rng`); on resume it checks that this
+    job may continue the run and restores this worker's position and RNGs."""
+
+    def __init__(self, job: Any, coordinator: Any, optimizer: Any, current: Callable[[], DataPosition],
+                 run_info: Callable[[], dict[str, Any]]):
+        self.job, self.coord, self.optimizer = job, coordinator, optimizer
+        self.current, self.run_info = current, run_info
+        self.data: DataPosition | None = None  # this worker's, once restored
+        self.steps_per_epoch: int | None = None
+
+    def save(self, name: str, out: StepWrite) -> None:
+        gathered = self.coord.positions(self.current().to_bytes(), out.final)
+        if out.is_chief:
+            out.extra.update({"world_size": int(self.job.world_size), "strategy": self.job.strategy.name,
+                              "restarts": int(self.job.restart_count), "optimizer": optimizer_name(self.optimizer),
+                              **self.run_info(), **self.coord.checkpoint_extra()})
+            out.docs.update(DataPosition.docs(gathered))
+            out.tree("rng", rng_state())
+
+    def meet(self, final: bool) -> None:
+        """Give the others this worker's position at a save it has written already (a meeting at the end)."""
+        self.coord.positions(self.current().to_bytes(), final)
+
+    def restore(self, name: str, ckpt: Checkpoint) -> None:
+        self.data = DataPosition.for_rank(ckpt, int(self.job.rank), int(self.job.world_size),
+                                          self.coord.tolerates_missing_positions)
+        saved, mine = ckpt.extra.get("optimizer"), optimizer_name(self.optimizer)
+        if saved is not None and saved != mine:  # torch would load it and fail on the first step, or not at all
+            raise ResumeError(f"checkpoint {ckpt.path} holds the state of optimizer {saved}; this job trains with "
+                              f"{mine}. Resume with {saved}, or " + ckpt.start_over())
+        self.coord.resumed(ckpt.extra)
+        rng = rng_from_json(self.data.rng) if self.data is not None and self.data.rng else ckpt.trees.get("rng")
+        if rng is not None:
+            set_rng_state(rng)
+        spe = ckpt.extra.get("steps_per_epoch")
+        self.steps_per_epoch = int(spe) if spe else None
