@@ -201,7 +201,7 @@ def task_main(scenario: str, out: Path) -> None:
     stats = job.strategy.stats()
     state = optimizer.state_dict()
     result = {"ok": True, "params": flat(model), "losses": losses, "first": first, "last": last, "stats": stats,
-              "comm": job.strategy.comm_seconds(), "state_servers": len(state["servers"])}
+              "comm": job.strategy.step.comm_seconds(), "state_servers": len(state["servers"])}
     (out / f"rank{job.rank}.json").write_text(json.dumps(result))
     job.shutdown()
 
@@ -449,7 +449,7 @@ def test_the_chief_logs_staleness_as_percentiles_and_keeps_the_histogram_for_the
     stats = {"step": 900, "push_seconds": 1.0, "pull_seconds": 2.0, "wait_seconds": 0.5, "staleness": histogram,
              "max_staleness": 375, "bytes_out_per_server": [2**20], "bytes_in_per_server": [2**20],
              "servers": [{"dropped": 0}]}
-    strategy._report(stats)
+    strategy._print_stats(stats)
     line = capsys.readouterr().out.strip()
     total = sum(histogram.values())
     assert len(line) < 400 and "'374'" not in line, line

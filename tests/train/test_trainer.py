@@ -27,7 +27,7 @@ class FakeStrategy(Strategy):
     name = "local"
     distributed = False
 
-    def prepare(self, model, optimizer):
+    def prepare(self, model, optimizer, *, split=None):
         return model, optimizer
 
 
@@ -137,8 +137,8 @@ def read_jsonl(path: Path) -> list[dict]:
 def test_fit_writes_every_output(tmp_path, monkeypatch):
     job = make_job(tmp_path, monkeypatch)
     ticks = iter(range(10**6))
-    job.strategy.comm_seconds = lambda: next(ticks) * 1e-4  # a strategy that reports communication
     model, opt = job.prepare(*make_model())
+    job.strategy.step.comm_seconds = lambda: next(ticks) * 1e-4  # a strategy that reports communication
     trainer = Trainer(job, model, opt, nn.functional.cross_entropy, data().repeat(3),
                       eval_data=data(seed=None), epochs=2, eval_every_steps=10, log_every_steps=3,
                       checkpoint_every_steps=10, progress=False)

@@ -118,7 +118,7 @@ class Job:
     :class:`~conveyor.cluster.settings.JobSettings`, the strategy resolved), ``device``, ``data_dir``,
     ``output_dir``, ``restart_count``, ``resume``, ``timeout`` (seconds), ``backend``, ``data_shard``, ``source`` (which
     launcher's variables described this process), ``secret`` (the job's message-signing key, or ``None``;
-    kept out of ``repr``).
+    kept out of ``repr``). Strategies take their settings from ``settings``, never from ``os.environ``.
     """
 
     def __init__(self, found: Discovered, strategy: Strategy, settings: JobSettings, *, device: torch.device,
@@ -158,9 +158,7 @@ class Job:
         data-parallel strategies, which hold the whole model), so one script runs under all of them.
         """
         self._check_open("prepare")
-        if split is not None and self.strategy.name == "pipeline":
-            return self.strategy.prepare(model, optimizer, split=split)
-        return self.strategy.prepare(model, optimizer)
+        return self.strategy.prepare(model, optimizer, split=split)
 
     @property
     def data_shard(self) -> tuple[int, int]:
@@ -176,7 +174,7 @@ class Job:
         schedule over microbatches); returns the detached batch-mean loss. For plain loops that should
         run under every strategy, pipeline included."""
         self._check_open("train_step")
-        return self.strategy.train_step(model, optimizer, loss_fn, inputs, targets, lambda phase: None)
+        return self.strategy.step.train(model, optimizer, loss_fn, inputs, targets, lambda phase: None)
 
     # -- collectives ------------------------------------------------------------------------------
 

@@ -43,12 +43,13 @@ class NonfiniteError(ConveyorError, FloatingPointError):
     usage_error = True
 
 
-def check_policy(policy: Any, strategy_name: str) -> str:
-    """`policy`, checked against `POLICIES` and the strategy (a pipeline stage cannot drop a batch alone)."""
+def check_policy(policy: Any, shares_batches: bool) -> str:
+    """`policy`, checked against `POLICIES` and the strategy's step: where several processes share each batch
+    (pipeline stages), one of them cannot drop a batch alone."""
     if policy not in POLICIES:
         raise ValueError(f"nonfinite must be one of {list(POLICIES)}, got {policy!r}")
-    if policy == "skip" and strategy_name == "pipeline":
-        raise ValueError("nonfinite='skip' cannot work under the pipeline strategy (the stages share each batch, "
+    if policy == "skip" and shares_batches:
+        raise ValueError("nonfinite='skip' cannot work under this strategy (its processes share each batch, "
                          "and the last one alone sees the loss); use nonfinite='stop'")
     return policy
 

@@ -84,7 +84,7 @@ class TrainConfig:
             raise ValueError(f"checkpoint_every_seconds must be a positive number or None, got {s!r}")
         if self.progress not in (True, False, "always"):
             raise ValueError(f"progress must be True, False or 'always', got {self.progress!r}")
-        check_policy(self.nonfinite, "")
+        check_policy(self.nonfinite, shares_batches=False)
 
     @property
     def total_epochs(self) -> int | None:
@@ -140,14 +140,13 @@ class Trainer:
                 raise TypeError(f"{name} must be a conveyor.data Dataset (got {type(ds).__name__}); build it with "
                                 f"conveyor.data.Dataset.from_tensor_slices(...) or TFRecordDataset(...)")
         _check_epochs_end(train_data, self.config)
-        _check_data_shard(train_data, job)
+        job.strategy.step.check(model, train_data)
         self.job, self.model, self.optimizer, self.loss_fn = job, model, optimizer, loss_fn
         self.train_data, self.eval_data, self.metric_fn = train_data, eval_data, metric_fn
         self.callbacks = list(callbacks)
         self.scheduler = scheduler
         self.module = _unwrap(model)
-        job.strategy.check_prepared(model)
-        check_policy(self.config.nonfinite, job.strategy.name)
+        check_policy(self.config.nonfinite, job.strategy.step.shares_batches)
         self.checkpoints = CheckpointManager(Path(job.output_dir) / "checkpoints", keep=self.config.keep_checkpoints)
         self.step = 0
         self.epoch = 0
@@ -181,7 +180,7 @@ class Trainer:
         if collective and shards > 1 and not data.is_sharded(shards):
             data = self._shard_eval_data(shards, index)
         return evaluate(self.module, data, self.loss_fn, self.metric_fn, device=self.job.device,
-                        job=self.job if collective else None, forward=self.job.strategy.eval_forward)
+                        job=self.job if collective else None, forward=self.job.strategy.step.eval_forward)
 
     def _shard_eval_data(self, world: int, index: int):
         """`eval_data` split by batch over the workers, so that every sample is counted once (as tf.distribute's
@@ -257,14 +256,15 @@ class _Run:
                 break
             self.prof.mark("input_wait")
             inputs, targets = split_batch(batch)
-            comm_before = self.strategy.comm_seconds()
-            loss = self.strategy.train_step(t.model, t.optimizer, self.loss_fn, inputs, targets, self.prof.mark)
+            step = self.strategy.step
+            comm_before = step.comm_seconds()
+            loss = step.train(t.model, t.optimizer, t.loss_fn, inputs, targets, self.prof.mark)
             t.step += 1
             self.guard.after_step(t.step, loss)
             if t.scheduler is not None:
                 t.scheduler.step()
-            samples = self.strategy.counted_samples(batch_size(targets))
-            times = self.prof.end_step(t.step, samples, self.strategy.comm_seconds() - comm_before)
+            samples = step.counted_samples(batch_size(targets))
+            times = self.prof.end_step(t.step, samples, step.comm_seconds() - comm_before)
             self.reporter.add(loss, samples, times.input_wait)
             if t.step % self.cfg.log_every_steps == 0:
                 self._log()
@@ -473,18 +473,6 @@ def _check_epochs_end(train_data: Any, cfg: TrainConfig) -> None:
         raise ValueError(f"train_data repeats forever (it ends in .repeat() without a count), so an epoch never ends "
                          f"and {asked} would train forever: pass steps_per_epoch=N (batches per epoch) or "
                          f"max_steps=N, or drop the .repeat() (the Trainer runs the epochs itself)")
-
-
-def _check_data_shard(train_data: Any, job: Any) -> None:
-    """Under a strategy whose processes share batches (pipeline stages), a shard per rank would feed each stage
-    of a replica different samples: refuse it with the fix."""
-    world = int(job.world_size)
-    shards, _ = job.data_shard
-    if shards != world and world > 1 and train_data.is_sharded(world):
-        raise ValueError(f"train_data is sharded by the {world} processes (shard(job.world_size, job.rank)), but under "
-                         f"strategy {job.strategy.name!r} the data has {shards} shard(s): every stage of a replica "
-                         f"must read the same batches. Shard with ds.shard(*job.data_shard), which is right under "
-                         f"every strategy")
 
 
 def read_previous_summary(out: Path) -> dict[str, Any]:
