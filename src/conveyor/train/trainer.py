@@ -258,7 +258,7 @@ class _Run:
             inputs, targets = split_batch(batch)
             step = self.strategy.step
             comm_before = step.comm_seconds()
-            loss = step.train(t.model, t.optimizer, t.loss_fn, inputs, targets, self.prof.mark)
+            loss = step.train(t.model, t.optimizer, self.loss_fn, inputs, targets, self.prof.mark)
             t.step += 1
             self.guard.after_step(t.step, loss)
             if t.scheduler is not None:
