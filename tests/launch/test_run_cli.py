@@ -306,6 +306,23 @@ def test_a_secret_file_readable_by_others_is_refused(tmp_path, capsys, monkeypat
     assert SECRET_HEX[:12] not in err
 
 
+def test_a_secret_file_another_user_owns_is_refused_even_with_mode_600(tmp_path, capsys, monkeypatch):
+    """In a folder others can write, another user can create the file first and keep it open: owning it, they
+    read whatever secret is written into it later, whatever its mode says now."""
+    monkeypatch.chdir(tmp_path)
+    secret = tmp_path / "secret"
+    secret.write_text(SECRET_HEX)
+    secret.chmod(0o600)
+    if os.geteuid() == 0:
+        os.chown(secret, 65534, -1)  # nobody
+    else:  # an unprivileged user cannot give a file away: pretend to be someone else instead
+        monkeypatch.setattr(os, "geteuid", lambda: secret.stat().st_uid + 1)
+    assert main(["run", "--dry-run", "--job-secret-file", "secret", "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert "--job-secret-file secret belongs to another user" in err and "write a fresh one" in err
+    assert SECRET_HEX[:12] not in err
+
+
 def test_the_secret_can_come_from_the_environment_and_never_appears_in_argv(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("CONVEYOR_JOB_SECRET", SECRET_HEX)
