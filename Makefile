@@ -5,12 +5,13 @@
 #              multi-host transports and training, the scaling model's validation, and the CIFAR-10 case
 #              study's figures in runs/case_study/)
 # make fuzz  — every fuzz target for FUZZ_SECONDS each (make test runs them for 3 s each)
+# make dist  — build the wheel into dist/ (pip install dist/conveyor-*.whl), offline: the venv's setuptools
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup sysdeps test lint demo bench fuzz clean
+.PHONY: setup sysdeps test lint demo bench fuzz dist clean
 FUZZ_SECONDS ?= 120
 
 setup: $(STAMP)
@@ -56,5 +57,10 @@ fuzz: setup
 	  $(PY) tests/fuzz/runner.py $$t --seconds $(FUZZ_SECONDS) --json runs/fuzz/$$(basename $$t .py).json || exit 1; \
 	done
 
+# No build isolation: the `dev` extra's setuptools builds it, so no index is asked (tests/test_dist.py too).
+dist: setup
+	$(PY) -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir dist .
+	@ls dist/conveyor-*.whl
+
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) build dist *.egg-info src/*.egg-info

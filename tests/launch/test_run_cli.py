@@ -142,6 +142,7 @@ def test_two_workers_prefix_their_lines_and_keep_full_logs(tmp_path):
         log = (tmp_path / "output" / "logs" / f"worker-{i}.log").read_text()
         assert f"RANK={i} task=worker:{i} args=['--epochs', '1']\n" in log
     assert "[conveyor] job finished" in err
+    assert err.splitlines()[-1] == f"[conveyor] outputs in {tmp_path / 'output'}: logs/"  # a plain script: no more
 
 
 @pytest.mark.multiprocess
@@ -304,6 +305,21 @@ def test_a_secret_file_readable_by_others_is_refused(tmp_path, capsys, monkeypat
     err = capsys.readouterr().err
     assert "--job-secret-file secret is readable by other users (mode 0644)" in err and "chmod 600 secret" in err
     assert SECRET_HEX[:12] not in err
+
+
+def test_the_omp_default_is_said_in_one_short_line(tmp_path):
+    from conveyor.cli.run import omp_note
+    from conveyor.cluster.variables import OMP_DEFAULT_VAR
+    from conveyor.launch.plan import RunOptions, local_plan
+
+    opts = RunOptions(script="train.py", data_dir=str(tmp_path), output_dir=str(tmp_path), workers=2, ps=1,
+                      strategy="ps-async")
+    plan = local_plan(opts, [1, 2, 3], master_port=4, secret=b"s" * 32, environ={})
+    assert all(t.env.get(OMP_DEFAULT_VAR) == "1" for t in plan.tasks)
+    note = omp_note(plan)
+    assert note.startswith("[conveyor] OMP_NUM_THREADS=1 for the 3 tasks here") and len(note) <= 100
+    plan = local_plan(opts, [1, 2, 3], master_port=4, secret=b"s" * 32, environ={"OMP_NUM_THREADS": "4"})
+    assert omp_note(plan) is None  # the user chose: nothing to say
 
 
 def test_a_secret_file_another_user_owns_is_refused_even_with_mode_600(tmp_path, capsys, monkeypatch):

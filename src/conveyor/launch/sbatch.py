@@ -6,12 +6,12 @@
 
 The script asks for whole nodes (or ``cpus_per_node``), writes a fresh job secret into the shared working
 folder (mode 600, created exclusively in a private folder from ``mktemp -d``, removed when the script ends)
-and runs one launcher per node with ``srun --ntasks-per-node=1``; each launcher derives its node rank, the node count and the rendezvous host
-from Slurm (:mod:`conveyor.launch.slurm`). Parameter servers go beside the workers, one more per node
-from node 0 until all are placed, or on nodes of their own, the last ones (``ps_nodes``; ``conveyor run
--n 0`` there); when nodes differ, a ``case`` on ``$SLURM_NODEID`` - single-quoted, so each node's own
-shell expands it - picks the node's ``-n``/``--ps``. Every value from the user is
-shell-quoted; values that go on ``#SBATCH`` lines are refused if they hold spaces or quotes.
+and runs one launcher per node with ``srun --ntasks-per-node=1``; each launcher derives its node rank, the
+node count and the rendezvous host from Slurm (:mod:`conveyor.launch.slurm`). Parameter servers go beside
+the workers, one more per node from node 0 until all are placed, or on nodes of their own, the last ones
+(``ps_nodes``; ``conveyor run -n 0`` there); when nodes differ, a ``case`` on ``$SLURM_NODEID`` -
+single-quoted, so each node's own shell expands it - picks the node's ``-n``/``--ps``. Every value from
+the user is shell-quoted; values that go on ``#SBATCH`` lines are refused if they hold spaces or quotes.
 """
 
 from __future__ import annotations
