@@ -241,8 +241,9 @@ class ParameterServer:
         spec = OptimizerSpec.from_json(init.spec)
         self.opt = ServerOptimizer(spec, {k: _own(v) for k, v in zip(init.keys, init.values, strict=True)})
         self.keys, self.fingerprint = list(init.keys), init.fingerprint
-        log.info("%s: serving %d pieces (%s, mode %s%s) for %d workers", self.name, len(self.keys), spec.name,
-                 self.mode, f":{self.staleness_bound}" if self.mode == "ssp" else "", self.num_workers)
+        # the task said "serving" when it started (ps/task.py); this is worker 0's parameters arriving
+        log.info("%s: holds %d pieces from worker 0 (server-side optimizer %s)", self.name, len(self.keys),
+                 spec.name)
         return wire.InitReply(self.version)
 
     def _on_push(self, push: wire.Push) -> wire.OkReply:
@@ -375,7 +376,7 @@ class ParameterServer:
     def _on_done(self, done: wire.Done) -> wire.OkReply:
         self.done.add(done.rank)
         if len(self.done) == self.num_workers:
-            log.info("%s: every worker is done; stopping", self.name)
+            log.debug("%s: every worker is done; stopping", self.name)  # the task says it as it exits
             self._finished.set()
             self.server.stop()
         return wire.OkReply()
