@@ -146,6 +146,22 @@ def test_two_workers_prefix_their_lines_and_keep_full_logs(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_torchs_reverse_lookup_warning_stays_in_the_log_and_off_the_console(tmp_path):
+    """torch's `[c10d] The hostname of the client socket cannot be retrieved. err=-3` came on every
+    multi-host run where no DNS server answers (tasks.QUIET says why it is harmless)."""
+    warning = ("[W1127 16:03:39.304496537 socket.cpp:207] [c10d] The hostname of the client socket cannot be "
+               "retrieved. err=-3")
+    write_script(tmp_path, f"""
+        print({warning!r}, file=sys.stderr, flush=True)
+        print("trained", flush=True)
+    """)
+    code, out, err = finish(launcher(tmp_path, "task.py"), tmp_path)
+    assert code == 0, err
+    assert "[worker:0] trained" in out.splitlines() and "hostname of the client socket" not in out + err
+    assert warning in (tmp_path / "output" / "logs" / "worker-0.log").read_text().splitlines()
+
+
+@pytest.mark.multiprocess
 def test_a_job_that_keeps_failing_exits_1_naming_the_task_and_its_last_lines(tmp_path):
     write_script(tmp_path, """
         if os.environ["RANK"] == "1":
