@@ -217,6 +217,7 @@ TWO_GPUS = "needs 2 CUDA devices (one pipeline stage per GPU over NCCL; NCCL ref
            f"this machine has {cuda_devices()}"
 
 
+@pytest.mark.gpu
 @pytest.mark.timeout(150)
 @pytest.mark.skipif(cuda_devices() < 2, reason=TWO_GPUS)
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -227,6 +228,7 @@ def test_two_stages_on_two_gpus_over_nccl_equal_one_process(tmp_path: Path, sche
     assert_equal_to(merged(results, 0, 2), reference(1), atol=1e-4)  # CUDA's float kernels sum in another order
 
 
+@pytest.mark.gpu
 @pytest.mark.timeout(150)
 @pytest.mark.skipif(cuda_devices() < 1, reason="needs a CUDA device: checks the refusal of stages sharing one GPU")
 def test_stages_sharing_one_gpu_are_refused_naming_the_fix(tmp_path: Path) -> None:

@@ -357,6 +357,23 @@ def test_a_held_pull_is_answered_by_the_commit_that_makes_it_ready_or_told_to_wa
 
 
 @pytest.mark.timeout(30)
+def test_a_pull_from_a_peer_that_has_not_read_a_reply_of_the_pieces_is_told_to_wait(served, monkeypatch) -> None:
+    server, (w0, w1) = served("async")
+    model = nn.Linear(3, 2)
+    placement, _ = _init(w0, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert server.max_unsent_bytes == sum(p.numel for p in placement.pieces) * 4  # one reply of its pieces
+    unsent = {"bytes": server.max_unsent_bytes}  # what the transport says the asking peer has not read
+    monkeypatch.setattr(server.server, "unsent_bytes", lambda peer=None: unsent["bytes"])
+    assert w1.request("pull", {"rank": 1, "step": 0}).kind == "params"  # at the bound: still answered
+    unsent["bytes"] += 1
+    assert w1.request("pull", {"rank": 1, "step": 0}).kind == "wait"  # over it: asks again once it reads
+    held = w1.send("pull", {"rank": 1, "step": 0, "hold": 60_000})
+    assert w1.receive(held).kind == "wait" and server.counters["pull_backlogged"] == 2
+    unsent["bytes"] = 0
+    assert w1.request("pull", {"rank": 1, "step": 0}).kind == "params"
+
+
+@pytest.mark.timeout(30)
 def test_ssp_pull_waits_beyond_the_bound_and_staleness_is_recorded(served) -> None:
     server, (w0, w1) = served("ssp", staleness=1)
     model = nn.Linear(2, 1)

@@ -77,12 +77,26 @@ def test_task_device_sets_the_current_gpu_and_reads_what_is_visible(monkeypatch)
     assert task_device(1, 2, False, {}) == torch.device("cpu")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present: see the next test")
 def test_init_on_a_cpu_machine_trains_on_the_cpu_whatever_the_sharing(tmp_path):
     import conveyor
 
     env = {"CONVEYOR_OUTPUT_DIR": str(tmp_path / "out"), "CONVEYOR_SHARE_GPUS": "1"}
     with conveyor.init(environ=env, share_gpus=False) as job:
         assert job.device == torch.device("cpu") and job.backend == "gloo"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_init_on_a_gpu_machine_takes_gpu_0_and_nccl_unless_shared(tmp_path):
+    import conveyor
+
+    env = {"CONVEYOR_OUTPUT_DIR": str(tmp_path / "out")}
+    with conveyor.init(environ=env) as job:
+        assert job.device == torch.device("cuda", 0) and job.backend == "nccl"
+        assert torch.cuda.current_device() == 0
+    with conveyor.init(environ=env, share_gpus=True) as job:
+        assert job.device == torch.device("cuda", 0) and job.backend == "gloo"  # NCCL refuses ranks sharing a GPU
 
 
 def test_pipeline_stages_on_shared_gpus_are_refused_at_setup():

@@ -394,7 +394,9 @@ class _Batches:
         return limit is not None and self.t.epoch >= limit
 
     def _iterator(self, epoch: int):
-        return to_torch(self.t.train_data.iterator(self.root_seed, iteration=epoch), device=self.run.device)
+        device = torch.device(self.run.device)  # pinned host batches: the copy to a GPU overlaps the step
+        return to_torch(self.t.train_data.iterator(self.root_seed, iteration=epoch), device=device,
+                        pin_memory=device.type == "cuda")
 
     def _warn_dropped(self) -> None:
         self.dropped_epochs += 1
