@@ -380,6 +380,21 @@ def test_a_checkpoint_of_another_model_is_refused_naming_what_differs(tmp_path, 
         trainer.fit()
 
 
+def test_another_scripts_checkpoint_is_refused_as_another_model_not_as_another_worker_count(tmp_path, monkeypatch):
+    """Two scripts in one output folder (the default): the first fix named must not lead to a second error. A
+    checkpoint of another model written by 2 workers used to be refused for its worker count, whose fix
+    (-n 2) then met the model's refusal."""
+    fake_checkpoint(tmp_path, world_size=2, workers=[0, 1])
+    job = make_job(tmp_path, monkeypatch)
+    other = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, CLASSES))
+    model, opt = job.prepare(other, torch.optim.Adam(other.parameters(), lr=0.05))
+    trainer = Trainer(job, model, opt, nn.functional.cross_entropy, data(), epochs=3, progress=False)
+    with pytest.raises(ResumeError, match=r"another model than this job's .*another script's run.*--no-resume"
+                                          r".*--output-dir") as refused:
+        trainer.fit()
+    assert "worker(s)" not in str(refused.value)
+
+
 def test_an_optimizer_state_that_does_not_fit_is_refused_naming_both_strategies(tmp_path, monkeypatch):
     run(tmp_path, monkeypatch)
     job = make_job(tmp_path, monkeypatch)

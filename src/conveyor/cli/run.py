@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         if args.nnodes == 1:
             ports = free_ports(options.tasks_per_node + 1)  # one per task, one for torch's store (MASTER_PORT)
             plan = local_plan(options, ports[:-1], master_port=ports[-1], secret=secret, environ=environ)
-            return _report(_supervisor(plan, options).run())
+            return _report(_supervisor(plan, options).run(), options.output_dir)
         return _run_node(args, options, environ, secret)
     finally:
         if lock is not None:
@@ -176,14 +176,31 @@ def _lock_output(output_dir: str, environ: dict[str, str]) -> OutputLock:
 
 
 def _supervisor(plan, options: RunOptions, peers=None) -> Supervisor:
-    if any(t.env.get(OMP_DEFAULT_VAR) == "1" for t in plan.tasks):
-        # torchrun's warning, in the launcher's voice: the default changes how fast a plain script runs
-        print(f"[conveyor] OMP_NUM_THREADS is not set: each of the {len(plan.tasks)} tasks on this machine gets "
-              f"OMP_NUM_THREADS=1, as under torchrun, so that they do not overload the cores "
-              f"(conveyor.init() gives its training tasks their share of the cores instead); set "
-              f"OMP_NUM_THREADS to tune it", file=sys.stderr)
+    note = omp_note(plan)
+    if note is not None:
+        print(note, file=sys.stderr)
     return Supervisor(plan, policy=RestartPolicy.for_run(options.max_restarts, options.restart_delay), peers=peers,
                       linger=options.linger)
+
+
+#: What a job leaves in its output folder, as the last line names it: the Trainer's files and the launcher's logs
+OUTPUTS = ("checkpoints/", "metrics.jsonl", "summary.json", "trace/", "plots/", "tensorboard/", "logs/")
+
+
+def outputs_line(output_dir: str) -> str:
+    """The run's last line: where its outputs went (what of :data:`OUTPUTS` is there; a plain script may
+    write none of the Trainer's files)."""
+    there = [name for name in OUTPUTS if os.path.exists(os.path.join(output_dir, name.rstrip("/")))]
+    return f"[conveyor] outputs in {output_dir}" + (f": {', '.join(there)}" if there else "")
+
+
+def omp_note(plan) -> str | None:
+    """One short line when the launcher chose OMP_NUM_THREADS=1 (torchrun's default) for this machine's tasks:
+    it changes how fast a plain script runs. conveyor.init() then gives its training tasks their share of the
+    cores instead, so the line says no more than what was set and how to choose."""
+    if not any(t.env.get(OMP_DEFAULT_VAR) == "1" for t in plan.tasks):
+        return None
+    return f"[conveyor] OMP_NUM_THREADS=1 for the {len(plan.tasks)} tasks here (unset; as torchrun); set it to choose"
 
 
 #: The flags every node of a job must give alike (the settings declared ``agreed``): each node plans its own
@@ -216,7 +233,7 @@ def _run_node(args: argparse.Namespace, options: RunOptions, environ: dict[str, 
         result = _supervisor(plan, options, peers=rdzv.peers).run()
     finally:
         rdzv.peers.close()
-    return _report(result)
+    return _report(result, options.output_dir)
 
 
 def _from_slurm(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
@@ -273,17 +290,31 @@ def _job_secret(path: str | None, environ: Mapping[str, str], nnodes: int) -> by
 
 
 def _read_secret_file(path: str, where: str) -> bytes:
-    try:
-        with open(path, encoding="ascii", errors="replace") as f:
-            mode = os.fstat(f.fileno()).st_mode
-            text = f.read()
+    try:  # links are followed (a Kubernetes Secret volume's files are links): the file itself is checked
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO must not block the open
+        with open(fd, encoding="ascii", errors="replace") as f:
+            info = os.fstat(f.fileno())
+            text = f.read() if stat.S_ISREG(info.st_mode) else ""
     except OSError as e:
         raise CommandError(f"{where} {path}: {e.strerror or e}; {MAKE_SECRET}") from None
-    if stat.S_IMODE(mode) & 0o077:  # like ssh with a private key: others could forge the job's messages
-        raise CommandError(f"{where} {path} is readable by other users (mode {stat.S_IMODE(mode):04o}): anyone "
+    _check_secret_file(path, where, info)
+    return _parse_secret(text, f"{where} {path}")
+
+
+def _check_secret_file(path: str, where: str, info: os.stat_result) -> None:
+    """Like ssh with a private key: a file others could read, or one another user owns (who could have
+    created it in a shared folder before the secret was written into it, and kept it open), is refused."""
+    mode = stat.S_IMODE(info.st_mode)
+    if not stat.S_ISREG(info.st_mode):
+        raise CommandError(f"{where} {path} is not a regular file; {MAKE_SECRET}")
+    if info.st_uid not in (os.geteuid(), 0):  # root could read it anyway
+        raise CommandError(f"{where} {path} belongs to another user (uid {info.st_uid}, you are {os.geteuid()}): "
+                           f"they could read or replace the secret; delete it and write a fresh one yourself: "
+                           f"{MAKE_SECRET}")
+    if mode & 0o077:  # others could forge the job's messages
+        raise CommandError(f"{where} {path} is readable by other users (mode {mode:04o}): anyone "
                            f"on this machine could sign messages as the job; chmod 600 {path} (a Kubernetes "
                            f"Secret volume: defaultMode 0400)")
-    return _parse_secret(text, f"{where} {path}")
 
 
 def _parse_secret(text: str, where: str) -> bytes:
@@ -296,10 +327,11 @@ def _parse_secret(text: str, where: str) -> bytes:
     return secret
 
 
-def _report(result) -> int:
+def _report(result, output_dir: str) -> int:
     if result.ok:
         note = f" after {result.restarts} restart(s)" if result.restarts else ""
         print(f"[conveyor] job finished{note}", file=sys.stderr)
+        print(outputs_line(output_dir), file=sys.stderr)
         return 0
     if result.signal is not None:
         print(f"conveyor run: {result.message}; every task was stopped", file=sys.stderr)

@@ -327,8 +327,11 @@ class _Run:
     def _evaluate(self, collective: bool) -> dict[str, float]:
         with self.prof.span("eval", step=self.t.step):
             result = self.t.evaluate(collective=collective)
-        self.reporter.emit({"event": "eval", "step": self.t.step, "epoch": self.t.epoch, **result,
-                            "time": time.time()})
+        record = {"event": "eval", "step": self.t.step, "epoch": self.t.epoch, **result, "time": time.time()}
+        shared = self.coord.shared_progress()
+        if shared is not None:  # workers running apart: the job's step too, the one the progress shows
+            record["global_step"] = shared[0]
+        self.reporter.emit(record)
         return result
 
 
