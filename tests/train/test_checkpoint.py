@@ -644,3 +644,15 @@ def test_no_pickle_in_the_checkpoint_code():
                    __import__("conveyor.train.state_io", fromlist=["x"])):
         source = Path(module.__file__).read_text()
         assert not re.search(r"import pickle|cloudpickle|(?<![\w.])torch\.(save|load)\(", source), module.__name__
+
+
+def test_rotation_keeps_the_newest_step_with_finite_parameters(tmp_path):
+    """Issue 22, defect 2: a run that went NaN keeps one checkpoint to go back to, whatever `keep` says."""
+    mgr = CheckpointManager(tmp_path, keep=2, fsync=False)
+    mgr.save(1, {"model": {"w": torch.ones(2)}}, extra={"finite": True})
+    mgr.save(2, {"model": {"w": torch.ones(2)}}, extra={"finite": True})
+    for step in (3, 4, 5):
+        mgr.save(step, {"model": {"w": torch.full((2,), float("nan"))}}, extra={"finite": False})
+    assert mgr.list_steps() == [2, 4, 5]
+    mgr.save(6, {"model": {"w": torch.ones(2)}}, extra={"finite": True})
+    assert mgr.list_steps() == [5, 6]  # a newer finite step: the old one may go

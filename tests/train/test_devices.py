@@ -102,8 +102,10 @@ def test_init_on_a_gpu_machine_takes_gpu_0_and_nccl_unless_shared(tmp_path):
 def test_pipeline_stages_on_shared_gpus_are_refused_at_setup():
     from types import SimpleNamespace
 
+    from conveyor.cluster.settings import JobSettings
     from conveyor.strategies.pipeline.strategy import PipelineStrategy
 
-    job = SimpleNamespace(world_size=2, rank=0, timeout=5.0, device=torch.device("cuda", 0), backend="gloo")
+    job = SimpleNamespace(world_size=2, rank=0, timeout=5.0, device=torch.device("cuda", 0), backend="gloo",
+                          settings=JobSettings())
     with pytest.raises(ValueError, match="one stage per GPU"):
         PipelineStrategy(stages=2).setup(job)

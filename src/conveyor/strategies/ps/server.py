@@ -37,7 +37,7 @@ from conveyor.errors import ConveyorError
 from conveyor.strategies.ps import protocol as wire
 from conveyor.strategies.ps.optim import OptimizerSpec, ServerOptimizer
 from conveyor.strategies.ps.packing import PACK_BYTES
-from conveyor.strategies.ps.rules import SspRule, UpdateRule, make_rule
+from conveyor.strategies.ps.rules import UpdateRule, make_rule
 from conveyor.strategies.ps.sharding import DEFAULT_CHUNK_BYTES
 
 __all__ = ["MODES", "IdleTimeout", "ParameterServer", "ShardStore", "max_frame_bytes"]
@@ -254,8 +254,9 @@ class ParameterServer:
         self.opt = ServerOptimizer(spec, {k: _own(v) for k, v in zip(init.keys, init.values, strict=True)})
         self.keys, self.fingerprint = list(init.keys), init.fingerprint
         self.max_unsent_bytes = sum(p.numel() * p.element_size() for p in self.opt.params.values())
-        log.info("%s: serving %d pieces (%s, mode %s%s) for %d workers", self.name, len(self.keys), spec.name,
-                 self.mode, f":{self.rule.bound}" if isinstance(self.rule, SspRule) else "", self.num_workers)
+        # the task said "serving" when it started (ps/task.py); this is worker 0's parameters arriving
+        log.info("%s: holds %d pieces from worker 0 (server-side optimizer %s)", self.name, len(self.keys),
+                 spec.name)
         return wire.InitReply(self.version)
 
     def _on_push(self, push: wire.Push) -> wire.OkReply:
@@ -374,7 +375,7 @@ class ParameterServer:
         finished.add(done.rank)
         self._answer_held()  # a worker that is done bounds no ssp pull any more
         if len(finished) == self.num_workers:
-            log.info("%s: every worker is done; stopping", self.name)
+            log.debug("%s: every worker is done; stopping", self.name)  # the task says it as it exits
             self._finished.set()
             self.server.stop()
         return wire.OkReply()
