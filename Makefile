@@ -5,12 +5,16 @@
 #              multi-host transports and training, the scaling model's validation, and the CIFAR-10 case
 #              study's figures in runs/case_study/)
 # make fuzz  — every fuzz target for FUZZ_SECONDS each (make test runs them for 3 s each)
+# make dist  — build the wheel into dist/ (pip install dist/conveyor-*.whl), offline: the venv's setuptools
+# make gpu-wheels — here, with a network: the wheels a GPU machine needs (GPU_NEEDS, cp312 manylinux x86-64) and
+#              conveyor's own, into GPU_WHEELS (git-ignored); make gpu-check — on the GPU machine, offline:
+#              every CUDA path, reports in GPU_OUT (scripts/gpu_check.py; README, "On a GPU")
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup sysdeps test lint demo bench fuzz clean
+.PHONY: setup sysdeps test lint demo bench fuzz dist clean gpu-wheels gpu-check
 FUZZ_SECONDS ?= 120
 
 setup: $(STAMP)
@@ -56,5 +60,28 @@ fuzz: setup
 	  $(PY) tests/fuzz/runner.py $$t --seconds $(FUZZ_SECONDS) --json runs/fuzz/$$(basename $$t .py).json || exit 1; \
 	done
 
+# No build isolation: the `dev` extra's setuptools builds it, so no index is asked (tests/test_dist.py too).
+dist: setup
+	$(PY) -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir dist .
+	@ls dist/conveyor-*.whl
+
+# conveyor's requirements that the GPU image lacks: pyzmq, google-crc32c and cryptography (msgpack too, by the
+# issue; the image's own list has it, and carrying it costs 0.4 MB); pip adds their own needs (cffi, pycparser).
+GPU_NEEDS  ?= pyzmq google-crc32c msgpack cryptography
+GPU_WHEELS ?= .gpu-wheels
+GPU_OUT    ?= runs/gpu-check
+GPU_PYTHON ?= python3
+GPU_PLATFORMS := $(foreach p,manylinux2014_x86_64 manylinux_2_17_x86_64 manylinux_2_28_x86_64 manylinux_2_34_x86_64,--platform $(p))
+
+gpu-wheels: setup
+	rm -rf $(GPU_WHEELS)  # one version of each: pip refuses two wheels of one name
+	$(PY) -m pip download --quiet --only-binary=:all: $(GPU_PLATFORMS) --python-version 3.12 --implementation cp \
+	  --abi cp312 --abi abi3 --abi none -d $(GPU_WHEELS) $(GPU_NEEDS)
+	$(PY) -m pip wheel --quiet --no-deps --no-build-isolation -w $(GPU_WHEELS) .
+	du -sh $(GPU_WHEELS)
+
+gpu-check:
+	$(GPU_PYTHON) scripts/gpu_check.py --wheels $(GPU_WHEELS) --out $(GPU_OUT) $(GPU_CHECK_ARGS)
+
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) build dist *.egg-info src/*.egg-info

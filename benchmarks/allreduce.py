@@ -34,7 +34,7 @@ per contender is reported and every sample is kept in the JSON.
 
 Share of step time in gradient communication (2 workers, rank 0), with the method named in the output:
 
-- conveyor: ``job.strategy.comm_seconds()`` before and after the timed steps (its DDP comm hook: the
+- conveyor: ``job.strategy.step.comm_seconds()`` before and after the timed steps (its DDP comm hook: the
   wall time during which at least one bucket's all-reduce was in flight), over the timed loop time;
 - bare DDP: the timed loop runs DDP's built-in all-reduce, which cannot be timed from outside, so after
   it the same processes run a separate pass (``--comm-steps``) on a fresh DDP model with an
@@ -95,7 +95,7 @@ GOALS = (h.Goal("conveyor_2 samples/s >= 0.97 x bare_ddp_2 (2 workers, same run,
 DATA_BATCHES = 4  # distinct fixed batches per worker, cycled
 
 COMM_METHODS = {
-    "conveyor_2": "job.strategy.comm_seconds() delta over the timed steps / timed loop time (conveyor's DDP "
+    "conveyor_2": "job.strategy.step.comm_seconds() delta over the timed steps / timed loop time (conveyor's DDP "
                   "comm hook; includes all-reduce time that overlaps backward)",
     "bare_ddp_2": "separate pass after the timed steps on a fresh DDP model with an equivalent hand-written "
                   "timing comm hook: union of bucket all-reduce intervals / pass loop time (includes overlap)",
@@ -294,7 +294,7 @@ def worker(config: dict[str, Any]) -> dict[str, Any]:
             extra["strategy"] = job.strategy.name
             extra["model_class"] = type(model).__name__
             extra["ddp"] = isinstance(model, torch.nn.parallel.DistributedDataParallel)
-            comm = job.strategy.comm_seconds if job.world_size > 1 else None
+            comm = job.strategy.step.comm_seconds if job.world_size > 1 else None
             result = _train(model, optimizer, _fixed_batches(rank, batch), warmup, steps, job.barrier, comm)
             result["fingerprint"] = _fingerprint(model)
             if result["comm_share"] is not None:

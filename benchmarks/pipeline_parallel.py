@@ -55,7 +55,7 @@ Measured besides (all from inside the processes):
   one_process is "1 stage", the largest conveyor_pipeline process "2 stages" (and a 4-stage conveyor
   run with ``--four-stages``, or when the machine has >= 4 cores).
 - **Bubble**: conveyor runs for M in ``--sweep`` (default 2, 4, 8, 16) x (gpipe, 1f1b); after the
-  warm-up the stage runner's counters are zeroed, so conveyor's own ``summary_figures()`` cover the
+  warm-up the stage runner's counters are zeroed, so conveyor's own ``report()`` figures cover the
   timed steps only: per stage its compute (forward, loss, backward chunks) and its idle share of the
   window every stage shares, from the latest stage's schedule start to the latest one's end (see
   docs/strategies.md, Pipeline parallelism, for why that window and not each stage's schedule call),

@@ -318,7 +318,7 @@ def run_conveyor(config: dict[str, Any], mem: Memory) -> dict[str, Any]:
 
         result = {"rank": job.rank, "stage": job.strategy.stage, "device": str(job.device),
                   **timed_steps(step, config["warmup"], config["steps"], job.barrier, reset, device=job.device)}
-        result["figures"] = job.strategy.summary_figures()["pipeline"]
+        result["figures"] = job.strategy.report({})["pipeline"]
         if config.get("activations"):
             result["activations"] = saved_activations(step, list(model.parameters()), runner.microbatches)
         return result

@@ -26,7 +26,7 @@ if [ -n "$missing" ]; then
     elif ! command -v apt-get >/dev/null 2>&1; then
         echo "system-deps: no apt-get, so not installing:$missing (the MPI and Slurm tests skip without them)"
     else
-        echo "system-deps: installing$missing"
+        echo "system-deps: installing system packages as root with apt-get:$missing (for the MPI and Slurm tests)"
         export DEBIAN_FRONTEND=noninteractive
         # A fresh machine or container often has no package lists yet.
         # shellcheck disable=SC2086  # one word per package

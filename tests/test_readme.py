@@ -17,6 +17,8 @@ How to add a block to the README (the convention this test enforces):
   block that fails — fails this test.
 - Files the README's blocks read but do not make (the `conveyor.data` example's images) are made,
   tiny, by `make_tiny_data` below, under the names the blocks use.
+- sh blocks that run `--strategy pipeline` jobs (the slowest) run in a test of their own, in a folder
+  of their own where `examples/` is the repository's.
 """
 
 from __future__ import annotations
@@ -156,6 +158,14 @@ def run(argv: list[str], cwd: Path, what: str) -> None:
         pytest.fail(f"{what} exited with {proc.returncode}:\n{out[-4000:]}")
 
 
+def runs_pipeline(block: Block) -> bool:
+    """An sh block that runs `--strategy pipeline` jobs (the module docstring)."""
+    if block.language != "sh" or block.skip is not None:
+        return False
+    return any(argv[i + 1:i + 2] == ["pipeline"] for argv in sh_commands(block)
+               for i, arg in enumerate(argv) if arg == "--strategy")
+
+
 def test_every_readme_block_runs_or_is_marked(tmp_path):
     blocks = extract_blocks(README.read_text(encoding="utf-8"))
     assert sum(b.language in ("python", "sh") for b in blocks) >= 4, "the README's code blocks were not found"
@@ -164,7 +174,7 @@ def test_every_readme_block_runs_or_is_marked(tmp_path):
     used: set[str] = set()
     for block in blocks:
         what = f"README line {block.line} ({block.language} block)"
-        if block.skip is not None or block.language not in ("python", "sh"):
+        if block.skip is not None or block.language not in ("python", "sh") or runs_pipeline(block):
             continue
         if block.language == "python":
             name = named_file(block)
@@ -181,6 +191,16 @@ def test_every_readme_block_runs_or_is_marked(tmp_path):
                 run(conveyor_command() + argv[1:], tmp_path, f"{what}: `{shlex.join(argv)}`")
     unused = {name: line for name, line in written.items() if name not in used}
     assert not unused, f"README blocks written to files that no later sh block runs: {unused}"
+
+
+def test_readme_pipeline_blocks_run_as_written(tmp_path):
+    pytest.importorskip("sklearn", reason="the digits example reads scikit-learn's bundled digits")
+    blocks = [b for b in extract_blocks(README.read_text(encoding="utf-8")) if runs_pipeline(b)]
+    assert blocks, "the README's pipeline commands were not found"
+    (tmp_path / "examples").symlink_to(ROOT / "examples", target_is_directory=True)
+    for block in blocks:
+        for argv in sh_commands(block):
+            run(conveyor_command() + argv[1:], tmp_path, f"README line {block.line}: `{shlex.join(argv)}`")
 
 
 # ------------------------------------------------------------- the convention itself can fail a README

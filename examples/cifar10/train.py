@@ -15,7 +15,8 @@ bfloat16 autocast does not reach them and pipelined runs train in float32. Each 
 shards of `<data-dir>/cifar10/train-*.tfrecord`, decodes (PNG, or the raw 3,072-byte planes of
 `--image-format raw` and of TensorFlow's own generator), pads by 4 and crops back to 32×32 at
 random, flips half the images, and normalises, in forked worker processes (their RNGs are reseeded
-per batch, so a resumed job sees the same crops). On a GPU the forward pass runs in bfloat16
+per batch from `--seed`, through `conveyor.data.set_seed`, so a resumed job, and another run with the
+same seed, sees the same crops). On a GPU the forward pass runs in bfloat16
 autocast (`--no-amp` turns it off). Checkpoints, metrics, traces and plots go to the job's output
 folder. Shards of CIFAR-100 train too: the number of classes is read from the `classes.txt` the
 converter writes.
@@ -35,7 +36,7 @@ from PIL import Image
 from torch import nn
 
 import conveyor
-from conveyor.data import AUTOTUNE, Dataset, FixedLenFeature, TFRecordDataset, parse_single_example
+from conveyor.data import AUTOTUNE, Dataset, FixedLenFeature, TFRecordDataset, parse_single_example, set_seed
 
 URL = "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz"
 FEATURES = {"image": FixedLenFeature([], "string"), "label": FixedLenFeature([], "int64")}
@@ -85,7 +86,7 @@ def tfrecord_pipeline(pattern: str, job, batch_size: int, training: bool) -> Dat
     else:  # fewer files than workers: every worker reads them all and keeps its share of the records
         records = TFRecordDataset(files).shard(*job.data_shard)
     if training:
-        records = records.shuffle(10_000, seed=0)
+        records = records.shuffle(10_000)  # seeded by set_seed(--seed)
     return records.map(example(training), num_parallel_calls=AUTOTUNE).batch(
         batch_size, drop_remainder=training).prefetch(AUTOTUNE)
 
@@ -99,7 +100,7 @@ def synthetic_pipeline(job, size: int, batch_size: int, training: bool, num_clas
     images = np.clip(colours[labels] + noise, 0, 255).astype(np.uint8)
     ds = Dataset.from_tensor_slices((images, labels.astype(np.int64))).shard(*job.data_shard)
     if training:
-        ds = ds.shuffle(size, seed=0)
+        ds = ds.shuffle(size)  # seeded by set_seed(--seed)
     fn = (lambda im, lab: (normalise(augment(im)), lab)) if training else (lambda im, lab: (normalise(im), lab))
     return ds.map(fn, num_parallel_calls=AUTOTUNE).batch(batch_size, drop_remainder=training).prefetch(AUTOTUNE)
 
@@ -215,6 +216,9 @@ def data(args: argparse.Namespace, job) -> tuple[Dataset, Dataset, int]:
 def main() -> None:
     args = arguments()
     job = conveyor.init()
+    # Before the pipelines are built: their shuffles and the map workers' RNGs (the crops and flips) derive
+    # their seeds from it, so two runs with one --seed see the same batches.
+    set_seed(args.seed)
     train, test, num_classes = data(args, job)
 
     torch.manual_seed(args.seed)

@@ -97,6 +97,20 @@ def test_cuda_without_two_gpus_is_skipped_with_the_reason(bench, tmp_path, capsy
     assert "skipped" in capsys.readouterr().out and "runs" not in report
 
 
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_cuda_on_this_machines_gpus_runs_or_says_why_not(bench, tmp_path):
+    gpus = bench.cuda_devices()
+    if gpus == 0:
+        pytest.skip("needs a CUDA device")
+    assert bench.main(["--quick", "--device", "cuda", "--contenders", "conveyor_pipeline", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "pipeline_parallel-latest.json").read_text())
+    if gpus < 2:  # one GPU: the reason, with the real count
+        assert report["skipped"].endswith(f"this machine has {gpus}") and "runs" not in report
+    else:
+        assert not report.get("skipped") and report["runs"] and report["config"]["device"] == "cuda"
+
+
 def test_cpu_runs_hide_the_gpus_and_cuda_runs_keep_them(bench):
     assert bench._base_env("cpu")["CUDA_VISIBLE_DEVICES"] == ""
     assert bench._base_env("cuda").get("CUDA_VISIBLE_DEVICES") != ""

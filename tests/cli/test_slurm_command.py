@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -27,7 +28,8 @@ FAKE_PYTHON = f"""\
 import json, os, sys
 args = sys.argv[1:]
 secret = args[args.index("--job-secret-file") + 1]
-record = {{"args": args, "mode": oct(os.stat(secret).st_mode & 0o777), "secret": len(open(secret).read())}}
+record = {{"args": args, "mode": oct(os.stat(secret).st_mode & 0o777), "secret": len(open(secret).read()),
+          "folder_mode": oct(os.stat(os.path.dirname(secret)).st_mode & 0o777)}}
 with open(os.path.join(os.environ["FAKE_OUT"], "node-" + os.environ["SLURM_NODEID"] + ".json"), "w") as f:
     json.dump(record, f)
 """
@@ -41,7 +43,8 @@ def job(tmp_path: Path, **kwargs) -> SbatchJob:
 
 
 def run_script(tmp_path: Path, text: str, nodes: int) -> list[dict]:
-    """Run the sbatch script as Slurm would on the first node, with srun and python replaced."""
+    """Run the sbatch script as Slurm would on the first node, with srun and python replaced. The secret file's
+    path (random) is checked here and replaced by SECRET in each record's arguments."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     for name, body in (("srun", FAKE_SRUN), ("python", FAKE_PYTHON)):
@@ -52,7 +55,15 @@ def run_script(tmp_path: Path, text: str, nodes: int) -> list[dict]:
            "FAKE_NODES": str(nodes), "FAKE_OUT": str(tmp_path)}
     done = subprocess.run(["bash", str(tmp_path / "job.sbatch")], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    return [json.loads((tmp_path / f"node-{i}.json").read_text()) for i in range(nodes)]
+    records = [json.loads((tmp_path / f"node-{i}.json").read_text()) for i in range(nodes)]
+    for record in records:
+        at = record["args"].index("--job-secret-file") + 1
+        secret = Path(record["args"][at])
+        assert secret.name == "secret" and secret.parent.parent == tmp_path
+        assert re.fullmatch(r"\.conveyor-job-77\.[A-Za-z0-9]{8}", secret.parent.name)
+        assert not secret.parent.exists()  # removed, with its folder, when the script ended
+        record["args"][at] = "SECRET"
+    return records
 
 
 def test_the_same_tasks_on_every_node_is_one_plain_srun_line(tmp_path):
@@ -66,11 +77,21 @@ def test_the_same_tasks_on_every_node_is_one_plain_srun_line(tmp_path):
     assert "case" not in text
     records = run_script(tmp_path, text, nodes=4)
     expected = ["-m", "conveyor", "run", "-n", "2", "--strategy", "allreduce", "--data-dir", str(tmp_path / "my data"),
-                "--output-dir", str(tmp_path / "out"), "--job-secret-file", str(tmp_path / ".conveyor-job-77.secret"),
-                "train.py", "--epochs", "5 or 6"]
+                "--output-dir", str(tmp_path / "out"), "--job-secret-file", "SECRET", "train.py",
+                "--epochs", "5 or 6"]
     assert [r["args"] for r in records] == [expected] * 4
     assert {r["mode"] for r in records} == {"0o600"} and {r["secret"] for r in records} == {64}  # 32 bytes in hex
-    assert not (tmp_path / ".conveyor-job-77.secret").exists()  # removed when the script ended
+    assert {r["folder_mode"] for r in records} == {"0o700"}  # a folder of the job's own
+
+
+def test_a_file_planted_at_a_predictable_secret_name_is_never_written_into(tmp_path):
+    """Another user with write access to the shared folder creates the file the secret would go to (and keeps
+    it open): the script must create its own, exclusively, and leave the planted one as it was."""
+    planted = tmp_path / ".conveyor-job-77.secret"
+    planted.write_text("")
+    planted.chmod(0o666)
+    records = run_script(tmp_path, sbatch_script(job(tmp_path)), nodes=1)
+    assert records[0]["secret"] == 64 and planted.read_text() == ""
 
 
 def test_ps_tasks_go_on_the_first_nodes_and_each_node_picks_its_own_line(tmp_path):
@@ -84,7 +105,7 @@ def test_ps_tasks_go_on_the_first_nodes_and_each_node_picks_its_own_line(tmp_pat
     assert tasks == [["-n", "1", "--ps", "1"], ["-n", "1", "--ps", "1"], ["-n", "1"]]
     assert {tuple(r["args"][r["args"].index("--strategy"):]) for r in records} == {
         ("--strategy", "ps-sync", "--data-dir", str(tmp_path / "my data"), "--output-dir", str(tmp_path / "out"),
-         "--job-secret-file", str(tmp_path / ".conveyor-job-77.secret"), "train.py")}
+         "--job-secret-file", "SECRET", "train.py")}
 
 
 def test_ps_nodes_of_their_own_are_the_last_ones_and_run_no_worker(tmp_path):
@@ -119,7 +140,8 @@ def test_bad_settings_are_refused_naming_the_flag(argv, message, capsys):
 def test_the_script_is_written_to_a_file(tmp_path, capsys):
     path = tmp_path / "job.sbatch"
     assert main(["slurm", "--nodes", "2", "-o", str(path), "train.py"]) == 0
-    assert capsys.readouterr().out == ""
+    assert capsys.readouterr().out == (f"wrote {path}: the sbatch script of conveyor job train (train.py on 2 nodes); "
+                                       f"submit it with `sbatch {path}` (squeue --me shows it)\n")
     assert path.read_text().startswith("#!/bin/bash\n") and stat.S_IMODE(path.stat().st_mode) == 0o755
     assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
 

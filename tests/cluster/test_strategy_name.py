@@ -27,6 +27,7 @@ def test_every_valid_spelling(text, kind, mode, staleness, name) -> None:
     assert parsed == StrategyName(kind, mode, staleness)
     assert parsed.name == name and parse_strategy(parsed.name) == parsed
     assert parsed.uses_ps == (kind == "ps")
+    assert parsed.splits_model == (kind == "pipeline")
     assert parsed.distributed == (kind != "local")
 
 

@@ -137,13 +137,16 @@ def test_handler_errors_become_remote_errors_and_the_server_goes_on(server, clie
     assert server.stats["handler_errors"] == 2
 
 
-def test_the_handler_may_change_returned_tensors_in_place(address):
+def test_a_handler_that_copies_on_write_while_lending_never_changes_a_reply_on_its_way(address):
     params = np.zeros(4 * 2**20, dtype=np.float32)  # 16 MB, sent without a copy
 
     def handler(message):
+        nonlocal params
         if message.kind == "pull":
             return "params", {}, [params]
-        np.add(params, 1, out=params)  # an in-place update right after a pull: must not reach the pull's reply
+        if server.lending:  # the pull's reply may still be on its way: write into new memory
+            params = params.copy()
+        np.add(params, 1, out=params)  # an update right after a pull: must not reach the pull's reply
         return "ok", {}, []
 
     with Server(address, KEY, handler, name="ps:0").start() as server, \

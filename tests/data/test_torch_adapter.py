@@ -148,6 +148,20 @@ def test_pin_memory_without_cuda_warns_and_converts():
     assert next(it)["x"].shape == (3, 2)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_pinned_batches_reach_the_gpu_on_a_side_stream_equal_to_the_cpu_ones():
+    ds = Dataset.range(64).map(lambda i: {"x": np.full((4, 3), i, np.float32), "y": np.int64(i)}).batch(8)
+    expected = list(to_torch(ds))
+    it = to_torch(ds, device="cuda", pin_memory=True)
+    got = list(it)
+    assert len(got) == len(expected) == 8
+    for g, e in zip(got, expected, strict=True):
+        assert g["x"].device == torch.device("cuda", 0) and g["y"].device == torch.device("cuda", 0)
+        assert torch.equal(g["x"].cpu(), e["x"]) and torch.equal(g["y"].cpu(), e["y"])
+    it.close()
+
+
 def _ids(loader):
     out = []
     for batch in loader:

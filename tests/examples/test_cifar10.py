@@ -112,6 +112,25 @@ def test_synthetic_smoke_run(tmp_path):
     assert "test accuracy" in run.stdout
 
 
+def _losses(folder: Path, seed: int) -> list[float]:
+    folder.mkdir()
+    run = _run(folder, "--synthetic", "--synthetic-size", "64", "--batch-size", "8", "--max-steps", "6",
+               "--log-every", "1", "--seed", str(seed))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    records = [json.loads(line) for line in (folder / "out" / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if r.get("event") == "train"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_seed_reaches_the_augmentation_two_runs_with_one_seed_are_identical(tmp_path):
+    """--seed reaches the shuffle and the map workers' crops and flips (conveyor.data.set_seed), not only the
+    model's initial weights: two runs with one seed see the same batches, step for step."""
+    first, again, other = (_losses(tmp_path / name, seed) for name, seed in (("a", 3), ("b", 3), ("c", 4)))
+    assert len(first) == 6 and first == again
+    assert other != first
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_trains_on_a_converted_archive_and_says_how_to_get_one(tmp_path):

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 from safetensors.numpy import load_file
@@ -174,3 +176,63 @@ def test_a_usage_error_fails_once_naming_it(tmp_path, data, job, args, needle):
     assert run.returncode == 1, run.stderr[-3000:]
     assert "a usage or configuration error, which a restart would meet again" in run.stderr, run.stderr[-3000:]
     assert needle in run.stderr and "restarting the job" not in run.stderr and "attempt 1" not in run.stderr
+
+
+# -- a NaN, a finished job run again (issue 22, defects 2 and 3) -----------------------------------------------------
+
+CLUSTER = {"name": "test cluster", "gpus_per_node": 4, "cores_per_gpu": 2, "intra_node_bandwidth": "10 GB/s",
+           "intra_node_latency": "5 us", "inter_node_bandwidth": "10 Gbit/s", "inter_node_latency": "10 us",
+           "ps_count": 2}
+
+
+def nan_script(tmp_path: Path) -> Path:
+    """The demo, worker 1's 60th loss NaN (a bad batch, a flaky device): /work/shared/repro/nan_divergence.sh."""
+    src = SCRIPT.read_text()
+    src = src.replace("job, model, optimizer, nn.functional.cross_entropy,", "job, model, optimizer, loss_fn,")
+    src = src.replace("    torch.manual_seed(args.seed)\n", """    torch.manual_seed(args.seed)
+    calls = [0]
+    def loss_fn(out, y):
+        calls[0] += 1
+        loss = nn.functional.cross_entropy(out, y)
+        return loss * float("nan") if job.rank == 1 and calls[0] == 60 else loss
+""")
+    script = tmp_path / "train_nan.py"
+    script.write_text(src)
+    return script
+
+
+@pytest.mark.parametrize("job", [("--strategy", "allreduce"), ("--ps", "1", "--strategy", "ps-sync")],
+                         ids=["allreduce", "ps-sync"])
+def test_a_nan_loss_stops_the_job_naming_it_and_keeps_the_last_finite_checkpoint(tmp_path, data, job):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "conveyor.cli.main", "run", "-n", "2", *job, "--data-dir", str(data),
+           "--output-dir", str(out), "--max-restarts", "0", str(nan_script(tmp_path)), "--epochs", "4",
+           "--checkpoint-every", "20"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    log = run.stdout + run.stderr
+    assert run.returncode != 0 and "test accuracy" not in log, log[-3000:]
+    assert re.search(r"step 6[01]: worker [01]'s training loss is nan", log), log[-3000:]
+    steps = sorted((out / "checkpoints").glob("step-*"))
+    assert steps and steps[-1].name == "step-00000040", steps  # nothing written after the NaN, nothing rotated
+    for name, value in load_file(str(steps[-1] / "model.safetensors")).items():
+        assert np.isfinite(value).all(), f"{name} of {steps[-1].name} is not finite"
+
+
+def test_a_finished_job_run_again_changes_nothing(tmp_path, data):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "conveyor.cli.main", "run", "-n", "2", "--data-dir", str(data), "--output-dir",
+           str(out), str(SCRIPT), "--epochs", "1"]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert first.returncode == 0, first.stderr[-3000:]
+    kept = ["summary.json", "metrics.jsonl", *(str(p.relative_to(out)) for p in (out / "trace").rglob("*")
+                                              if p.is_file()), *(str(p.relative_to(out)) for p in
+                                                                 (out / "plots").rglob("*") if p.is_file())]
+    before = {name: (out / name).read_bytes() for name in kept}
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    log = again.stdout + again.stderr
+    assert again.returncode == 0 and "this job already finished" in log and "test accuracy" in log, log[-3000:]
+    assert {name: (out / name).read_bytes() for name in kept} == before
+    (tmp_path / "cluster.json").write_text(json.dumps(CLUSTER))
+    predict = subprocess.run([sys.executable, "-m", "conveyor.cli.main", "predict", str(out), "--cluster",
+                              str(tmp_path / "cluster.json"), "--no-plot"], capture_output=True, text=True, timeout=60)
+    assert predict.returncode == 0, predict.stderr

@@ -142,6 +142,23 @@ def test_two_workers_prefix_their_lines_and_keep_full_logs(tmp_path):
         log = (tmp_path / "output" / "logs" / f"worker-{i}.log").read_text()
         assert f"RANK={i} task=worker:{i} args=['--epochs', '1']\n" in log
     assert "[conveyor] job finished" in err
+    assert err.splitlines()[-1] == f"[conveyor] outputs in {tmp_path / 'output'}: logs/"  # a plain script: no more
+
+
+@pytest.mark.multiprocess
+def test_torchs_reverse_lookup_warning_stays_in_the_log_and_off_the_console(tmp_path):
+    """torch's `[c10d] The hostname of the client socket cannot be retrieved. err=-3` came on every
+    multi-host run where no DNS server answers (tasks.QUIET says why it is harmless)."""
+    warning = ("[W1127 16:03:39.304496537 socket.cpp:207] [c10d] The hostname of the client socket cannot be "
+               "retrieved. err=-3")
+    write_script(tmp_path, f"""
+        print({warning!r}, file=sys.stderr, flush=True)
+        print("trained", flush=True)
+    """)
+    code, out, err = finish(launcher(tmp_path, "task.py"), tmp_path)
+    assert code == 0, err
+    assert "[worker:0] trained" in out.splitlines() and "hostname of the client socket" not in out + err
+    assert warning in (tmp_path / "output" / "logs" / "worker-0.log").read_text().splitlines()
 
 
 @pytest.mark.multiprocess
@@ -306,6 +323,38 @@ def test_a_secret_file_readable_by_others_is_refused(tmp_path, capsys, monkeypat
     assert SECRET_HEX[:12] not in err
 
 
+def test_the_omp_default_is_said_in_one_short_line(tmp_path):
+    from conveyor.cli.run import omp_note
+    from conveyor.cluster.variables import OMP_DEFAULT_VAR
+    from conveyor.launch.plan import RunOptions, local_plan
+
+    opts = RunOptions(script="train.py", data_dir=str(tmp_path), output_dir=str(tmp_path), workers=2, ps=1,
+                      strategy="ps-async")
+    plan = local_plan(opts, [1, 2, 3], master_port=4, secret=b"s" * 32, environ={})
+    assert all(t.env.get(OMP_DEFAULT_VAR) == "1" for t in plan.tasks)
+    note = omp_note(plan)
+    assert note.startswith("[conveyor] OMP_NUM_THREADS=1 for the 3 tasks here") and len(note) <= 100
+    plan = local_plan(opts, [1, 2, 3], master_port=4, secret=b"s" * 32, environ={"OMP_NUM_THREADS": "4"})
+    assert omp_note(plan) is None  # the user chose: nothing to say
+
+
+def test_a_secret_file_another_user_owns_is_refused_even_with_mode_600(tmp_path, capsys, monkeypatch):
+    """In a folder others can write, another user can create the file first and keep it open: owning it, they
+    read whatever secret is written into it later, whatever its mode says now."""
+    monkeypatch.chdir(tmp_path)
+    secret = tmp_path / "secret"
+    secret.write_text(SECRET_HEX)
+    secret.chmod(0o600)
+    if os.geteuid() == 0:
+        os.chown(secret, 65534, -1)  # nobody
+    else:  # an unprivileged user cannot give a file away: pretend to be someone else instead
+        monkeypatch.setattr(os, "geteuid", lambda: secret.stat().st_uid + 1)
+    assert main(["run", "--dry-run", "--job-secret-file", "secret", "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert "--job-secret-file secret belongs to another user" in err and "write a fresh one" in err
+    assert SECRET_HEX[:12] not in err
+
+
 def test_the_secret_can_come_from_the_environment_and_never_appears_in_argv(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("CONVEYOR_JOB_SECRET", SECRET_HEX)
@@ -347,3 +396,36 @@ def test_logs_follow_the_umask(tmp_path):
         code, _, err = finish(proc, tmp_path)
         assert code == 0, err
         assert (out_dir / "logs" / "worker-0.log").stat().st_mode & 0o777 == mode
+
+
+@pytest.mark.multiprocess
+def test_a_second_job_on_the_same_output_dir_is_refused_until_the_first_is_killed(tmp_path):
+    """Issue 22, defect 4: the output folder's lock, held by the launcher, refused at once, freed by a kill -9."""
+    shared = tmp_path / "out"
+    first_dir, second_dir = tmp_path / "first", tmp_path / "second"
+    for folder in (first_dir, second_dir):
+        folder.mkdir()
+        write_script(folder, """
+            with open(os.path.join(os.environ["MARK_DIR"], "pids"), "a") as f:
+                f.write(f"{os.getpid()}\\n")
+            time.sleep(float(sys.argv[1]))
+        """)
+    first = launcher(first_dir, "-n", "1", "--output-dir", str(shared), "task.py", "60")
+    try:
+        wait_for_lines(first_dir / "pids", 1)
+        started = time.monotonic()
+        code, _, err = finish(launcher(second_dir, "-n", "1", "--output-dir", str(shared), "task.py", "0"),
+                              second_dir)
+        assert code == 1 and time.monotonic() - started < 20, err
+        assert f"output folder {shared} is in use by another job: pid {first.pid} on host " in err
+        assert "another --output-dir" in err and not (second_dir / "pids").exists()  # nothing of it started
+        first.kill()  # kill -9: no handler runs, the kernel releases the lock
+        first.wait(timeout=10)
+        code, _, err = finish(launcher(second_dir, "-n", "1", "--output-dir", str(shared), "task.py", "0"),
+                              second_dir)
+        assert code == 0, err
+        assert wait_for_lines(second_dir / "pids", 1)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()

@@ -193,6 +193,15 @@ def test_two_stages_by_two_replicas_equal_one_process_on_the_combined_batch(tmp_
 
 
 @pytest.mark.timeout(150)
+def test_settings_given_to_init_as_environ_are_honoured(tmp_path: Path) -> None:
+    """conveyor.init(environ=...) with the pipeline variables in the mapping only, not in os.environ."""
+    results = launch("environ", tmp_path, world=2, stages=2, schedule="gpipe")
+    assert all(r is not None for r in results), logs(tmp_path, 2)
+    assert all(r["settings"] == [2, MICROBATCHES, "gpipe"] for r in results)
+    assert_equal_to(merged(results, 0, 2), reference(1))
+
+
+@pytest.mark.timeout(150)
 def test_traced_stages_resume_from_their_checkpoint_parts_and_evaluate(tmp_path: Path) -> None:
     results = launch("traced-resume", tmp_path, world=2, stages=2, schedule="1f1b",
                      extra_env={"CONVEYOR_PIPELINE_SPLIT": "blocks.2"})
@@ -217,6 +226,7 @@ TWO_GPUS = "needs 2 CUDA devices (one pipeline stage per GPU over NCCL; NCCL ref
            f"this machine has {cuda_devices()}"
 
 
+@pytest.mark.gpu
 @pytest.mark.timeout(150)
 @pytest.mark.skipif(cuda_devices() < 2, reason=TWO_GPUS)
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -227,6 +237,7 @@ def test_two_stages_on_two_gpus_over_nccl_equal_one_process(tmp_path: Path, sche
     assert_equal_to(merged(results, 0, 2), reference(1), atol=1e-4)  # CUDA's float kernels sum in another order
 
 
+@pytest.mark.gpu
 @pytest.mark.timeout(150)
 @pytest.mark.skipif(cuda_devices() < 1, reason="needs a CUDA device: checks the refusal of stages sharing one GPU")
 def test_stages_sharing_one_gpu_are_refused_naming_the_fix(tmp_path: Path) -> None:
@@ -310,7 +321,7 @@ def run_traced_resume(job, out: Path) -> dict:
         job.train_step(model, optimizer, nn.functional.mse_loss, x, y)
     params = {k: v.tolist() for k, v in model.model_state_dict().items()}
     model.eval()
-    outputs = strategy.eval_forward(model, make_data(1)[0][:6])
+    outputs = strategy.step.eval_forward(model, make_data(1)[0][:6])
     return {"params": params, "stage": strategy.stage, "outputs": None if outputs is None else outputs.tolist(),
             "saved": sorted(part["model"]),
             "header": header}
@@ -318,8 +329,17 @@ def run_traced_resume(job, out: Path) -> dict:
 
 def worker_main(scenario: str, out: Path) -> None:
     rank = int(os.environ["RANK"])
-    with conveyor.init() as job:
-        result = run_traced_resume(job, out) if scenario == "traced-resume" else run_plain(job, out, scenario)
+    environ = None
+    if scenario == "environ":  # the pipeline settings are only in the mapping given to conveyor.init
+        environ = dict(os.environ)
+        for key in [k for k in os.environ if k.startswith("CONVEYOR_PIPELINE_")]:
+            del os.environ[key]
+    with conveyor.init(environ=environ) as job:
+        if scenario == "traced-resume":
+            result = run_traced_resume(job, out)
+        else:
+            result = run_plain(job, out, "plain" if scenario == "environ" else scenario)
+        result["settings"] = [job.strategy.stages, job.strategy.microbatches, job.strategy.schedule]
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     sys.stdout.flush()
     sys.stderr.flush()

@@ -6,7 +6,13 @@ import pytest
 import torch
 from torch import nn
 
-from conveyor.strategies.pipeline.split import SplitError, check_microbatches, meta_copy, plan_split
+from conveyor.strategies.pipeline.split import (
+    SplitError,
+    check_microbatches,
+    default_microbatches,
+    meta_copy,
+    plan_split,
+)
 
 
 def mlp(widths=(4, 64, 64, 2)) -> nn.Sequential:
@@ -101,6 +107,19 @@ def test_a_batch_must_cut_into_equal_microbatches() -> None:
         check_microbatches(30, 4)
     with pytest.raises(SplitError, match=r"a batch of 2 sample\(s\).*--microbatches 2"):
         check_microbatches(2, 4)
+
+
+@pytest.mark.parametrize(("stages", "batch", "expected"), [
+    (3, 32, 4),  # the README's digits on 3 stages: 2 x 3 = 6 does not divide 32 (issue 22, defect 7)
+    (2, 32, 4), (4, 32, 8), (2, 8, 4),  # 2 per stage wherever that divides the batch
+    (3, 7, 1), (2, 3, 3), (3, 30, 6),
+    (3, None, 6),  # no batch seen yet (an evaluation first): 2 per stage
+])
+def test_the_default_microbatches_cut_the_batch_into_equal_parts(stages, batch, expected) -> None:
+    chosen = default_microbatches(stages, batch)
+    assert chosen == expected
+    if batch is not None:
+        assert check_microbatches(batch, chosen) == batch // chosen
 
 
 @pytest.mark.parametrize("cls", [torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW])

@@ -4,6 +4,7 @@ ps task's entry (``serve_ps_task``), which returns the exit status ``conveyor.in
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,50 @@ def _steps(client: PSClient, model: nn.Module, steps: int) -> list[torch.Tensor]
         model(torch.randn(5, 4)).sum().backward()
         client.finish_step()
     return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.timeout(60)
+def test_ssp_a_worker_ahead_evaluates_after_the_other_stopped_at_the_plan() -> None:
+    # The ps-ssp final-evaluation stall, step by step (K = 1, the workers stop at 5 steps together): worker 0
+    # reaches the plan with its step 1 and stops; worker 1, whose last commit reply still said 4, trains its
+    # step 3 and prefetches the pull for step 4, two steps ahead of worker 0, which never commits again. Its
+    # evaluation's forward collects that pull: it must get parameters, not 'wait' until the timeout.
+    port = free_ports(1)[0]
+    server = ParameterServer(f"127.0.0.1:{port}", SECRET, index=0, num_workers=2, mode="ssp", staleness=1).start()
+    clients = [PSClient([f"127.0.0.1:{port}"], SECRET, rank=r, num_workers=2, sender=f"worker:{r}", timeout=6.0)
+               for r in range(2)]
+    try:
+        models = []
+        for client in clients:
+            torch.manual_seed(0)
+            model = nn.Linear(4, 3)
+            client.connect(model, torch.optim.SGD(model.parameters(), lr=0.1))
+            client.announce = 5
+            models.append(model)
+
+        def step(rank: int) -> None:  # what PSStrategy does with ps-ssp: the forward collects the prefetched pull
+            clients[rank].finish_pull()
+            models[rank].zero_grad()
+            models[rank](torch.randn(2, 4)).sum().backward()
+            clients[rank].finish_step(prefetch=True)
+
+        for rank in (1, 0, 1, 1):
+            step(rank)
+        assert clients[1].global_steps == 4 and server.clock == [1, 3]
+        step(0)
+        assert clients[0].global_steps == 5  # worker 0 sees the plan reached: it stops training
+        step(1)  # worker 1 saw 4 at its last commit: one more step
+        assert clients[1].global_steps == 6 and server.clock == [2, 4]
+        started = time.monotonic()
+        with torch.no_grad():
+            for client, model in zip(clients, models, strict=True):  # both evaluate
+                client.finish_pull()
+                model(torch.randn(2, 4))
+        assert time.monotonic() - started < 3.0  # held until the 6 s timeout before the fix
+    finally:
+        for client in clients:
+            client.close()
+        server.close()
 
 
 def test_staleness_summary_percentiles() -> None:

@@ -254,3 +254,13 @@ def test_replies_are_checked_and_an_unexpected_kind_is_named() -> None:
                    what="positions", num_workers=WORKERS)
     with pytest.raises(ProtocolError, match="staleness"):
         StatsReply.from_header(StatsReply("ps:0", "sync", 0, [0], {"x": 1}, {}, 0, {}, 0).to_header())
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), [0.9, float("nan")]])
+def test_a_commit_with_a_non_finite_hyperparameter_is_refused(bad) -> None:
+    """Issue 22, defect 2: `lr = NaN` in a commit would turn every parameter of the server's shard into NaN."""
+    with pytest.raises(ProtocolError, match=r"'commit'.*hyper.*group 1: betas = .*expected a finite number"):
+        _wire(Commit(0, 3, 3, [{"lr": 0.1}, {"lr": 0.1, "betas": bad}]))  # through the real framing
+    with pytest.raises(ProtocolError, match=r"group 0: lr = nan"):
+        read_request("commit", {"rank": 0, "step": 3, "hyper": [{"lr": float("nan")}]}, [], num_workers=WORKERS)
+    assert _wire(Commit(0, 3, 3, [{"lr": 0.1, "betas": [0.9, 0.99]}])).hyper == [{"lr": 0.1, "betas": [0.9, 0.99]}]

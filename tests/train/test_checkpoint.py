@@ -673,3 +673,15 @@ def test_a_step_sealed_before_latest_moved_is_resumed_and_can_be_written_again(t
     assert chief.read_part(30, "ps-0.json") == b'{"step": "again"}'
     assert not [p for p in tmp_path.iterdir() if p.name.startswith((".trash-", ".tmp-", ".parts-"))]
     assert (tmp_path / "latest").read_text().strip() == "step-00000030"
+
+
+def test_rotation_keeps_the_newest_step_with_finite_parameters(tmp_path):
+    """Issue 22, defect 2: a run that went NaN keeps one checkpoint to go back to, whatever `keep` says."""
+    mgr = CheckpointManager(tmp_path, keep=2, fsync=False)
+    mgr.save(1, {"model": {"w": torch.ones(2)}}, extra={"finite": True})
+    mgr.save(2, {"model": {"w": torch.ones(2)}}, extra={"finite": True})
+    for step in (3, 4, 5):
+        mgr.save(step, {"model": {"w": torch.full((2,), float("nan"))}}, extra={"finite": False})
+    assert mgr.list_steps() == [2, 4, 5]
+    mgr.save(6, {"model": {"w": torch.ones(2)}}, extra={"finite": True})
+    assert mgr.list_steps() == [5, 6]  # a newer finite step: the old one may go

@@ -77,6 +77,7 @@ def test_task_device_sets_the_current_gpu_and_reads_what_is_visible(monkeypatch)
     assert task_device(1, 2, False, {}) == torch.device("cpu")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present: see the next test")
 def test_init_on_a_cpu_machine_trains_on_the_cpu_whatever_the_sharing(tmp_path):
     import conveyor
 
@@ -85,11 +86,26 @@ def test_init_on_a_cpu_machine_trains_on_the_cpu_whatever_the_sharing(tmp_path):
         assert job.device == torch.device("cpu") and job.backend == "gloo"
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_init_on_a_gpu_machine_takes_gpu_0_and_nccl_unless_shared(tmp_path):
+    import conveyor
+
+    env = {"CONVEYOR_OUTPUT_DIR": str(tmp_path / "out")}
+    with conveyor.init(environ=env) as job:
+        assert job.device == torch.device("cuda", 0) and job.backend == "nccl"
+        assert torch.cuda.current_device() == 0
+    with conveyor.init(environ=env, share_gpus=True) as job:
+        assert job.device == torch.device("cuda", 0) and job.backend == "gloo"  # NCCL refuses ranks sharing a GPU
+
+
 def test_pipeline_stages_on_shared_gpus_are_refused_at_setup():
     from types import SimpleNamespace
 
+    from conveyor.cluster.settings import JobSettings
     from conveyor.strategies.pipeline.strategy import PipelineStrategy
 
-    job = SimpleNamespace(world_size=2, rank=0, timeout=5.0, device=torch.device("cuda", 0), backend="gloo")
+    job = SimpleNamespace(world_size=2, rank=0, timeout=5.0, device=torch.device("cuda", 0), backend="gloo",
+                          settings=JobSettings())
     with pytest.raises(ValueError, match="one stage per GPU"):
         PipelineStrategy(stages=2).setup(job)

@@ -83,7 +83,7 @@ def test_init_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch, tmp_p
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         wrapped, same = job.prepare(model, optimizer)
         assert wrapped is model and same is optimizer, "one process has nothing to all-reduce: nothing is wrapped"
-        assert job.strategy.comm_seconds() == 0.0
+        assert job.strategy.step.comm_seconds() == 0.0
 
 
 def test_job_settings_hold_what_the_launcher_gave_parsed(env: dict[str, str]) -> None:

@@ -27,7 +27,7 @@ class FakeStrategy(Strategy):
     name = "local"
     distributed = False
 
-    def prepare(self, model, optimizer):
+    def prepare(self, model, optimizer, *, split=None):
         return model, optimizer
 
 
@@ -137,8 +137,8 @@ def read_jsonl(path: Path) -> list[dict]:
 def test_fit_writes_every_output(tmp_path, monkeypatch):
     job = make_job(tmp_path, monkeypatch)
     ticks = iter(range(10**6))
-    job.strategy.comm_seconds = lambda: next(ticks) * 1e-4  # a strategy that reports communication
     model, opt = job.prepare(*make_model())
+    job.strategy.step.comm_seconds = lambda: next(ticks) * 1e-4  # a strategy that reports communication
     trainer = Trainer(job, model, opt, nn.functional.cross_entropy, data().repeat(3),
                       eval_data=data(seed=None), epochs=2, eval_every_steps=10, log_every_steps=3,
                       checkpoint_every_steps=10, progress=False)
@@ -380,6 +380,21 @@ def test_a_checkpoint_of_another_model_is_refused_naming_what_differs(tmp_path, 
         trainer.fit()
 
 
+def test_another_scripts_checkpoint_is_refused_as_another_model_not_as_another_worker_count(tmp_path, monkeypatch):
+    """Two scripts in one output folder (the default): the first fix named must not lead to a second error. A
+    checkpoint of another model written by 2 workers used to be refused for its worker count, whose fix
+    (-n 2) then met the model's refusal."""
+    fake_checkpoint(tmp_path, world_size=2, workers=[0, 1])
+    job = make_job(tmp_path, monkeypatch)
+    other = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, CLASSES))
+    model, opt = job.prepare(other, torch.optim.Adam(other.parameters(), lr=0.05))
+    trainer = Trainer(job, model, opt, nn.functional.cross_entropy, data(), epochs=3, progress=False)
+    with pytest.raises(ResumeError, match=r"another model than this job's .*another script's run.*--no-resume"
+                                          r".*--output-dir") as refused:
+        trainer.fit()
+    assert "worker(s)" not in str(refused.value)
+
+
 def test_an_optimizer_state_that_does_not_fit_is_refused_naming_both_strategies(tmp_path, monkeypatch):
     run(tmp_path, monkeypatch)
     job = make_job(tmp_path, monkeypatch)
@@ -608,3 +623,70 @@ def test_the_trainer_options_are_public():
 
     assert conveyor.TrainConfig is TrainConfig and "TrainConfig" in conveyor.__all__
     assert "max_steps" in TrainConfig.__doc__ and "steps_per_epoch" in TrainConfig.__doc__
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# a finished run run again, non-finite losses (issue 22, defects 2 and 3)
+
+
+def output_files(out: Path) -> dict[str, bytes]:
+    """Every output file but the checkpoints and the output lock, by path: what a run that trains nothing keeps."""
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*"))
+            if p.is_file() and "checkpoints" not in p.parts and p.name != ".conveyor.lock"}
+
+
+def test_a_finished_run_run_again_rewrites_none_of_its_outputs(tmp_path, monkeypatch, capsys):
+    first, _, _ = run(tmp_path, monkeypatch)
+    before = output_files(tmp_path)
+    assert "summary.json" in before and any(name.startswith("trace") for name in before)
+    summary, seen, _ = run(tmp_path, monkeypatch)
+    assert "this job already finished" in capsys.readouterr().err and seen == {}
+    assert output_files(tmp_path) == before  # summary, traces, metrics, plots: byte for byte
+    assert summary["samples_per_second"] == first["samples_per_second"] and summary["steps_this_run"] == 0
+
+
+def nan_at(step: int, calls: list[int] | None = None):
+    """cross_entropy, NaN at the `step`-th call (a bad batch, a flaky device)."""
+    calls = [0] if calls is None else calls
+
+    def loss_fn(outputs, targets):
+        calls[0] += 1
+        loss = nn.functional.cross_entropy(outputs, targets)
+        return loss * float("nan") if calls[0] == step else loss
+
+    return loss_fn
+
+
+def fit_with(out: Path, monkeypatch, loss_fn, **options):
+    job = make_job(out, monkeypatch)
+    model, opt = job.prepare(*make_model())
+    options = {"epochs": 2, "checkpoint_every_steps": 3, "log_every_steps": 2, "progress": False, **options}
+    trainer = Trainer(job, model, opt, loss_fn, data(), **options)
+    return trainer, trainer.fit
+
+
+def test_a_nan_loss_stops_the_run_naming_step_and_worker_and_keeps_the_finite_checkpoint(tmp_path, monkeypatch):
+    from conveyor.errors import ConveyorError
+
+    trainer, fit = fit_with(tmp_path, monkeypatch, nan_at(5), keep_checkpoints=1)
+    with pytest.raises(ConveyorError, match=r"step 5: worker 0's training loss is nan") as caught:
+        fit()
+    assert type(caught.value).__name__ == "NonfiniteError" and caught.value.usage_error
+    assert "nonfinite='skip'" in str(caught.value)
+    assert not (tmp_path / "summary.json").exists()  # no "job finished" with ruined parameters
+    mgr = CheckpointManager(tmp_path / "checkpoints")
+    assert mgr.list_steps() == [3] and mgr.load(3).extra["finite"] is True
+    assert all(torch.isfinite(t).all() for t in mgr.load(3).trees["model"].values())
+
+
+def test_skip_drops_the_batch_with_a_nan_loss_and_trains_on(tmp_path, monkeypatch):
+    trainer, fit = fit_with(tmp_path, monkeypatch, nan_at(5), nonfinite="skip")
+    with pytest.warns(UserWarning, match=r"step 5: worker 0's loss is not finite; its batch is skipped"):
+        summary = fit()
+    assert summary["steps"] == 10
+    assert all(torch.isfinite(p).all() for p in trainer.module.parameters())
+
+
+def test_the_nonfinite_policy_is_validated(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match=r"nonfinite must be one of \['stop', 'skip'\]"):
+        fit_with(tmp_path, monkeypatch, nn.functional.cross_entropy, nonfinite="ignore")

@@ -4,6 +4,7 @@
     conveyor data convert photos/ data/photos --shards 16 --split train=0.9 --split test=0.1 --seed 0
     conveyor data convert cifar-10-binary.tar.gz data/cifar10 --shards 8
     conveyor data inspect data/photos/train-*.tfrecord --limit 2
+    conveyor data serve --port 5050 --secret-file job.secret      # the data service: docs/data-service.md
 
 `convert` only parses arguments; the work is in `conveyor.data.convert` and `conveyor.data.cifar`.
 """
@@ -20,6 +21,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from conveyor.cli import Command, CommandError
+from conveyor.cli.data_service import add_parsers as add_service_parsers
 from conveyor.data.cifar import IMAGE_ENCODINGS, LAYOUTS, TAR_ENDINGS, convert_cifar, detect_cifar
 from conveyor.data.convert import IMAGE_FORMATS, convert_arrays, convert_image_folder, load_npz
 from conveyor.data.errors import DataLossError
@@ -76,13 +78,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--compression", default="auto", type=str.upper, choices=["AUTO", "GZIP", "ZLIB", "NONE"],
                    help="file compression (default: detected)")
     p.set_defaults(action_run=run_inspect)
+    add_service_parsers(actions)
 
 
 def run(args: argparse.Namespace) -> int:
     return args.action_run(args)
 
 
-COMMAND = Command("data", "convert data to TFRecord files and inspect them", add_arguments, run)
+COMMAND = Command("data", "convert data to TFRecord files, inspect them, run the data service", add_arguments, run)
 
 
 # ------------------------------------------------------------------------------------ convert

@@ -20,11 +20,12 @@ import hashlib
 import json
 import os
 import secrets
-import stat
 import sys
 from collections.abc import Mapping
 
 from conveyor.cli import Command, CommandError
+from conveyor.cluster.output_lock import HELD_VAR, OutputDirBusyError, OutputLock
+from conveyor.cluster.secret import parse_secret, read_secret_file
 from conveyor.cluster.settings import add_arguments as add_settings
 from conveyor.cluster.settings import agreed_flags
 from conveyor.cluster.settings import given as given_settings
@@ -153,22 +154,55 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not os.path.isfile(options.script):
         raise CommandError(f"{options.script}: no such file (the script every task runs)")
-    if args.nnodes == 1:
-        ports = free_ports(options.tasks_per_node + 1)  # one per task, one for torch's store (MASTER_PORT)
-        plan = local_plan(options, ports[:-1], master_port=ports[-1], secret=secret, environ=environ)
-        return _report(_supervisor(plan, options).run())
-    return _run_node(args, options, environ, secret)
+    lock = _lock_output(options.output_dir, environ) if args.nnodes == 1 or args.node_rank == 0 else None
+    try:
+        if args.nnodes == 1:
+            ports = free_ports(options.tasks_per_node + 1)  # one per task, one for torch's store (MASTER_PORT)
+            plan = local_plan(options, ports[:-1], master_port=ports[-1], secret=secret, environ=environ)
+            return _report(_supervisor(plan, options).run(), options.output_dir)
+        return _run_node(args, options, environ, secret)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _lock_output(output_dir: str, environ: dict[str, str]) -> OutputLock:
+    """The output folder's lock, held by this launcher for the whole job (node 0's, where several nodes share
+    the folder); its tasks are told, so that rank 0's `conveyor.init()` does not take it again."""
+    try:
+        lock = OutputLock.acquire(output_dir)
+    except OutputDirBusyError as e:
+        raise CommandError(str(e), exit_code=1) from None
+    environ[HELD_VAR] = str(lock.path)
+    return lock
 
 
 def _supervisor(plan, options: RunOptions, peers=None) -> Supervisor:
-    if any(t.env.get(OMP_DEFAULT_VAR) == "1" for t in plan.tasks):
-        # torchrun's warning, in the launcher's voice: the default changes how fast a plain script runs
-        print(f"[conveyor] OMP_NUM_THREADS is not set: each of the {len(plan.tasks)} tasks on this machine gets "
-              f"OMP_NUM_THREADS=1, as under torchrun, so that they do not overload the cores "
-              f"(conveyor.init() gives its training tasks their share of the cores instead); set "
-              f"OMP_NUM_THREADS to tune it", file=sys.stderr)
+    note = omp_note(plan)
+    if note is not None:
+        print(note, file=sys.stderr)
     return Supervisor(plan, policy=RestartPolicy.for_run(options.max_restarts, options.restart_delay), peers=peers,
                       linger=options.linger)
+
+
+#: What a job leaves in its output folder, as the last line names it: the Trainer's files and the launcher's logs
+OUTPUTS = ("checkpoints/", "metrics.jsonl", "summary.json", "trace/", "plots/", "tensorboard/", "logs/")
+
+
+def outputs_line(output_dir: str) -> str:
+    """The run's last line: where its outputs went (what of :data:`OUTPUTS` is there; a plain script may
+    write none of the Trainer's files)."""
+    there = [name for name in OUTPUTS if os.path.exists(os.path.join(output_dir, name.rstrip("/")))]
+    return f"[conveyor] outputs in {output_dir}" + (f": {', '.join(there)}" if there else "")
+
+
+def omp_note(plan) -> str | None:
+    """One short line when the launcher chose OMP_NUM_THREADS=1 (torchrun's default) for this machine's tasks:
+    it changes how fast a plain script runs. conveyor.init() then gives its training tasks their share of the
+    cores instead, so the line says no more than what was set and how to choose."""
+    if not any(t.env.get(OMP_DEFAULT_VAR) == "1" for t in plan.tasks):
+        return None
+    return f"[conveyor] OMP_NUM_THREADS=1 for the {len(plan.tasks)} tasks here (unset; as torchrun); set it to choose"
 
 
 #: The flags every node of a job must give alike (the settings declared ``agreed``): each node plans its own
@@ -203,7 +237,7 @@ def _run_node(args: argparse.Namespace, options: RunOptions, environ: dict[str, 
         result = _supervisor(plan, options, peers=rdzv.peers).run()
     finally:
         rdzv.peers.close()
-    return _report(result)
+    return _report(result, options.output_dir)
 
 
 def _from_slurm(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
@@ -260,33 +294,18 @@ def _job_secret(path: str | None, environ: Mapping[str, str], nnodes: int) -> by
 
 
 def _read_secret_file(path: str, where: str) -> bytes:
-    try:
-        with open(path, encoding="ascii", errors="replace") as f:
-            mode = os.fstat(f.fileno()).st_mode
-            text = f.read()
-    except OSError as e:
-        raise CommandError(f"{where} {path}: {e.strerror or e}; {MAKE_SECRET}") from None
-    if stat.S_IMODE(mode) & 0o077:  # like ssh with a private key: others could forge the job's messages
-        raise CommandError(f"{where} {path} is readable by other users (mode {stat.S_IMODE(mode):04o}): anyone "
-                           f"on this machine could sign messages as the job; chmod 600 {path} (a Kubernetes "
-                           f"Secret volume: defaultMode 0400)")
-    return _parse_secret(text, f"{where} {path}")
+    return read_secret_file(path, where, error=CommandError, fix=MAKE_SECRET)
 
 
 def _parse_secret(text: str, where: str) -> bytes:
-    try:
-        secret = bytes.fromhex(text.strip())
-    except ValueError:
-        secret = b""
-    if len(secret) < 16:
-        raise CommandError(f"{where}: expected at least 32 hex digits; {MAKE_SECRET}")
-    return secret
+    return parse_secret(text, where, error=CommandError, fix=MAKE_SECRET)
 
 
-def _report(result) -> int:
+def _report(result, output_dir: str) -> int:
     if result.ok:
         note = f" after {result.restarts} restart(s)" if result.restarts else ""
         print(f"[conveyor] job finished{note}", file=sys.stderr)
+        print(outputs_line(output_dir), file=sys.stderr)
         return 0
     if result.signal is not None:
         print(f"conveyor run: {result.message}; every task was stopped", file=sys.stderr)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -91,12 +92,20 @@ def run(args: argparse.Namespace) -> int:
     text = sbatch_script(job)
     if args.output is not None:
         atomic_write(args.output, text.encode(), mode=0o755)
+        # on stderr with --submit, whose stdout is the job id alone (for scripts)
+        print(_written(job, args.output, args.submit), file=sys.stderr if args.submit else sys.stdout)
     if not args.submit:
         if args.output is None:
             sys.stdout.write(text)
         return 0
     print(submit(text, args.output))
     return 0
+
+
+def _written(job: SbatchJob, path: str, submitting: bool) -> str:
+    nodes = f"{job.nodes} node{'s' if job.nodes != 1 else ''}"
+    text = f"wrote {path}: the sbatch script of conveyor job {job.name} ({job.script} on {nodes})"
+    return text if submitting else f"{text}; submit it with `sbatch {shlex.quote(path)}` (squeue --me shows it)"
 
 
 def submit(text: str, path: str | None) -> str:

@@ -146,7 +146,8 @@ class JobSettings:
     microbatches: int | None = _setting(
         None, flag="--microbatches", check=validate.optional_count(1, "microbatches per batch"),
         env=PIPELINE_MICROBATCHES_VAR, agreed=True, kind=int, metavar="M", group=_PIPELINE,
-        help="microbatches per batch (default 2*S); the batch size must be a multiple of M")
+        help="microbatches per batch (default 2*S, or the largest count below it that divides the batch); the "
+             "batch size must be a multiple of M")
     schedule: str | None = _setting(None, flag="--schedule", check=validate.text, env=PIPELINE_SCHEDULE_VAR,
                                     agreed=True, metavar="NAME", group=_PIPELINE, help="1f1b (default) or gpipe")
     split: tuple[str, ...] | str | None = _setting(

@@ -49,6 +49,11 @@ class StrategyName:
         return self.kind == "ps"
 
     @property
+    def splits_model(self) -> bool:
+        """True for ``pipeline``, whose processes each hold stages of one model (``--stages``/``--split``)."""
+        return self.kind == "pipeline"
+
+    @property
     def distributed(self) -> bool:
         """False for ``local``, which trains one process alone."""
         return self.kind != "local"

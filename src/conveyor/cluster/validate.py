@@ -127,7 +127,7 @@ def pipeline_shape(strategy_name: StrategyName | None, workers: int, stages: int
                    given: Sequence[str], split: Sequence[str] | None) -> None:
     """The pipeline flags against the job: they need ``--strategy pipeline``, which needs a split, and every
     replica runs all stages (``workers`` a multiple of ``stages``). ``given``: the pipeline flags given."""
-    pipeline = strategy_name is not None and strategy_name.kind == "pipeline"
+    pipeline = strategy_name is not None and strategy_name.splits_model
     if given and not pipeline:
         raise ValueError(f"{', '.join(given)} belong(s) to pipeline parallelism: add --strategy pipeline, or drop "
                          f"{'them' if len(given) > 1 else 'it'}")

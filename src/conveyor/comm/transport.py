@@ -106,6 +106,11 @@ class Deferred:
     def bind(self, identity: Any, message: Message) -> None:
         self._to = (identity, message)
 
+    @property
+    def identity(self) -> Any:
+        """The connection to answer on (None until the handler returned)."""
+        return None if self._to is None else self._to[0]
+
     def take(self) -> tuple[Any, Message]:
         if self._to is None or self.answered:
             raise RuntimeError("Server.reply: this request was already answered, or its handler has not returned yet")
@@ -346,7 +351,7 @@ def _router(ip: str, ipv6: bool, port: int, domain: bytes, max_frame_bytes: int 
     sock.plain_server = True
     sock.zap_domain = domain
     sock.router_mandatory = 1  # a reply to a vanished client raises instead of vanishing silently
-    sock.sndtimeo = 10_000  # a client that stops reading cannot stall the server for longer
+    sock.sndtimeo = 0  # a client whose queue is full (it stopped reading) loses the reply; the server goes on
     if max_frame_bytes is not None:
         sock.maxmsgsize = int(max_frame_bytes)
     sock.handshake_ivl = max(1, int(handshake_timeout * 1000))
@@ -431,15 +436,15 @@ class _Handshakes:
 
 
 class _Outbox:
-    """How a server answers: check, sign and send a handler's result, and keep the trackers of the tensors
-    sent without copies, so that the next handler call can first wait until ZeroMQ has let go of them."""
+    """How a server answers: check, sign and send a handler's result, and follow the replies whose tensors
+    ZeroMQ still reads (sent without copies), per peer, without ever waiting for them."""
 
     def __init__(self, name: str, secret: bytes, sender: str, stats: Counter[str]) -> None:
         self._name = name
         self._secret = secret
         self._sender = sender
         self._stats = stats
-        self._unreleased: list[zmq.MessageTracker] = []
+        self._lent: list[tuple[bytes, list[zmq.MessageTracker], int]] = []  # (peer, trackers, bytes) per reply
 
     def failed(self, message: Message, exc: Exception) -> tuple[str, dict[str, Any], list[Any]]:
         """The ``error`` reply for a handler that raised ``exc`` (counted and logged)."""
@@ -448,7 +453,7 @@ class _Outbox:
         return "error", {"error": f"{type(exc).__name__}: {exc}"[:4000], "request_kind": message.kind}, []
 
     def send(self, sock: zmq.Socket, identity: Any, message: Message, result: Any, part_bytes: int) -> None:
-        """Answer ``message`` (from the peer ``identity``) with a handler's ``result``."""
+        """Answer ``message`` (from the peer ``identity``) with a handler's ``result``; never blocks."""
         try:
             kind, header, tensors = _reply_parts(result)
             tensors = [as_wire(t) for t in tensors]
@@ -458,31 +463,36 @@ class _Outbox:
         try:
             _, trackers = _send(sock, [identity], kind, header, tensors, secret=self._secret, sender=self._sender,
                                 recipient=message.sender, reply_to=message.seq, part_bytes=part_bytes, track=True)
-        except zmq.ZMQError as exc:  # EHOSTUNREACH: the client left; EAGAIN: it stopped reading
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: the client left; EAGAIN: its queue is full (not reading)
             self._stats["reply_failed"] += 1
             log.warning("%s: could not reply to %s (%s)", self._name, message.sender, exc.strerror)
             return
         self._stats["replied"] += 1
-        self._unreleased.extend(trackers)
+        if trackers:
+            self._lent.append((bytes(identity), trackers, sum(t.nbytes for t in tensors)))
 
-    def wait_released(self) -> None:
-        """Wait until ZeroMQ has let go of earlier replies' tensors, so the handler may change them."""
-        for tracker in self._unreleased:
-            if not tracker.done:
-                try:
-                    tracker.wait(timeout=30.0)
-                except zmq.NotDone:
-                    log.warning("%s: an earlier reply is still being sent after 30 s; its client is not reading",
-                                self._name)
-        self._unreleased.clear()
+    def lending(self) -> bool:
+        """Whether ZeroMQ may still read the tensors of an earlier reply (forgets those it let go of)."""
+        if self._lent:
+            self._lent = [entry for entry in self._lent if not all(t.done for t in entry[1])]
+        return bool(self._lent)
+
+    def unsent_bytes(self, identity: Any) -> int:
+        """The tensor bytes of replies to the peer ``identity`` that ZeroMQ has not let go of yet."""
+        peer = bytes(identity)
+        return sum(n for who, _, n in self._lent if who == peer) if self.lending() else 0
 
 
 class Server:
     """A ROUTER socket bound to ``bind_address`` that answers signed requests with ``handler``.
 
     ``handler(message) -> (kind, header, tensors)`` runs in the serving thread, one message at a time; it
-    may return a :class:`Deferred` instead and answer later with :meth:`reply`. ``tick()``, if given, runs
-    in the serving thread after every batch of messages and at least every 50 ms (for deadlines).
+    may return a :class:`Deferred` instead and answer later with :meth:`reply`. Replies never block the
+    server: their tensors leave without copies, so a handler that changes tensors it returned earlier
+    writes into new ones while :attr:`lending` (copy on write), and can bound what a peer that does not
+    read holds with :meth:`unsent_bytes` (a reply to a peer whose queue is full is dropped and counted).
+    ``tick()``, if given, runs in the serving thread after every batch of messages and at least every
+    50 ms (for deadlines).
     ``name`` is the task (``"ps:0"``): requests must be signed for it, replies are signed by it.
     ``max_skew`` is the clock difference tolerated (seconds); ``max_frame_bytes`` makes ZeroMQ disconnect
     a peer that sends a larger frame (``None``: no limit; set it to bound the memory a peer can make the
@@ -497,8 +507,7 @@ class Server:
     """
 
     def __init__(self, bind_address: str, secret: bytes, handler: Handler, *, name: str, max_skew: float = 300.0,
-                 max_frame_bytes: int | None = None, handshake_timeout: float = 10.0,
-                 wait_for_reply_buffers: bool = True, part_bytes: int = PART_BYTES,
+                 max_frame_bytes: int | None = None, handshake_timeout: float = 10.0, part_bytes: int = PART_BYTES,
                  tick: Callable[[], None] | None = None) -> None:
         host, port = split_address(bind_address, field=f"{name} address")
         check_secret(secret)
@@ -509,7 +518,6 @@ class Server:
         self.sender = sender_id(name)
         self.handler = handler
         self.tick = tick
-        self.wait_for_reply_buffers = wait_for_reply_buffers
         self.part_bytes = part_bytes
         self._secret = bytes(secret)
         self._inbox = _Inbox(self._secret, name, ReplayGuard(max_skew=max_skew))
@@ -526,6 +534,7 @@ class Server:
         self._closed = False
         self._handshakes = _Handshakes(self._drops)
         self._active = time.monotonic()  # when serving began or an authenticated message was last handled
+        self._peer: Any = None  # the connection whose message the handler is handling
         ip, ipv6 = _resolve_bind(host, port, name, bind_address)
         self._domain = f"conveyor/{name}/{secrets.token_hex(8)}".encode()
         _GATE.register(zmq.Context.instance(), self._domain, _password(self._secret))
@@ -650,12 +659,13 @@ class Server:
         return self._inbox.heard
 
     def _answer(self, identity: Any, message: Message) -> None:
-        if self.wait_for_reply_buffers:
-            self._outbox.wait_released()
+        self._peer = identity
         try:
             result = self.handler(message)
         except Exception as exc:
             result = self._outbox.failed(message, exc)
+        finally:
+            self._peer = None
         if isinstance(result, Deferred):
             result.bind(identity, message)
         else:
@@ -664,11 +674,21 @@ class Server:
     def reply(self, deferred: Deferred, result: Any) -> None:
         """Answer the request whose handler returned ``deferred`` (from the serving thread: a handler or the tick).
 
-        The tensors of ``result`` follow the handler's rule: the server waits for ZeroMQ to let go of
-        them before it calls the handler again.
+        The tensors of ``result`` follow the handler's rule (see :attr:`lending`).
         """
         identity, message = deferred.take()
         self._outbox.send(self._sock, identity, message, result, self.part_bytes)
+
+    @property
+    def lending(self) -> bool:
+        """Whether ZeroMQ may still read tensors of earlier replies: change them only by writing new ones."""
+        return self._outbox.lending()
+
+    def unsent_bytes(self, peer: Deferred | None = None) -> int:
+        """Tensor bytes of replies not yet sent to a peer: the one whose request the handler is handling
+        (``None``), or the one ``peer`` (a :class:`Deferred` the handler returned) is to be answered to."""
+        identity = self._peer if peer is None else peer.identity
+        return 0 if identity is None else self._outbox.unsent_bytes(identity)
 
     @property
     def stats(self) -> dict[str, Any]:

@@ -33,6 +33,8 @@ from conveyor.data.ops.skip import SkipNode
 from conveyor.data.ops.take import TakeNode
 from conveyor.data.ops.unbatch import UnbatchNode
 from conveyor.data.records.tfrecord import DEFAULT_MAX_RECORD_BYTES
+from conveyor.data.service.client import ServiceNode
+from conveyor.data.service.splits import split_files
 from conveyor.data.sources.files import match_files
 from conveyor.data.sources.generator import GeneratorNode
 from conveyor.data.sources.range import RangeNode
@@ -190,6 +192,14 @@ class Dataset:
                 return True
             pending.extend(node.inputs)
         return False
+
+    def distribute(self, service: Any, processing_mode: str = "parallel_epochs", job_name: str | None = None,
+                   **options: Any) -> Dataset:
+        """This pipeline's elements produced by the data service's workers instead of this process
+        (tf.data's `service.distribute`; docs/data-service.md). `service` is "HOST:PORT" (secret from
+        CONVEYOR_JOB_SECRET_FILE) or a `conveyor.data.service.Service`; `options`: `ServiceNode`'s."""
+        files = split_files(self._node)
+        return Dataset(ServiceNode(self._node, files, service, processing_mode, job_name, **options))
 
     def apply(self, transformation_func: Callable[[Dataset], Dataset]) -> Dataset:
         out = transformation_func(self)

@@ -5,13 +5,13 @@
     print(sbatch_script(job))          # what `conveyor slurm` prints, writes or submits
 
 The script asks for whole nodes (or ``cpus_per_node``), writes a fresh job secret into the shared working
-folder (mode 600, removed when the script ends) and runs one launcher per node with ``srun
---ntasks-per-node=1``; each launcher derives its node rank, the node count and the rendezvous host
-from Slurm (:mod:`conveyor.launch.slurm`). Parameter servers go beside the workers, one more per node
-from node 0 until all are placed, or on nodes of their own, the last ones (``ps_nodes``; ``conveyor run
--n 0`` there); when nodes differ, a ``case`` on ``$SLURM_NODEID`` - single-quoted, so each node's own
-shell expands it - picks the node's ``-n``/``--ps``. Every value from the user is
-shell-quoted; values that go on ``#SBATCH`` lines are refused if they hold spaces or quotes.
+folder (mode 600, created exclusively in a private folder from ``mktemp -d``, removed when the script ends)
+and runs one launcher per node with ``srun --ntasks-per-node=1``; each launcher derives its node rank, the
+node count and the rendezvous host from Slurm (:mod:`conveyor.launch.slurm`). Parameter servers go beside
+the workers, one more per node from node 0 until all are placed, or on nodes of their own, the last ones
+(``ps_nodes``; ``conveyor run -n 0`` there); when nodes differ, a ``case`` on ``$SLURM_NODEID`` -
+single-quoted, so each node's own shell expands it - picks the node's ``-n``/``--ps``. Every value from
+the user is shell-quoted; values that go on ``#SBATCH`` lines are refused if they hold spaces or quotes.
 """
 
 from __future__ import annotations
@@ -188,10 +188,13 @@ def sbatch_script(job: SbatchJob) -> str:
         f"OUTPUT={shlex.quote(job.output_dir)}",
         'mkdir -p "$OUTPUT"',
         "# The job secret signs the launchers' and parameter servers' messages: a fresh one per job, readable by",
-        "# you only, in the shared working folder where every node's launcher reads it.",
-        'SECRET="$PWD/.conveyor-job-$SLURM_JOB_ID.secret"',
-        "trap 'rm -f \"$SECRET\"' EXIT",
-        "(umask 077 && od -An -tx1 -N32 /dev/urandom | tr -d ' \\n' > \"$SECRET\")",
+        "# you only, in the shared working folder where every node's launcher reads it. mktemp makes a folder",
+        "# of yours alone (mode 700, a random name) and noclobber creates the file exclusively: nothing another",
+        "# user made beforehand in this folder is written into.",
+        'SECRET_DIR="$(mktemp -d "$PWD/.conveyor-job-$SLURM_JOB_ID.XXXXXXXX")"',
+        "trap 'rm -rf \"$SECRET_DIR\"' EXIT",
+        'SECRET="$SECRET_DIR/secret"',
+        "(umask 077 && set -o noclobber && od -An -tx1 -N32 /dev/urandom | tr -d ' \\n' > \"$SECRET\")",
         "",
         "# One launcher per node. Each reads its node rank, the node count and the rendezvous host (the first",
         "# node) from Slurm: no --nnodes, --node-rank or --rdzv to get wrong.",

@@ -194,6 +194,13 @@ def _task_env(launch: TaskLaunch, attempt: int, tty: bool) -> dict[str, str]:
     return env
 
 
+#: Lines kept in the task's log but not relayed: torch names each TCPStore connection's peer by a reverse
+#: lookup, only for its own log text; where no DNS server answers (network namespaces, containers, hosts
+#: without a resolver) the lookup of the IPv4-mapped IPv6 address its dual-stack socket reports fails with
+#: EAI_AGAIN (/etc/hosts holds the IPv4 form only) and every multi-host run printed it. It changes nothing.
+QUIET = re.compile(r"\[c10d\] The hostname of the client socket cannot be retrieved\. err=-?\d+$")
+
+
 @dataclass
 class RunningTask:
     """A started task: its process (leader of its own process group), its log, and the thread relaying
@@ -243,6 +250,9 @@ class RunningTask:
         prefix = f"[{self.name}] "
         try:
             for text, live in segments(self.proc.stdout):
+                if QUIET.search(text):
+                    self.log.write(text + "\n")
+                    continue
                 if not live:
                     self.tail.append(text)
                     self.log.write(text + "\n")

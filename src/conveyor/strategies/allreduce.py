@@ -6,8 +6,8 @@
     optimizer.step()
 
 What it promises beyond plain DDP: every worker starts from rank 0's parameters and buffers;
-:meth:`AllReduceStrategy.comm_seconds` is the wall time the gradient all-reduces were in flight (much
-of it overlapping backward, so not the time it added to the step); a dead or silent peer surfaces as a
+:meth:`AllReduceStep.comm_seconds` (``strategy.step``) is the wall time the gradient all-reduces were in
+flight (much of it overlapping backward, so not the time it added to the step); a dead or silent peer surfaces as a
 ``PeerError`` naming its rank and task. Any torch optimizer works unchanged; with one process the model
 is returned unwrapped. Why and how: ``docs/strategies.md``, "Data-parallel all-reduce".
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 import inspect
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -25,9 +26,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from conveyor.comm.process_group import collective_guard
-from conveyor.strategies.base import Strategy, check_optimizer
+from conveyor.strategies.base import Step, Strategy, check_optimizer
 
-__all__ = ["AllReduceStrategy"]
+__all__ = ["AllReduceStep", "AllReduceStrategy"]
 
 # torch 2.13 deprecates `broadcast_buffers` for `forward_sync_buffers` (same meaning for True); older
 # torch (>= 2.4, which conveyor supports) only knows the first.
@@ -53,14 +54,12 @@ class AllReduceStrategy(Strategy):
 
     name = "allreduce"
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._lock = threading.Lock()
-        self._in_flight = 0
-        self._busy_since = 0.0
-        self._total = 0.0
+    def setup(self, job: Any) -> None:
+        super().setup(job)
+        self.step = AllReduceStep(job)
 
-    def prepare(self, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
+    def prepare(self, model: nn.Module, optimizer: Any, *, split: Sequence[str] | None = None
+                ) -> tuple[nn.Module, Any]:
         job = self.job
         check_optimizer(model, optimizer)
         if isinstance(model, DistributedDataParallel):
@@ -73,11 +72,34 @@ class AllReduceStrategy(Strategy):
             raise ValueError("the model has no parameter that requires a gradient: there is nothing to all-reduce")
         device_ids = [job.device.index] if job.device.type == "cuda" else None
         ddp = _GuardedDDP(model, job=job, device_ids=device_ids, **{_SYNC_BUFFERS: True})
-        ddp.register_comm_hook(None, self._allreduce_hook)
+        ddp.register_comm_hook(None, self.step.allreduce_hook)
         return ddp, optimizer
 
-    def check_prepared(self, model: nn.Module) -> None:
-        if self.job.world_size > 1 and not isinstance(model, DistributedDataParallel):
+    def report(self, summary: dict[str, Any]) -> dict[str, Any] | None:
+        """``scaling.allreduce_bus_bandwidth`` (bytes/s) of a run of several workers: 2(N-1)/N x gradient bytes /
+        communication seconds per step, a lower bound (that time includes the gaps between buckets while
+        backward computes)."""
+        world = int(self.job.world_size)
+        scaling = dict(summary.get("scaling") or {})
+        comm = float((summary.get("step_breakdown") or {}).get("communication", 0.0))
+        if world < 2 or comm <= 0 or scaling.get("gradient_bytes") is None:
+            return None
+        scaling["allreduce_bus_bandwidth"] = 2 * (world - 1) / world * scaling["gradient_bytes"] / comm
+        return {"scaling": scaling}
+
+
+class AllReduceStep(Step):
+    """The plain step, with the gradient all-reduce DDP runs in ``backward`` timed by its comm hook."""
+
+    def __init__(self, job: Any) -> None:
+        self._job = job
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._busy_since = 0.0
+        self._total = 0.0
+
+    def check(self, model: nn.Module, train_data: Any) -> None:
+        if self._job.world_size > 1 and not isinstance(model, DistributedDataParallel):
             raise ValueError(
                 "the model is not wrapped for the allreduce strategy, so workers would train apart without "
                 "averaging gradients: pass the model and optimizer that `job.prepare(model, optimizer)` returned"
@@ -96,7 +118,8 @@ class AllReduceStrategy(Strategy):
 
     # -- the comm hook ----------------------------------------------------------------------------
 
-    def _allreduce_hook(self, process_group, bucket):
+    def allreduce_hook(self, process_group, bucket):
+        """DDP's comm hook (``register_comm_hook``): DDP's default all-reduce, timed."""
         # No annotations: DDP compares them with dist.GradBucket / Future[Tensor] by identity, and under
         # `from __future__ import annotations` they would be strings and rejected.
         # The arithmetic is DDP's default hook: divide first (no overflow in fp16), then sum in place.

@@ -1,20 +1,26 @@
-"""The interface every data-parallel strategy implements, so a training script never names one.
+"""The interface every strategy implements, so a training script never names one: a Strategy and its Step.
 
     strategy = get_strategy("allreduce")
-    strategy.setup(job)                          # once, after the job's process group exists
-    model, optimizer = strategy.prepare(model, optimizer)
-    before = strategy.comm_seconds(); ...one step...; comm = strategy.comm_seconds() - before
+    strategy.setup(job)                                     # once, after the job's process group exists
+    model, optimizer = strategy.prepare(model, optimizer)   # also leaves strategy.step ready
+    step = strategy.step
+    before = step.comm_seconds()
+    loss = step.train(model, optimizer, loss_fn, inputs, targets, mark)
+    comm = step.comm_seconds() - before
+    figures = strategy.report(summary)                      # collective, at the end of a run
     strategy.shutdown()
 
-``conveyor.init()`` does the first two lines and ``job.prepare`` the third. The trainer asks the
-strategy for its :meth:`~Strategy.coordinator` (how workers keep together), runs each step with
-:meth:`~Strategy.train_step`, and reads ``comm_seconds()`` around it.
+``conveyor.init()`` does the first two lines and ``job.prepare`` the third. A :class:`Strategy` says how
+workers hold the model and keep together (``setup``, ``prepare``, ``coordinator``, ``data_shard``,
+``checkpoint_items``, ``report``, ``shutdown``); its :class:`Step` says how one step runs (``train``,
+``eval_forward``, ``counted_samples``, ``comm_seconds``, ``check``). The trainer calls only these, and
+never asks which strategy it runs.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -23,7 +29,51 @@ from torch import nn
 from conveyor.strategies.coordination import Coordinator, LockstepCoordinator
 from conveyor.train.checkpoint.items import Item, Model, Stateful
 
-__all__ = ["Strategy", "check_optimizer"]
+__all__ = ["Step", "Strategy", "check_optimizer"]
+
+
+class Step:
+    """One training step the plain PyTorch way, on the whole model: the default of every strategy.
+
+    A strategy whose steps run otherwise (a schedule over microbatches on several processes, a timed
+    all-reduce) puts its own subclass in ``strategy.step``, built by ``setup`` or ``prepare``.
+    """
+
+    #: Whether several processes share each batch (pipeline stages): one of them cannot skip a batch alone.
+    shares_batches: bool = False
+
+    def train(self, model: nn.Module, optimizer: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
+              inputs: Any, targets: Any, mark: Callable[[str], None]) -> torch.Tensor:
+        """One training step on one batch; returns the (detached) batch-mean loss.
+
+        ``mark(phase)`` closes a phase of the step's time breakdown (``"forward_backward"``,
+        ``"optimizer"``): zero the gradients, forward, loss, backward, optimizer step.
+        """
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        mark("forward_backward")
+        optimizer.step()
+        mark("optimizer")
+        return loss.detach()
+
+    def eval_forward(self, module: nn.Module, inputs: Any) -> Any:
+        """The outputs of ``module`` for ``inputs`` in evaluation (no gradients); None: this process has
+        none, and leaves the batch's loss and metric to the process that has them."""
+        return module(inputs)
+
+    def counted_samples(self, samples: int) -> int:
+        """How many of a step's ``samples`` this process counts in throughput figures (summed over ranks)."""
+        return samples
+
+    def comm_seconds(self) -> float:
+        """Total wall time spent in communication so far (seconds); read it around a step for the step's."""
+        return 0.0
+
+    def check(self, model: nn.Module, train_data: Any) -> None:
+        """Raise when the trainer's ``model`` is not what ``prepare`` returned, or ``train_data`` is not read the
+        way this strategy needs, and training would go wrong silently."""
+        return None
 
 
 class Strategy(ABC):
@@ -32,6 +82,8 @@ class Strategy(ABC):
     ``name`` is the strategy's command-line name (``str(strategy)`` gives it too). ``distributed`` says
     whether it coordinates several training processes; ``conveyor.init()`` refuses a non-distributed
     strategy in a job with more than one, where each worker would silently train its own model.
+    ``step`` is how one training step runs (:class:`Step`); ``prepare`` (or ``setup``) replaces the plain
+    default where the strategy runs steps its own way.
     """
 
     name: ClassVar[str] = ""
@@ -39,9 +91,11 @@ class Strategy(ABC):
 
     def __init__(self) -> None:
         self._job: Any = None
+        self.step: Step = Step()
 
     def setup(self, job: Any) -> None:
-        """Bind to ``job`` (rank, world size, device, timeout). Called once, after the process group exists."""
+        """Bind to ``job`` (rank, world size, device, timeout, ``environ``). Called once, after the process group
+        exists."""
         self._job = job
 
     @property
@@ -52,69 +106,37 @@ class Strategy(ABC):
         return self._job
 
     @abstractmethod
-    def prepare(self, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
-        """Place ``model`` on the job's device and wrap what the strategy needs; return (model, optimizer)."""
-
-    def shutdown(self) -> None:
-        """Release what :meth:`setup`/:meth:`prepare` acquired (the process group itself belongs to the job)."""
-        return None
-
-    def comm_seconds(self) -> float:
-        """Total wall time spent in gradient communication so far (seconds); see each strategy for details."""
-        return 0.0
-
-    def checkpoint_items(self, module: nn.Module, optimizer: Any) -> dict[str, Item]:
-        """What the model and optimizer add to a checkpoint, by item name (:mod:`conveyor.train.checkpoint.items`):
-        every rank saves and restores them in this order. Default: both stateful, written by the chief."""
-        return {"model": Model(module), "optimizer": Stateful(optimizer)}
-
-    def stats(self) -> dict[str, Any] | None:
-        """Communication figures for the run's summary beyond ``comm_seconds`` (None: nothing more to say)."""
-        return None
-
-    def summary_figures(self) -> dict[str, Any] | None:
-        """Entries for ``summary.json`` that need every rank's figures (collective: every rank calls it at
-        the end of a run; the chief's result is written). None: nothing to add."""
-        return None
-
-    def check_prepared(self, model: nn.Module) -> None:
-        """Raise when ``model`` is not what :meth:`prepare` returned and training it would go wrong silently."""
-        return None
+    def prepare(self, model: nn.Module, optimizer: Any, *, split: Sequence[str] | None = None
+                ) -> tuple[nn.Module, Any]:
+        """Place ``model`` on the job's device and wrap what the strategy needs; return (model, optimizer) and
+        leave ``self.step`` ready to train them. ``split``: where to cut the model into stages (strategies that
+        hold the whole model ignore it, so that one script runs under every strategy)."""
 
     def coordinator(self, job: Any) -> Coordinator:
         """How this strategy's workers keep together in a training loop (:mod:`conveyor.strategies.coordination`)."""
         return LockstepCoordinator(job)
-
-    def train_step(self, model: nn.Module, optimizer: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
-                   inputs: Any, targets: Any, mark: Callable[[str], None]) -> torch.Tensor:
-        """One training step on one batch; returns the (detached) batch-mean loss.
-
-        ``mark(phase)`` closes a phase of the step's time breakdown (``"forward_backward"``,
-        ``"optimizer"``). The default is plain PyTorch: zero the gradients, forward, loss, backward,
-        optimizer step. A strategy that runs a schedule over microbatches on several processes
-        replaces it.
-        """
-        optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model(inputs), targets)
-        loss.backward()
-        mark("forward_backward")
-        optimizer.step()
-        mark("optimizer")
-        return loss.detach()
 
     def data_shard(self) -> tuple[int, int]:
         """(number of shards, this process's shard) of the training data: ``(world_size, rank)`` for data
         parallelism; strategies whose processes share a batch (pipeline stages) say otherwise."""
         return int(self.job.world_size), int(self.job.rank)
 
-    def counted_samples(self, samples: int) -> int:
-        """How many of a step's ``samples`` this process counts in throughput figures (summed over ranks)."""
-        return samples
+    def checkpoint_items(self, module: nn.Module, optimizer: Any) -> dict[str, Item]:
+        """What the model and optimizer add to a checkpoint, by item name (:mod:`conveyor.train.checkpoint.items`):
+        every rank saves and restores them in this order. Default: both stateful, written by the chief."""
+        return {"model": Model(module), "optimizer": Stateful(optimizer)}
 
-    def eval_forward(self, module: nn.Module, inputs: Any) -> Any:
-        """The outputs of ``module`` for ``inputs`` in evaluation (no gradients); None: this process has
-        none, and leaves the batch's loss and metric to the process that has them."""
-        return module(inputs)
+    # -- the end of a run ------------------------------------------------------------------------
+
+    def report(self, summary: dict[str, Any]) -> dict[str, Any] | None:
+        """Entries this strategy adds to the run's ``summary.json`` (its communication figures, a pipeline's
+        stages), given the summary so far. Collective: every rank calls it at the end of a run and gets its
+        own summary updated; the chief's is written. None: nothing to add."""
+        return None
+
+    def shutdown(self) -> None:
+        """Release what :meth:`setup`/:meth:`prepare` acquired (the process group itself belongs to the job)."""
+        return None
 
     def __str__(self) -> str:
         return self.name

@@ -152,6 +152,7 @@ class IndependentCoordinator(Coordinator):
         self.board = board
         self.offset = 0  # steps all workers committed before this run (from the checkpoint)
         self.planned: int | None = None  # the total of all workers' steps the job stops at
+        self.done = False  # this worker stopped: the job's count ends on `planned` once the others commit
 
     def resumed(self, extra: Mapping[str, Any]) -> None:
         self.offset = int(extra.get("global_steps") or 0)
@@ -164,7 +165,12 @@ class IndependentCoordinator(Coordinator):
         if self.planned is None:
             self._plan(steps_per_epoch)
         done, _ = self.board.global_progress()
-        return self.planned is not None and self.offset + done >= self.planned
+        # ``done`` is the count this worker's own last commit was answered with, so the others may each be in
+        # a step it does not see: stopping at ``planned`` would let every worker take one more (221/220).
+        # Stopping once the count is within world - 1 of it lands on it exactly: each worker commits at most
+        # once after the count passes that mark, and each stops on a different count at or above it.
+        self.done = self.planned is not None and self.offset + done >= self.planned - (self.world - 1)
+        return self.done
 
     def _plan(self, steps_per_epoch: int | None) -> None:
         """The total to stop at, once this worker can tell it (announced to all), or as another announced it."""
@@ -203,8 +209,10 @@ class IndependentCoordinator(Coordinator):
         return [mine, *self.board.positions()[1:]]
 
     def checkpoint_extra(self) -> dict[str, Any]:
-        return {"global_steps": self.offset + self.board.global_progress()[0]}
+        return {"global_steps": self.shared_progress()[0]}  # the final save meets every worker: all committed
 
     def shared_progress(self) -> tuple[int, int | None] | None:
+        if self.done:  # what the job ends on (finished() says why), not this worker's last, older, answer
+            return self.planned, self.planned
         return self.offset + self.board.global_progress()[0], self.planned
 

@@ -31,6 +31,7 @@ from torch import nn
 
 from conveyor.cluster import Discovered, failure_report, validate
 from conveyor.cluster.argv import discover_with_flags
+from conveyor.cluster.output_lock import lock_for_script
 from conveyor.cluster.settings import JobSettings
 from conveyor.cluster.strategy_name import default_strategy, parse_strategy
 from conveyor.cluster.variables import OMP_DEFAULT_VAR, RESTART_COUNT_VAR, RESUME_VAR, TIMEOUT_VAR
@@ -92,6 +93,7 @@ def init(strategy: str | None = None, *, timeout: float | None = None, share_gpu
     settings = settings.replace(strategy=parsed, share_gpus=share_gpus_from(share_gpus, env))
     output_dir = Path(settings.output_dir or "output")
     output_dir.mkdir(parents=True, exist_ok=True)
+    output_lock = lock_for_script(found.rank, output_dir, env)  # one job per output folder (cluster/output_lock.py)
     device = task_device(found.local_rank, found.local_world_size, settings.share_gpus, env)
     _limit_threads(found.local_world_size, env)
 
@@ -99,6 +101,7 @@ def init(strategy: str | None = None, *, timeout: float | None = None, share_gpu
     backend = "nccl" if device.type == "cuda" and not settings.share_gpus else "gloo"
     owns_group = found.world_size > 1 and _join_group(found, backend, settings.timeout, env)
     job = Job(found, chosen, settings, device=device, backend=backend, owns_group=owns_group)
+    job._output_lock = output_lock
     try:
         chosen.setup(job)
     except BaseException:
@@ -115,7 +118,7 @@ class Job:
     :class:`~conveyor.cluster.settings.JobSettings`, the strategy resolved), ``device``, ``data_dir``,
     ``output_dir``, ``restart_count``, ``resume``, ``timeout`` (seconds), ``backend``, ``data_shard``, ``source`` (which
     launcher's variables described this process), ``secret`` (the job's message-signing key, or ``None``;
-    kept out of ``repr``).
+    kept out of ``repr``). Strategies take their settings from ``settings``, never from ``os.environ``.
     """
 
     def __init__(self, found: Discovered, strategy: Strategy, settings: JobSettings, *, device: torch.device,
@@ -140,6 +143,7 @@ class Job:
         self.timeout = settings.timeout
         self.secret = found.secret  # signs parameter-server messages (never printed: not in repr)
         self._owns_group = owns_group
+        self._output_lock = None  # rank 0's lock on output_dir when no launcher holds it; released by shutdown
         self._closed = False
         # nccl moves only CUDA tensors; gloo only CPU ones here. Byte collectives build their tensors there.
         self._comm_device = device if backend == "nccl" else torch.device("cpu")
@@ -154,9 +158,7 @@ class Job:
         data-parallel strategies, which hold the whole model), so one script runs under all of them.
         """
         self._check_open("prepare")
-        if split is not None and self.strategy.name == "pipeline":
-            return self.strategy.prepare(model, optimizer, split=split)
-        return self.strategy.prepare(model, optimizer)
+        return self.strategy.prepare(model, optimizer, split=split)
 
     @property
     def data_shard(self) -> tuple[int, int]:
@@ -172,7 +174,7 @@ class Job:
         schedule over microbatches); returns the detached batch-mean loss. For plain loops that should
         run under every strategy, pipeline included."""
         self._check_open("train_step")
-        return self.strategy.train_step(model, optimizer, loss_fn, inputs, targets, lambda phase: None)
+        return self.strategy.step.train(model, optimizer, loss_fn, inputs, targets, lambda phase: None)
 
     # -- collectives ------------------------------------------------------------------------------
 
@@ -274,6 +276,8 @@ class Job:
                     except Exception:  # noqa: BLE001 - a peer already gone: leave anyway
                         pass
                 dist.destroy_process_group()
+            if self._output_lock is not None:
+                self._output_lock.release()
 
     def __enter__(self) -> Job:
         return self

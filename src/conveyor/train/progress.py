@@ -61,7 +61,7 @@ class Progress:
         if record.get("event") == "eval":
             metrics = "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                                 for k, v in record.items() if k.startswith("eval_") and _num(v))
-            self._line(f"eval at step {record.get('step')}: {metrics}")
+            self._line(f"eval at step {record.get('global_step', record.get('step'))}: {metrics}")
             return
         loss, sps, wait = record.get("loss"), record.get("samples_per_second"), record.get("input_wait_fraction")
         step = record.get("global_step", record.get("step"))  # workers running apart: the job's step

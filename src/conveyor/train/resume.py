@@ -31,6 +31,8 @@ def resume(job: Any, checkpoints: CheckpointManager, items: Mapping[str, Item]) 
     ckpt = checkpoints.load(step)
     if job.is_chief:
         print(f"resumed from {describe(ckpt)}", file=sys.stderr, flush=True)
+    for name, item in items.items():  # first: another model is refused as such, not as a worker-count mismatch
+        item.check(name, ckpt)
     for name, item in items.items():
         try:
             item.restore(name, ckpt)

@@ -1,15 +1,14 @@
 """The ``scaling`` block of ``summary.json``: what ``conveyor predict`` needs from a run, measured in it.
 
     local = local_counts(module, prof)            # this rank's counts, summed over ranks by the summary
-    block = scaling_block(summed, job=job, samples=samples, breakdown=figures["step_breakdown"])
+    block = scaling_block(summed, job=job, samples=samples)
 
 Keys (None where the run could not measure it): ``batch_size`` (samples per step per data-parallel
 worker, or per pipeline replica), ``parameter_bytes`` and ``gradient_bytes`` (of the whole model),
 ``input_core_seconds_per_batch`` (the input pipeline's map workers' busy seconds per batch: its cost on
 one core), ``compute_threads`` (torch's intra-op threads), ``cpu_cores`` (cores this process may run
-on), ``device`` and ``device_name``, and for an ``allreduce`` run of several workers
-``allreduce_bus_bandwidth`` (bytes/s, 2(N-1)/N x gradient bytes / median communication seconds per
-step: a lower bound, since that time includes the gaps between buckets while backward computes).
+on), ``device`` and ``device_name``. A strategy adds its own through its ``report`` (an ``allreduce`` run of
+several workers: ``allreduce_bus_bandwidth``, :meth:`conveyor.strategies.AllReduceStrategy.report`).
 """
 
 from __future__ import annotations
@@ -34,8 +33,7 @@ def local_counts(module: torch.nn.Module | None, prof: Any) -> list[float]:
             0.0 if busy is None else 1.0]
 
 
-def scaling_block(summed: list[float], *, job: Any, samples: float, breakdown: dict[str, float],
-                  module_known: bool = True) -> dict[str, Any]:
+def scaling_block(summed: list[float], *, job: Any, samples: float, module_known: bool = True) -> dict[str, Any]:
     """The block (module docstring) from `local_counts` summed over every rank of `job`."""
     param_sum, grad_sum, steps_sum, busy, batches, reported = summed
     world = int(job.world_size)
@@ -50,9 +48,6 @@ def scaling_block(summed: list[float], *, job: Any, samples: float, breakdown: d
         "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         **_device(torch.device(job.device)),
     }
-    comm = float(breakdown.get("communication", 0.0))
-    if job.strategy.name == "allreduce" and world > 1 and comm > 0 and module_known:
-        block["allreduce_bus_bandwidth"] = 2 * (world - 1) / world * block["gradient_bytes"] / comm
     return block
 
 

@@ -51,23 +51,19 @@ def summarize(job: Any, prof: StepProfiler, *, wall: float, steps: int, epochs: 
         "input_wait_fraction": wait_fraction_sum / world,
         "accelerator_idle_fraction": idle_sum / world,
         "step_breakdown": figures["step_breakdown"],
-        "scaling": scaling_block(counts, job=job, samples=samples, breakdown=figures["step_breakdown"],
-                                 module_known=module is not None),
+        "scaling": scaling_block(counts, job=job, samples=samples, module_known=module is not None),
         "restarts": int(job.restart_count),
         "resumed_from_step": resumed_from,
         "steps_this_run": figures["steps"],
         "checkpoints": str(checkpoints),
         "outputs": outputs,
     }
-    gathered = job.strategy.summary_figures()  # collective: before the chief-only part
-    if gathered:
-        summary.update(gathered)
+    # Strategies with more to say (parameter servers: push / pull / wait-for-servers seconds, bytes and
+    # staleness per server; a pipeline's stages) add it. Collective: before the chief-only part.
+    added = job.strategy.report(summary)
+    if added:
+        summary.update(added)
     if job.is_chief:
-        # Strategies with more to say (parameter servers: push / pull / wait-for-servers seconds,
-        # bytes and staleness per server) add it to the summary.
-        details = job.strategy.stats()
-        if details:
-            summary["communication"] = details
         write_json_atomic(out / "summary.json", summary)
     return summary
 

@@ -20,6 +20,7 @@ plots and `summary.json`, the same way under every strategy. What it does when:
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import time
 import warnings
@@ -34,6 +35,7 @@ from conveyor.comm.process_group import collective_guard
 from conveyor.data.torch_adapter import to_torch
 from conveyor.train.checkpoint import CheckpointManager, CheckpointPolicy, Item, Stateful, StepWrite, commit
 from conveyor.train.evaluation import Evaluator, accuracy, batch_size, evaluate, split_batch
+from conveyor.train.nonfinite import NonfiniteGuard, check_policy, params_finite
 from conveyor.train.position import DataPosition, TrainerPosition
 from conveyor.train.profiler import StepProfiler, StepTimes
 from conveyor.train.reporting import Reporter
@@ -57,6 +59,8 @@ class TrainConfig:
     keep_checkpoints: how many checkpoints to keep (None: all).
     log_every_steps: one metrics record per N steps.
     progress: True (a bar on a terminal, plain lines otherwise), "always" (a bar), False.
+    nonfinite: what a NaN or infinite loss does: "stop" (the default; `NonfiniteError` naming the step and
+        the worker) or "skip" (that worker's batch is dropped); `conveyor.train.nonfinite`.
     """
 
     epochs: int | None = None
@@ -68,6 +72,7 @@ class TrainConfig:
     keep_checkpoints: int | None = 3
     log_every_steps: int = 10
     progress: bool | str = True
+    nonfinite: str = "stop"
 
     def __post_init__(self) -> None:
         for name in ("epochs", "max_steps", "steps_per_epoch", "eval_every_steps", "checkpoint_every_steps",
@@ -79,6 +84,7 @@ class TrainConfig:
             raise ValueError(f"checkpoint_every_seconds must be a positive number or None, got {s!r}")
         if self.progress not in (True, False, "always"):
             raise ValueError(f"progress must be True, False or 'always', got {self.progress!r}")
+        check_policy(self.nonfinite, shares_batches=False)
 
     @property
     def total_epochs(self) -> int | None:
@@ -134,13 +140,13 @@ class Trainer:
                 raise TypeError(f"{name} must be a conveyor.data Dataset (got {type(ds).__name__}); build it with "
                                 f"conveyor.data.Dataset.from_tensor_slices(...) or TFRecordDataset(...)")
         _check_epochs_end(train_data, self.config)
-        _check_data_shard(train_data, job)
+        job.strategy.step.check(model, train_data)
         self.job, self.model, self.optimizer, self.loss_fn = job, model, optimizer, loss_fn
         self.train_data, self.eval_data, self.metric_fn = train_data, eval_data, metric_fn
         self.callbacks = list(callbacks)
         self.scheduler = scheduler
         self.module = _unwrap(model)
-        job.strategy.check_prepared(model)
+        check_policy(self.config.nonfinite, job.strategy.step.shares_batches)
         self.checkpoints = CheckpointManager(Path(job.output_dir) / "checkpoints", keep=self.config.keep_checkpoints)
         self.step = 0
         self.epoch = 0
@@ -157,8 +163,9 @@ class Trainer:
             # A dead or silent peer surfaces as PeerError naming it, also from inside DDP's backward.
             with collective_guard(self.job, "the training loop"):
                 run.start()
-                run.train()
-                run.finish()
+                if not run.finished_before:
+                    run.train()
+                    run.finish()
         finally:
             run.close()
         return run.summary
@@ -173,7 +180,7 @@ class Trainer:
         if collective and shards > 1 and not data.is_sharded(shards):
             data = self._shard_eval_data(shards, index)
         return evaluate(self.module, data, self.loss_fn, self.metric_fn, device=self.job.device,
-                        job=self.job if collective else None, forward=self.job.strategy.eval_forward)
+                        job=self.job if collective else None, forward=self.job.strategy.step.eval_forward)
 
     def _shard_eval_data(self, world: int, index: int):
         """`eval_data` split by batch over the workers, so that every sample is counted once (as tf.distribute's
@@ -214,6 +221,9 @@ class _Run:
         if trainer.scheduler is not None:
             self.items["scheduler"] = Stateful(trainer.scheduler)
         self.checkpointer = _Checkpointer(self)
+        self.guard = NonfiniteGuard(self.cfg.nonfinite, self.job, trainer.module)
+        self.loss_fn = self.guard.wrap(trainer.loss_fn)
+        self.finished_before = False  # resumed from a run that did every step asked: fit() changes nothing
         self.reporter: Reporter | None = None
         self.resumed_from: int | None = None
         self.summary: dict[str, Any] = {}
@@ -225,10 +235,9 @@ class _Run:
         t.step = resumed.step if resumed else 0
         self.resumed_from = self.checkpointer.last_saved = resumed.step if resumed else None
         self.batches.start(resumed is not None, self.position)
-        if resumed is not None and self.job.is_chief and self._already_done():
-            print(f"this job already finished: it trained {t.step} steps over {t.epoch} epoch(s), so there is "
-                  f"nothing left to do. To train again from scratch, run it with --no-resume (CONVEYOR_RESUME=0) or "
-                  f"another --output-dir; to train longer, raise epochs / max_steps.", file=sys.stderr, flush=True)
+        if resumed is not None and self._already_done():
+            self._finished_before()
+            return
         self.reporter = Reporter.open(self.job, self.out, progress=self.cfg.progress, total=self._known_total(),
                                       initial=t.step, resumed_from=self.resumed_from)
         self.prof.start()
@@ -247,13 +256,15 @@ class _Run:
                 break
             self.prof.mark("input_wait")
             inputs, targets = split_batch(batch)
-            comm_before = self.strategy.comm_seconds()
-            loss = self.strategy.train_step(t.model, t.optimizer, t.loss_fn, inputs, targets, self.prof.mark)
+            step = self.strategy.step
+            comm_before = step.comm_seconds()
+            loss = step.train(t.model, t.optimizer, self.loss_fn, inputs, targets, self.prof.mark)
             t.step += 1
+            self.guard.after_step(t.step, loss)
             if t.scheduler is not None:
                 t.scheduler.step()
-            samples = self.strategy.counted_samples(batch_size(targets))
-            times = self.prof.end_step(t.step, samples, self.strategy.comm_seconds() - comm_before)
+            samples = step.counted_samples(batch_size(targets))
+            times = self.prof.end_step(t.step, samples, step.comm_seconds() - comm_before)
             self.reporter.add(loss, samples, times.input_wait)
             if t.step % self.cfg.log_every_steps == 0:
                 self._log()
@@ -272,6 +283,18 @@ class _Run:
                                  epochs=self.t.epoch, eval_result=self.evaluator.result,
                                  resumed_from=self.resumed_from, checkpoints=self.t.checkpoints.root,
                                  module=self.t.module)
+
+    def _finished_before(self) -> None:
+        """The run resumed from did every step asked (every rank sees it alike): nothing is trained, and no
+        output (summary, traces, metrics, plots) is rewritten; `fit()` returns the summary.json written then."""
+        t = self.t
+        self.finished_before = True
+        self.summary = {"steps": t.step, "epochs": t.epoch, **read_previous_summary(self.out), "steps_this_run": 0}
+        if self.job.is_chief:
+            print(f"this job already finished: it trained {t.step} steps over {t.epoch} epoch(s), so there is "
+                  f"nothing left to do and its outputs in {self.out} are left as they are. To train again from "
+                  f"scratch, run it with --no-resume (CONVEYOR_RESUME=0) or another --output-dir; to train longer, "
+                  f"raise epochs / max_steps.", file=sys.stderr, flush=True)
 
     def _run_info(self) -> dict[str, Any]:
         """What the checkpoint records of this run besides the workers' positions."""
@@ -304,8 +327,11 @@ class _Run:
     def _evaluate(self, collective: bool) -> dict[str, float]:
         with self.prof.span("eval", step=self.t.step):
             result = self.t.evaluate(collective=collective)
-        self.reporter.emit({"event": "eval", "step": self.t.step, "epoch": self.t.epoch, **result,
-                            "time": time.time()})
+        record = {"event": "eval", "step": self.t.step, "epoch": self.t.epoch, **result, "time": time.time()}
+        shared = self.coord.shared_progress()
+        if shared is not None:  # workers running apart: the job's step too, the one the progress shows
+            record["global_step"] = shared[0]
+        self.reporter.emit(record)
         return result
 
 
@@ -391,7 +417,9 @@ class _Batches:
         return limit is not None and self.t.epoch >= limit
 
     def _iterator(self, epoch: int):
-        return to_torch(self.t.train_data.iterator(self.root_seed, iteration=epoch), device=self.run.device)
+        device = torch.device(self.run.device)  # pinned host batches: the copy to a GPU overlaps the step
+        return to_torch(self.t.train_data.iterator(self.root_seed, iteration=epoch), device=device,
+                        pin_memory=device.type == "cuda")
 
     def _warn_dropped(self) -> None:
         self.dropped_epochs += 1
@@ -429,6 +457,8 @@ class _Checkpointer:
                 out = StepWrite(step, is_chief=bool(self.job.is_chief), root=self.t.checkpoints.root, final=final)
                 for name, item in self.run.items.items():
                     item.save(name, out)
+                if out.is_chief:  # rotation never deletes the newest finite step (conveyor.train.nonfinite)
+                    out.extra["finite"] = params_finite(self.t.module)
                 commit(self.t.checkpoints, out, timeout=float(self.job.timeout))
         self.last_saved = step
 
@@ -448,16 +478,13 @@ def _check_epochs_end(train_data: Any, cfg: TrainConfig) -> None:
                          f"max_steps=N, or drop the .repeat() (the Trainer runs the epochs itself)")
 
 
-def _check_data_shard(train_data: Any, job: Any) -> None:
-    """Under a strategy whose processes share batches (pipeline stages), a shard per rank would feed each stage
-    of a replica different samples: refuse it with the fix."""
-    world = int(job.world_size)
-    shards, _ = job.data_shard
-    if shards != world and world > 1 and train_data.is_sharded(world):
-        raise ValueError(f"train_data is sharded by the {world} processes (shard(job.world_size, job.rank)), but under "
-                         f"strategy {job.strategy.name!r} the data has {shards} shard(s): every stage of a replica "
-                         f"must read the same batches. Shard with ds.shard(*job.data_shard), which is right under "
-                         f"every strategy")
+def read_previous_summary(out: Path) -> dict[str, Any]:
+    """`<out>/summary.json` as the finished run wrote it ({} when it is missing or unreadable)."""
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return summary if isinstance(summary, dict) else {}
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:

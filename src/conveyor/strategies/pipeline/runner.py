@@ -15,7 +15,7 @@ torch's schedules and stage communication do the work (``torch.distributed.pipel
   split's stage, ``traced.TracedRunner``, takes the shapes from its trace.)
 - **A stage per batch size.** A static stage's receive buffers have the microbatch's shape; a batch
   of another size (the last of an epoch, an evaluation batch) gets its own stage and schedule,
-  built once and kept.
+  built once and kept. ``microbatches=None`` fits the count to the first training batch.
 - **Timing.** The stage's compute (each microbatch's forward, loss and backward) is summed over a
   window that every stage of the pipeline shares: from the latest stage's schedule start to the
   latest one's end, found by an exchange after the optimizer step that carries the loss too. The
@@ -38,7 +38,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining.schedules import _ScheduleForwardOnly
 
-from conveyor.strategies.pipeline.split import SplitError, SplitPlan, check_microbatches
+from conveyor.strategies.pipeline.split import SplitError, SplitPlan, check_microbatches, default_microbatches
 
 __all__ = ["SCHEDULES", "StageRunner", "schedule_class"]
 
@@ -106,10 +106,10 @@ class StageRunner:
     """Stage ``index`` of ``plan`` in this process (module docstring); ``group`` is this replica's pipeline."""
 
     def __init__(self, module: nn.Module, meta_model: nn.Module, plan: SplitPlan, index: int, group: Any,
-                 device: torch.device, *, microbatches: int, schedule: str) -> None:
+                 device: torch.device, *, microbatches: int | None, schedule: str) -> None:
         self.module, self.plan, self.index, self.group, self.device = module, plan, index, group, device
         self.num_stages = plan.num_stages
-        self.microbatches = int(microbatches)
+        self.microbatches = int(microbatches) if microbatches is not None else None  # None: fitted by _fit
         self.schedule_cls = schedule_class(schedule)
         self._meta_model = meta_model
         self._built: dict[tuple, Any] = {}
@@ -174,7 +174,7 @@ class StageRunner:
 
     def table(self, inputs: torch.Tensor) -> str:
         """The split's start-up table with each stage's activation bytes for one microbatch of ``inputs``."""
-        x = inputs[: max(1, len(inputs) // self.microbatches)].to("meta")
+        x = inputs[: max(1, len(inputs) // self._fit(len(inputs)))].to("meta")
         sizes = []
         for stage in self._meta_stages:
             size = 0
@@ -194,12 +194,19 @@ class StageRunner:
         """What a stage and schedule are built once for: a static stage's buffers hold one batch size."""
         return (n, training)
 
+    def _fit(self, batch: int) -> int:
+        """The microbatches of every training step: as given, else fitted to the first training ``batch``."""
+        if self.microbatches is None:
+            self.microbatches = default_microbatches(self.num_stages, batch)
+        return self.microbatches
+
     def _build(self, inputs: torch.Tensor, training: bool) -> Any:
         if training:
-            chunks = self.microbatches
+            chunks = self._fit(len(inputs))
             check_microbatches(len(inputs), chunks)
         else:  # forward only: any equal cut works, so the largest count up to M that divides the batch
-            chunks = next(m for m in range(min(self.microbatches, len(inputs)), 0, -1) if len(inputs) % m == 0)
+            limit = self.microbatches or default_microbatches(self.num_stages)
+            chunks = next(m for m in range(min(limit, len(inputs)), 0, -1) if len(inputs) % m == 0)
         stage = self._stage(inputs[: len(inputs) // chunks].to("meta"), training)
         if not training:
             return _ScheduleForwardOnly(stage, chunks)

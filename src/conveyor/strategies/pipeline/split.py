@@ -27,8 +27,8 @@ from torch import nn
 
 from conveyor.fileio import format_bytes
 
-__all__ = ["SplitError", "SplitPlan", "StageModule", "TracedPlan", "check_microbatches", "describe_stages", "meta_copy",
-           "plan_from_signature", "plan_split"]
+__all__ = ["SplitError", "SplitPlan", "StageModule", "TracedPlan", "check_microbatches", "default_microbatches",
+           "describe_stages", "meta_copy", "plan_from_signature", "plan_split"]
 
 
 class SplitError(ValueError):
@@ -256,6 +256,16 @@ def _opened_layers(model: nn.Sequential, points: list[str]) -> list[str]:
         return out
 
     return walk(model, "")
+
+
+def default_microbatches(stages: int, batch: int | None = None) -> int:
+    """The microbatches of a step when ``--microbatches`` is not given: 2 per stage (GPipe's bubble
+    (S-1)/(M+S-1) is then under a third), or, for a ``batch`` that 2 S does not divide, the largest count
+    below it that does, so that the batch cuts into equal microbatches (32 samples on 3 stages: 4)."""
+    target = 2 * stages
+    if batch is None or batch < 1:
+        return target
+    return next(m for m in range(min(target, batch), 0, -1) if batch % m == 0)
 
 
 def check_microbatches(batch: int, microbatches: int) -> int:

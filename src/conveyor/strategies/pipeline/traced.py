@@ -212,7 +212,7 @@ class TracedRunner(StageRunner):
     ``adopted()`` is called once, when the first batch has decided which tensors are this stage's."""
 
     def __init__(self, module: TracedStage, split: TracedSplit, index: int, group: Any, device: torch.device, *,
-                 microbatches: int, schedule: str, adopted: Callable[[], None]) -> None:
+                 microbatches: int | None, schedule: str, adopted: Callable[[], None]) -> None:
         super().__init__(module, None, split.plan, index, group, device, microbatches=microbatches,
                          schedule=schedule)
         self.split, self._adopted = split, adopted

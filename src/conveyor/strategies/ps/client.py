@@ -7,7 +7,8 @@
 
 :class:`PSConnections` (the base) holds one transport client per ps task and asks the servers
 everything outside a step (checkpoint shards, state, statistics, data positions); :class:`PSClient`
-adds the step protocol of :mod:`.protocol`.
+adds the step protocol of :mod:`.protocol`, keeping what lasts the run; what one step does is a
+:class:`~.steps.StepState`, made when the step before is committed.
 
 Promises: pulled values are copied into the model's parameters in place, so the model object stays
 valid; a server that answers ``wait`` is asked again until the timeout; from construction to
@@ -34,6 +35,7 @@ from conveyor.strategies.ps import protocol as wire
 from conveyor.strategies.ps.buckets import DEFAULT_BUCKET_BYTES, GradientBuckets
 from conveyor.strategies.ps.optim import OptimizerSpec, group_hyperparameters
 from conveyor.strategies.ps.sharding import DEFAULT_CHUNK_BYTES, Placement, place
+from conveyor.strategies.ps.steps import PullInFlight, StepState
 
 __all__ = ["PSClient", "PSConnections"]
 
@@ -170,8 +172,6 @@ class PSClient(PSConnections):
         super().__init__(addresses, secret, rank=rank, num_workers=num_workers, sender=sender, timeout=timeout)
         self.chunk_bytes = chunk_bytes
         self.placement: Placement | None = None
-        self.step = 0
-        self.read = [0] * self.num_servers  # the version each server reported at the last pull
         self.seconds: Counter[str] = Counter()  # push, pull, wait
         self.bytes_out = [0] * self.num_servers
         self.bytes_in = [0] * self.num_servers
@@ -180,16 +180,19 @@ class PSClient(PSConnections):
         self.global_steps = 0
         self.plan: int | None = None
         self.announce: int | None = None  # a plan to send with the next commit
-        self._pending: list[tuple[int, int]] = []  # (server, request id) of pushes in flight
-        self._pushed: set[str] = set()  # parameters pushed (or waiting in the bucket) this step
-        self._buckets = GradientBuckets(self.num_servers, bucket_bytes)
-        self._keep: list[torch.Tensor] = []  # gradient copies in flight (must not change until replied)
         self._params: dict[str, nn.Parameter] = {}
         self._trained: set[str] = set()
         self._optimizer: torch.optim.Optimizer | None = None
         self._hyper: list[dict[str, Any]] | None = None
         self._handles: list[Any] = []
-        self._pulls: list[tuple[int, int]] | None = None  # (server, request id) of the pull in flight
+        #: the step being trained (made when the one before was committed) and the pull that feeds it
+        self._step = StepState(0, [0] * self.num_servers, GradientBuckets(self.num_servers, bucket_bytes))
+        self._pull: PullInFlight | None = None
+
+    @property
+    def step(self) -> int:
+        """The step this worker trains now: the number of steps it committed."""
+        return self._step.number
 
     # -- set-up -----------------------------------------------------------------------------------
 
@@ -246,24 +249,19 @@ class PSClient(PSConnections):
         """
         start = time.perf_counter()
         assert self.placement is not None
-        for piece, values in self.placement.split(name, grad.detach()):
-            # a copy: the grad may be changed in place (accumulation) before the push's reply
-            self._buckets.add(piece.server, piece.key, values.clone())
-        self._pushed.add(name)
-        if self._buckets.full:
+        self._step.add(name, self.placement.split(name, grad.detach()))
+        if self._step.buckets.full:
             self._flush()
         self.seconds["push"] += time.perf_counter() - start
 
     def _flush(self) -> None:
-        """One push per server of what waits in the bucket."""
-        for server, keys, tensors in self._buckets.take():
-            request = wire.Push(self.rank, self.step, self.read[server], keys, tensors)
-            self._pending.append((server, self._send(server, request)))
-            self._keep.extend(tensors)
-            self.bytes_out[server] += sum(t.numel() * t.element_size() for t in tensors)
+        """One push per server of what waits in the step's bucket."""
+        for server, request in self._step.take_pushes(self.rank):
+            self._step.in_flight.append((server, self._send(server, request)))
+            self.bytes_out[server] += sum(t.numel() * t.element_size() for t in request.grads)
 
     def finish_step(self, prefetch: bool = False) -> None:
-        """wire.Push what the hooks did not, commit the step on every server, then pull for the next step.
+        """Push what the hooks did not, commit the step on every server, then pull for the next step.
 
         ``prefetch``: only send the pull; :meth:`finish_pull` (called by the model's forward pre-hook and
         state_dict pre-hook, see the strategy) receives it, so the round trip overlaps what the worker
@@ -271,28 +269,26 @@ class PSClient(PSConnections):
         """
         self.finish_pull()
         start = time.perf_counter()
+        step = self._step
         for name, param in self._params.items():  # model order: the same pushes on every run
-            if name in self._trained and name not in self._pushed and param.grad is not None:
+            if name in self._trained and name not in step.pushed and param.grad is not None:
                 self.push(name, param.grad)
         self._flush()
         hyper = group_hyperparameters(self._optimizer) if self._optimizer is not None else None
         changed = hyper if hyper != self._hyper else None
         self._hyper = hyper
-        commits = [self._send(s, wire.Commit(self.rank, self.step, self.read[s], changed, self.announce))
+        commits = [self._send(s, wire.Commit(self.rank, step.number, step.read[s], changed, self.announce))
                    for s in range(self.num_servers)]
-        self.step += 1
+        self._step = step.next()
         # Right behind the commit, not after its reply: a server handles a connection's requests in order,
         # so the pull sees the commit, and the step costs one round trip to the servers instead of two.
         self.start_pull()
-        for server, rid in self._pending:
+        for server, rid in step.in_flight:
             self._receive(server, rid, wire.OkReply, what="push")
-        self._pending.clear()
         for server, rid in enumerate(commits):
             reply = self._receive(server, rid, wire.CommitReply, what="commit")
             if server == 0:
                 self.global_steps, self.plan = reply.total, reply.plan
-        self._keep.clear()
-        self._pushed.clear()
         self.seconds["push"] += time.perf_counter() - start
         if not prefetch:
             self.finish_pull()
@@ -306,21 +302,23 @@ class PSClient(PSConnections):
 
     def start_pull(self) -> None:
         """Send the pull for step ``self.step`` to every server; :meth:`finish_pull` collects it."""
-        if self._pulls is None:
-            self._pulls = [(s, self._send(s, self._pull_request())) for s in range(self.num_servers)]
+        if self._pull is None:
+            step = self.step
+            self._pull = PullInFlight(step, [(s, self._send(s, self._pull_request(step)))
+                                             for s in range(self.num_servers)])
 
     @torch.no_grad()
     def finish_pull(self) -> None:
         """Wait for the pull in flight (asking again while a server answers ``wait``) and copy it in."""
-        if self._pulls is None:
+        if self._pull is None:
             return
         assert self.placement is not None
-        ids, self._pulls = self._pulls, None
-        replies = self._collect_pull(ids)
+        pull, self._pull = self._pull, None
+        replies = self._collect_pull(pull)
         start = time.perf_counter()
         parts: dict[str, list[tuple[str, torch.Tensor]]] = {}
         for s, reply in replies.items():
-            self.read[s] = reply.version
+            self._step.read[s] = reply.version
             for key, value in zip(reply.keys, reply.values, strict=True):
                 parts.setdefault(self.placement.piece(key).param, []).append((key, value))
                 self.bytes_in[s] += value.numel() * value.element_size()
@@ -328,11 +326,11 @@ class PSClient(PSConnections):
             param.copy_(self.placement.join(name, parts[name]).view_as(param))
         self.seconds["pull"] += time.perf_counter() - start
 
-    def _pull_request(self) -> wire.Pull:
-        """A pull the server may hold until it can answer (well within this client's timeout)."""
-        return wire.Pull(self.rank, self.step, hold=max(1, int(min(_HOLD, self.timeout / 4) * 1000)))
+    def _pull_request(self, step: int) -> wire.Pull:
+        """A pull for ``step`` the server may hold until it can answer (well within this client's timeout)."""
+        return wire.Pull(self.rank, step, hold=max(1, int(min(_HOLD, self.timeout / 4) * 1000)))
 
-    def _collect_pull(self, ids: list[tuple[int, int]]) -> dict[int, wire.ParamsReply]:
+    def _collect_pull(self, pull: PullInFlight) -> dict[int, wire.ParamsReply]:
         """The pull's replies by server, asking again (after 0.2 ms, doubling up to 5 ms) while a server says wait.
 
         Servers hold a pull they cannot answer yet for up to a second (``Pull.hold``) and answer it the
@@ -340,6 +338,7 @@ class PSClient(PSConnections):
         initialised); the time a reply says it was held counts as waiting for servers.
         """
         replies: dict[int, wire.ParamsReply] = {}
+        ids = pull.ids
         sleep = _SLEEP_MIN
         deadline = time.monotonic() + self.timeout
         while ids:
@@ -359,11 +358,11 @@ class PSClient(PSConnections):
                 break
             if time.monotonic() > deadline:
                 raise ServerUnavailable(f"ps task(s) {again} kept answering 'wait' to the pull for step "
-                                        f"{self.step} for {self.timeout:g} s: another worker is stuck or gone",
+                                        f"{pull.step} for {self.timeout:g} s: another worker is stuck or gone",
                                         name=f"ps:{again[0]}", address=self._links[again[0]].address)
             time.sleep(sleep)
             sleep = min(sleep * 2, _SLEEP_MAX)
-            ids = [(s, self._send(s, self._pull_request())) for s in again]
+            ids = [(s, self._send(s, self._pull_request(pull.step))) for s in again]
             self.seconds["wait"] += time.perf_counter() - start
         return replies
 

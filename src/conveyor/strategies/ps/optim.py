@@ -209,6 +209,14 @@ class ServerOptimizer:
         """The torch optimizer underneath (read it; changing it directly bypasses the checks here)."""
         return self._opt
 
+    def unshare(self, keys: Iterable[str] | None = None) -> None:
+        """Give the pieces ``keys`` (None: all) new memory holding their values, leaving the old to whoever
+        still reads it (a reply on its way out): copy on write. The optimizer's state stays attached."""
+        for key in self.params if keys is None else keys:
+            param = self.params.get(key)
+            if param is not None:
+                param.data = param.data.clone()
+
     # -- stepping ---------------------------------------------------------------------------------
 
     @torch.no_grad()

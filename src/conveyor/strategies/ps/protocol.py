@@ -19,6 +19,7 @@ where the reader knows it; steps, versions and ranks are whole numbers >= 0.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -241,8 +242,19 @@ class Commit(_Message):
     @classmethod
     def _read(cls, f: _Fields, tensors: list[Any]) -> Commit:
         step = f.whole("step")
-        return cls(f.rank(), step, _read_version(f, step), f.items("hyper", dict, "maps", optional=True),
-                   f.whole("plan", optional=True))
+        hyper = f.items("hyper", dict, "maps", optional=True)
+        _check_finite_hyper(f, hyper)
+        return cls(f.rank(), step, _read_version(f, step), hyper, f.whole("plan", optional=True))
+
+
+def _check_finite_hyper(f: _Fields, hyper: list[dict[str, Any]] | None) -> None:
+    """A NaN or infinite hyperparameter (``lr = NaN``) would turn every parameter it touches into NaN: refused."""
+    for i, group in enumerate(hyper or ()):
+        for key, value in group.items():
+            numbers = value if isinstance(value, (list, tuple)) else [value]
+            if any(isinstance(v, float) and not math.isfinite(v) for v in numbers):
+                raise f.fail("hyper", f"group {i}: {str(key)[:80]} = {value!r}; expected a finite number (a "
+                                      f"non-finite hyperparameter would make every parameter NaN)")
 
 
 def _read_version(f: _Fields, step: int) -> int:

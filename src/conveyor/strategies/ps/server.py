@@ -10,8 +10,8 @@ bound to the task's TF_CONFIG address; each handler ``_on_<kind>`` takes one typ
 Promises: only authenticated, well-formed requests addressed to this task reach the handlers, so
 garbage on the port cannot change the parameters; an unauthenticated peer holds at most
 :func:`max_frame_bytes` per connection, for at most ``handshake_timeout`` seconds; the update rules
-(``sync``, ``async``, ``ssp:K``) are applied as docs/ps.md, "The parameter-server protocol",
-describes, with staleness recorded per push and commit; and :meth:`ParameterServer.serve` raises
+(``sync``, ``async``, ``ssp:K``) are :mod:`.rules`' (the handlers only delegate to one), applied as
+docs/ps.md, "The parameter-server protocol", describes; and :meth:`ParameterServer.serve` raises
 :class:`IdleTimeout` after the job's timeout without hearing from a worker (twice that before the
 first), so a ps task cannot outlive its job.
 """
@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -35,8 +35,9 @@ from conveyor.comm.framing import MAX_HEADER_BYTES, MAX_TRAILER_BYTES, Message
 from conveyor.comm.transport import Deferred, Server
 from conveyor.errors import ConveyorError
 from conveyor.strategies.ps import protocol as wire
-from conveyor.strategies.ps.optim import OptimizerSpec, ServerOptimizer, mean_of_gradients
+from conveyor.strategies.ps.optim import OptimizerSpec, ServerOptimizer
 from conveyor.strategies.ps.packing import PACK_BYTES
+from conveyor.strategies.ps.rules import UpdateRule, make_rule
 from conveyor.strategies.ps.sharding import DEFAULT_CHUNK_BYTES
 
 __all__ = ["MODES", "IdleTimeout", "ParameterServer", "ShardStore", "max_frame_bytes"]
@@ -145,25 +146,36 @@ class ParameterServer:
         self.name = f"ps:{index}"
         self.num_workers = num_workers
         self.mode = mode
-        self.staleness_bound = staleness
+        self.rule: UpdateRule = make_rule(mode, num_workers, staleness)  # every decision of the update rule
         self.fingerprint: str | None = None
         self.keys: list[str] = []
         self.opt: ServerOptimizer | None = None
-        self.clock = [0] * num_workers  # steps committed, per worker
-        self.version = 0  # sync: steps applied; async/ssp: min(clock)
-        self.staleness: Counter[int] = Counter()
         self.counters: Counter[str] = Counter()
-        self.done: set[int] = set()
-        self.plan: int | None = None  # the global step count the workers stop at, once one announced it
         self.positions: dict[int, bytes] = {}  # each worker's newest data position (workers running apart)
         self.shard_files = ShardFiles(index, shards)
-        self._grads: dict[int, dict[str, dict[int, torch.Tensor]]] = {}  # sync: step -> key -> rank -> grad
-        self._commits: dict[int, set[int]] = {}
         self._held: list[tuple[wire.Pull, Deferred, float]] = []  # pulls kept until ready, since when
+        #: a pull from a peer with more reply bytes than this still unsent is answered 'wait' (set at init:
+        #: one reply of this server's pieces; a worker reads each reply before it pulls again)
+        self.max_unsent_bytes = 0
         self._finished = threading.Event()
         self.server = Server(address, secret, self.handle, name=self.name, max_skew=max_skew,
                              max_frame_bytes=max_frame_bytes(chunk_bytes), handshake_timeout=handshake_timeout,
                              tick=self._answer_held)
+
+    @property
+    def clock(self) -> list[int]:
+        """Steps committed, per worker."""
+        return self.rule.clocks.clock
+
+    @property
+    def version(self) -> int:
+        """What a pull reads now: sync, steps applied; async and ssp, the slowest worker's clock."""
+        return self.rule.version
+
+    @property
+    def staleness(self) -> Counter[int]:
+        """(step - read) -> count: per push under async and ssp, per commit under sync."""
+        return self.rule.staleness
 
     # -- lifetime ---------------------------------------------------------------------------------
 
@@ -241,68 +253,45 @@ class ParameterServer:
         spec = OptimizerSpec.from_json(init.spec)
         self.opt = ServerOptimizer(spec, {k: _own(v) for k, v in zip(init.keys, init.values, strict=True)})
         self.keys, self.fingerprint = list(init.keys), init.fingerprint
-        log.info("%s: serving %d pieces (%s, mode %s%s) for %d workers", self.name, len(self.keys), spec.name,
-                 self.mode, f":{self.staleness_bound}" if self.mode == "ssp" else "", self.num_workers)
+        self.max_unsent_bytes = sum(p.numel() * p.element_size() for p in self.opt.params.values())
+        # the task said "serving" when it started (ps/task.py); this is worker 0's parameters arriving
+        log.info("%s: holds %d pieces from worker 0 (server-side optimizer %s)", self.name, len(self.keys),
+                 spec.name)
         return wire.InitReply(self.version)
 
     def _on_push(self, push: wire.Push) -> wire.OkReply:
         grads = {k: _own(g) for k, g in zip(push.keys, push.grads, strict=True)}
         self.counters["pushes"] += 1
-        if self.mode == "sync":
-            if push.step < self.version:
-                raise ValueError(f"push for step {push.step}, which was already applied (version {self.version})")
-            slot = self._grads.setdefault(push.step, {})
-            for key, grad in grads.items():
-                slot.setdefault(key, {})[push.rank] = grad  # a second push of a piece (accumulation) replaces it
-        else:
-            self._record(push.step - push.read)
-            self.opt.apply(grads)
-            self.counters["updates"] += 1
+        self._apply(self.rule.push(push.rank, push.step, push.read, grads))
         return wire.OkReply()
 
     def _on_commit(self, commit: wire.Commit) -> wire.CommitReply:
         if commit.hyper is not None:
             self.opt.update_hyperparameters(commit.hyper)
+        clocks = self.rule.clocks
         if commit.plan is not None:
-            self.plan = max(self.plan or 0, commit.plan)
-        rank, step = commit.rank, commit.step
-        self.clock[rank] = max(self.clock[rank], step + 1)
-        if self.mode != "sync":
-            self.version = min(self.clock)
-        else:
-            self._record(step - commit.read)
-            commits = self._commits.setdefault(step, set())
-            commits.add(rank)
-            if len(commits) == self.num_workers and step == self.version:
-                self._apply_step(step)
-        return wire.CommitReply(self.version, sum(self.clock), self.plan)
+            clocks.announce(commit.rank, commit.plan)
+        self._apply(self.rule.commit(commit.rank, commit.step, commit.read, self.keys))
+        return wire.CommitReply(self.version, clocks.total, clocks.plan)
 
-    def _apply_step(self, step: int) -> None:
-        slot = self._grads.pop(step, {})
-        self._commits.pop(step, None)
-        averaged = {}
-        for key in self.keys:  # a fixed order, whatever the arrival order
-            by_rank = slot.get(key)
-            if not by_rank:
-                continue
-            like = next(iter(by_rank.values()))
-            averaged[key] = mean_of_gradients([by_rank.get(r, torch.zeros_like(like)) for r in range(self.num_workers)])
-        self.opt.apply(averaged)
-        self.version = step + 1
-        self.counters["updates"] += 1
+    def _apply(self, grads: Mapping[str, torch.Tensor] | None) -> None:
+        """One optimizer update with what the rule let through (None: it held everything back)."""
+        if grads is not None:
+            self._writable(grads)
+            self.opt.apply(grads)
+            self.counters["updates"] += 1
 
-    def _record(self, staleness: int) -> None:
-        self.staleness[max(0, staleness)] += 1
-
-    def _ready(self, step: int) -> bool:
-        if self.mode == "sync":
-            return self.version >= step
-        if self.mode == "ssp":
-            return step - min(self.clock) <= self.staleness_bound
-        return True
+    def _writable(self, keys: Iterable[str] | None = None) -> None:
+        """Before the pieces ``keys`` (None: all) change: those a pull reply still lends to ZeroMQ (a worker
+        reading slowly, or stopped) get new memory, so the server never waits for a peer to read."""
+        if self.server.lending:
+            self.opt.unshare(keys)
+            self.counters["copies_on_write"] += 1
 
     def _on_pull(self, pull: wire.Pull) -> wire.ParamsReply | wire.WaitReply | Deferred:
-        if self._ready(pull.step):
+        if self.server.unsent_bytes() > self.max_unsent_bytes:
+            return self._backlogged()
+        if self.rule.ready(pull.step):
             return self._params()
         if pull.hold:
             # Kept until a commit makes it ready (answered at once then) or its hold runs out (then 'wait'):
@@ -313,10 +302,15 @@ class ParameterServer:
         self.counters["pull_waits"] += 1
         return wire.WaitReply(self.version)
 
+    def _backlogged(self) -> wire.WaitReply:
+        """The answer to a pull from a peer that has not read earlier replies: 'wait' (it asks again when it
+        reads), so a peer that stopped reading pins at most about two replies of this server's pieces."""
+        self.counters["pull_backlogged"] += 1
+        return wire.WaitReply(self.version)
+
     def _params(self, held: float = 0.0) -> wire.ParamsReply:
         self.counters["pulls"] += 1
-        read = self.version if self.mode == "sync" else min(self.clock)
-        return wire.ParamsReply(read, list(self.keys), [self.opt.params[k] for k in self.keys],
+        return wire.ParamsReply(self.version, list(self.keys), [self.opt.params[k] for k in self.keys],
                                 held=int(held * 1e6))
 
     def _answer_held(self) -> None:
@@ -325,7 +319,9 @@ class ParameterServer:
             return
         now, still = time.monotonic(), []
         for pull, deferred, since in self._held:
-            if self._ready(pull.step):
+            if self.server.unsent_bytes(deferred) > self.max_unsent_bytes:
+                self.server.reply(deferred, self._encoded(self._backlogged()))
+            elif self.rule.ready(pull.step):
                 self.server.reply(deferred, self._encoded(self._params(held=now - since)))
             elif now - since >= min(pull.hold, MAX_HOLD_MS) / 1000:
                 self.counters["pull_waits"] += 1
@@ -346,6 +342,7 @@ class ParameterServer:
         return wire.StateReply(meta, tensors)
 
     def _on_load_state(self, load: wire.LoadState) -> wire.OkReply:
+        self._writable()
         self.opt.load_state_dict({n: t.clone() for n, t in load.named.items()}, load.meta)
         return wire.OkReply()
 
@@ -358,6 +355,7 @@ class ParameterServer:
 
     def _on_restore(self, restore: wire.Restore) -> wire.OkReply:
         tensors, meta = self.shard_files.restore(restore.root, restore.step, self.fingerprint)
+        self._writable()
         self.opt.load_state_dict(tensors, meta)
         log.info("%s: restored its shard from checkpoint step %d", self.name, restore.step)
         return wire.OkReply()
@@ -373,9 +371,11 @@ class ParameterServer:
         return wire.PositionsReply(dict(self.positions))
 
     def _on_done(self, done: wire.Done) -> wire.OkReply:
-        self.done.add(done.rank)
-        if len(self.done) == self.num_workers:
-            log.info("%s: every worker is done; stopping", self.name)
+        finished = self.rule.clocks.done
+        finished.add(done.rank)
+        self._answer_held()  # a worker that is done bounds no ssp pull any more
+        if len(finished) == self.num_workers:
+            log.debug("%s: every worker is done; stopping", self.name)  # the task says it as it exits
             self._finished.set()
             self.server.stop()
         return wire.OkReply()

@@ -8,7 +8,7 @@
 
 The servers own the parameters and the optimizer; ``prepare`` returns the model unwrapped and a thin
 :class:`PSOptimizer` (``step()``: finish the pushes, commit, pull; ``param_groups`` shared with the real
-optimizer, whose ``zero_grad()`` it is). :meth:`PSStrategy.comm_seconds` and :meth:`PSStrategy.stats`
+optimizer, whose ``zero_grad()`` it is). ``strategy.step.comm_seconds()`` and :meth:`PSStrategy.report`
 report push, pull and wait-for-servers time, bytes and the servers' counters;
 the checkpoint item ``optimizer`` has every ps task write its shard into the chief's checkpoint step.
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import json
 from collections import Counter, OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ from torch import nn
 from conveyor.cluster.strategy_name import PS_MODES, StrategyName
 from conveyor.comm.process_group import collective_guard
 from conveyor.fileio import atomic_write
-from conveyor.strategies.base import Strategy, check_optimizer
+from conveyor.strategies.base import Step, Strategy, check_optimizer
 from conveyor.strategies.coordination import Coordinator, IndependentCoordinator, LockstepCoordinator
 from conveyor.strategies.ps.client import PSClient
 from conveyor.train.checkpoint.items import Item, Model, StepWrite
@@ -76,9 +77,11 @@ class PSStrategy(Strategy):
         addresses = [spec.task_address("ps", i) for i in range(num_ps)]
         self.client = PSClient(addresses, secret, rank=job.rank, num_workers=job.world_size,
                                sender=f"{job.task_type}:{job.task_index}", timeout=job.timeout)
+        self.step = _PSStep(self)
         atexit.register(self.shutdown)
 
-    def prepare(self, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
+    def prepare(self, model: nn.Module, optimizer: Any, *, split: Sequence[str] | None = None
+                ) -> tuple[nn.Module, Any]:
         check_optimizer(model, optimizer)
         if self.client is None:
             raise RuntimeError(f"strategy {self.name!r} is not set up: get it from conveyor.init()")
@@ -101,12 +104,6 @@ class PSStrategy(Strategy):
             print(placement.describe(), flush=True)
         return model, PSOptimizer(optimizer, self)
 
-    def comm_seconds(self) -> float:
-        """Push + pull + wait-for-servers seconds so far."""
-        if self.client is None:
-            return 0.0
-        return float(sum(self.client.seconds.values()))
-
     def checkpoint_items(self, module: nn.Module, optimizer: Any) -> dict[str, Item]:
         """The model as the workers see it, and the optimizer as shards every ps task writes itself."""
         return {"model": Model(module), "optimizer": _ShardedOptimizer(self, optimizer)}
@@ -123,6 +120,11 @@ class PSStrategy(Strategy):
             raise RuntimeError(f"{what} with strategy {self.name!r} before conveyor.init() set it up or after "
                                f"job.shutdown()")
         return self.client
+
+    def report(self, summary: dict[str, Any]) -> dict[str, Any] | None:
+        """The chief's ``communication`` entry: :meth:`stats` (the other ranks add nothing)."""
+        stats = self.stats() if self.job.is_chief else None
+        return {"communication": stats} if stats else None
 
     def stats(self) -> dict[str, Any]:
         """Push/pull/wait seconds, bytes per server, and each server's counters (staleness, drops)."""
@@ -152,13 +154,13 @@ class PSStrategy(Strategy):
             return
         if self._job is not None and self._job.is_chief and self.client.placement is not None:
             try:
-                self._report(self.stats())
+                self._print_stats(self.stats())
             except Exception as exc:  # noqa: BLE001 - a report must not stop the shutdown
                 print(f"parameter servers: no statistics ({type(exc).__name__}: {exc})", flush=True)
         client, self.client = self.client, None
         client.close()
 
-    def _report(self, stats: dict[str, Any]) -> None:
+    def _print_stats(self, stats: dict[str, Any]) -> None:
         load = ", ".join(f"ps:{i} {(o + n) / 2**20:.1f} MiB"
                          for i, (o, n) in enumerate(zip(stats["bytes_out_per_server"], stats["bytes_in_per_server"],
                                                         strict=True)))
@@ -210,6 +212,18 @@ class _ServerBoard:
 
     def positions(self) -> list[bytes | None]:
         return self.client.positions()
+
+
+class _PSStep(Step):
+    """The plain step; the optimizer's ``step()`` (:class:`PSOptimizer`) does the communication it counts."""
+
+    def __init__(self, strategy: PSStrategy) -> None:
+        self._strategy = strategy
+
+    def comm_seconds(self) -> float:
+        """Push + pull + wait-for-servers seconds so far (0 once the job is shut down)."""
+        client = self._strategy.client
+        return 0.0 if client is None else float(sum(client.seconds.values()))
 
 
 class PSOptimizer(torch.optim.Optimizer):

@@ -66,7 +66,8 @@ def serve_ps_task(found: Discovered, strategy: str | None, timeout: float, *, ch
                          f"its messages; `conveyor run` sets it, and tasks started by hand each need the same "
                          f"one, e.g. CONVEYOR_JOB_SECRET=$(openssl rand -hex 32) exported once for all of them")
     address = found.spec.task_address("ps", found.task.index)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {found.task} %(levelname)s %(message)s")
+    # Messages name the server ("ps:0: ...") and the launcher prefixes the task: no third name in the format
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     print(f"{found.task}: serving {parsed.name} for {found.world_size} worker(s) on {address}", flush=True)
     try:
         serve_task(address, found.secret, index=found.task.index, num_workers=found.world_size, strategy=parsed.name,

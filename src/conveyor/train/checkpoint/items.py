@@ -86,6 +86,11 @@ class Item(ABC):
     def restore(self, name: str, ckpt: Checkpoint) -> None:
         """Load this item back from `ckpt`."""
 
+    def check(self, name: str, ckpt: Checkpoint) -> None:
+        """Refuse `ckpt` before any item is restored (`ResumeError`), where this item can tell without loading
+        it; resume asks every item first, so that the most telling refusal is the one said. Default: nothing."""
+        return None
+
 
 class Stateful(Item):
     """An object with `state_dict()` / `load_state_dict()` (an optimizer, an LR scheduler, a module): the chief
@@ -107,6 +112,10 @@ class Model(Stateful):
     own error would)."""
 
     def restore(self, name: str, ckpt: Checkpoint) -> None:
+        self.check(name, ckpt)
+        self.obj.load_state_dict(ckpt.tree(name))
+
+    def check(self, name: str, ckpt: Checkpoint) -> None:
         saved_state = ckpt.tree(name)
         mine = {k: tuple(v.shape) for k, v in self.obj.state_dict().items()}
         saved = {k: tuple(getattr(v, "shape", ())) for k, v in (saved_state or {}).items()}
@@ -117,9 +126,14 @@ class Model(Stateful):
             what = [f"{label}: {_some(names)}" for label, names in (
                 ("not in the checkpoint", missing), ("not in this model", unexpected), ("other shapes", reshaped))
                 if names]
-            raise ResumeError(f"checkpoint {ckpt.path} holds another model than this job's ({'; '.join(what)}). To "
-                              f"keep training it, run the model that wrote it; to train this one, " + ckpt.start_over())
-        self.obj.load_state_dict(saved_state)
+            # Most often another script's run in the same folder (./output is every script's default):
+            # --no-resume would mix the two runs' files in one folder; a folder of its own keeps both.
+            raise ResumeError(f"checkpoint {ckpt.path} holds another model than this job's ({'; '.join(what)}): "
+                              f"another script's run, perhaps (the default output folder is shared by every script "
+                              f"run from one folder). To train this one, start over with --no-resume "
+                              f"(CONVEYOR_RESUME=0), among that run's files, or, keeping both, give it an output "
+                              f"folder of its own: --output-dir {ckpt.root.parent}/<name>; to keep training that "
+                              f"one, run the model that wrote it")
 
 
 def _some(names: list[str], limit: int = 5) -> str:

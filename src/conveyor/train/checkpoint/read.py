@@ -193,6 +193,16 @@ def _read_json(folder: Path, name: str) -> Any:
     return _parse_json(folder, path, _read_bytes(folder, path))
 
 
+def is_finite_step(folder: Path) -> bool:
+    """Whether the step in `folder` holds finite parameters, as its writer recorded (state.json's `extra`
+    "finite"; the Trainer sets it at every checkpoint). Unrecorded or unreadable: True (nothing says otherwise)."""
+    try:
+        extra, _, _ = _read_state(folder, list(LEGACY_TREES))
+    except (OSError, CheckpointError):
+        return True
+    return extra.get("finite") is not False
+
+
 def _read_state(folder: Path, legacy: list[str]) -> tuple[dict[str, Any], float | None, list[str]]:
     """state.json's `extra`, `time` and the names of the chief's trees (`legacy` where it lists none)."""
     path = folder / "state.json"

@@ -29,6 +29,7 @@ from conveyor.train.checkpoint.read import (
     check_folder,
     check_part_name,
     check_step,
+    is_finite_step,
     read_part,
     read_step,
     step_folder_name,
@@ -303,6 +304,11 @@ class CheckpointManager(CheckpointReader):
         # step), the abandoned run's higher steps are the ones that age out.
         by_age = sorted(written, key=lambda s: (written[s], s))
         protected = set(by_age[-self.keep :]) | {just_written}
+        # The newest step with finite parameters stays, however many non-finite ones come after it: a run that
+        # diverged (NaN) keeps one checkpoint to go back to (docs/training.md, "Non-finite losses").
+        finite = next((s for s in reversed(by_age) if is_finite_step(self.step_dir(s))), None)
+        if finite is not None:
+            protected.add(finite)
         pointed = self._latest_pointer()
         if pointed is not None:
             protected.add(pointed)

@@ -1,0 +1,226 @@
+"""The data service's dispatcher: registers workers, checks their pipelines, and hands out jobs and splits.
+
+    dispatcher = Dispatcher("0.0.0.0:5050", secret).start()     # `conveyor data serve --port 5050 ...`
+    ...
+    dispatcher.close()
+
+State lives in the serving thread only (the transport runs one handler at a time), so nothing is locked.
+The first pipeline to arrive (a worker's, or a trainer's job) is the reference: a later worker or job
+whose fingerprint or file list differs is refused with the first differing op and argument. A job is
+created by the first trainer that names it (``get_or_create_job``); later trainers naming it share it
+(one job per iteration of the dataset: each `iter()` is an epoch of its own),
+except one resuming from a checkpoint (``resume``: the splits it had acknowledged), which gets a new job.
+For ``distributed_epoch`` the job's file list is handed out one file per ``get_split``, to whichever worker
+asks, so each file of an epoch is read by one worker. A worker silent for ``worker_timeout`` seconds is
+left out of ``get_workers``, and the splits it held that the trainer has not acknowledged (``split_done``)
+go back to the front of the line for other workers; an epoch ends when every split is acknowledged.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from conveyor.comm.framing import Message
+from conveyor.comm.transport import Server
+from conveyor.data.service.pipelines import first_difference
+from conveyor.data.service.protocol import DISPATCHER, DataServiceError, PipelineMismatchError, check_mode
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Worker:
+    worker_id: int
+    address: str
+    pipeline: str
+    last_seen: float
+
+
+@dataclass
+class _Job:
+    job_id: int
+    name: str
+    mode: str
+    files: list[str] | None
+    pending: deque[int] = field(default_factory=deque)  # split (index into files) not handed out, or returned
+    handed: dict[int, int] = field(default_factory=dict)  # split -> the worker producing it
+    done: set[int] = field(default_factory=set)  # splits the trainer acknowledged, every element received
+
+    def __post_init__(self) -> None:
+        self.pending.extend(range(len(self.files or ())))
+
+
+class Dispatcher:
+    """The dispatcher role: a transport :class:`Server` whose handler keeps the workers and jobs."""
+
+    def __init__(self, bind_address: str, secret: bytes, *, worker_timeout: float = 10.0) -> None:
+        self.worker_timeout = worker_timeout
+        self.workers: dict[int, _Worker] = {}
+        self.jobs: dict[int, _Job] = {}
+        self._by_name: dict[tuple[str, int], int] = {}  # (job name, iteration of the dataset) -> job id
+        self._ids = itertools.count(1)
+        self._reference: tuple[str, Any, list[str] | None] | None = None  # (who, fingerprint, files)
+        self._handlers = {"register_worker": self._register, "heartbeat": self._heartbeat,
+                          "get_split": self._get_split, "split_done": self._split_done, "release_splits": self._release,
+                          "get_or_create_job": self._job, "get_workers": self._list, "stats": self._stats}
+        self.server = Server(bind_address, secret, self._handle, name=DISPATCHER, max_frame_bytes=16 << 20)
+
+    def start(self) -> Dispatcher:
+        self.server.start()
+        return self
+
+    def serve_forever(self) -> None:
+        self.server.serve_forever()
+
+    def close(self) -> None:
+        self.server.close()
+
+    def _handle(self, message: Message) -> Any:
+        handler = self._handlers.get(message.kind)
+        if handler is None:
+            raise DataServiceError(f"the dispatcher does not know the request {message.kind!r}")
+        return "ok", handler(message.header), []
+
+    def _check_pipeline(self, who: str, fp: Any, files: list[str] | None) -> None:
+        if self._reference is None:
+            self._reference = (who, fp, files)
+            return
+        ref_who, ref_fp, ref_files = self._reference
+        if fp != ref_fp:
+            raise PipelineMismatchError(
+                f"{who} built a different pipeline from {ref_who}: {first_difference(fp, ref_fp)} "
+                f"('here' is {who}, 'there' is {ref_who}); every worker and trainer must build the same pipeline "
+                f"(the same --pipeline function and code version)")
+        if files is not None and ref_files is not None and files != ref_files:
+            only = sorted(set(files) ^ set(ref_files))[:3]
+            raise PipelineMismatchError(f"{who} lists other files than {ref_who} (e.g. {only}); give every worker "
+                                        f"the same data (the same paths, mounted alike)")
+
+    def _register(self, h: dict[str, Any]) -> dict[str, Any]:
+        who = f"data worker at {h['address']} (pipeline {h['pipeline']})"
+        self._check_pipeline(who, h["fingerprint"], h.get("files"))
+        worker = _Worker(next(self._ids), str(h["address"]), str(h["pipeline"]), time.monotonic())
+        self.workers[worker.worker_id] = worker
+        log.info("%s registered as worker %d", who, worker.worker_id)
+        return {"worker_id": worker.worker_id}
+
+    def _worker(self, h: dict[str, Any]) -> _Worker:
+        worker = self.workers.get(h.get("worker_id"))
+        if worker is None:
+            raise DataServiceError(f"worker id {h.get('worker_id')!r} is not registered (the dispatcher restarted?): "
+                                   f"restart the data worker so that it registers again")
+        worker.last_seen = time.monotonic()
+        return worker
+
+    def _heartbeat(self, h: dict[str, Any]) -> dict[str, Any]:
+        self._worker(h)
+        return {}
+
+    def _job_of(self, h: dict[str, Any]) -> _Job:
+        job = self.jobs.get(h.get("job_id"))
+        if job is None:
+            raise DataServiceError(f"job id {h.get('job_id')!r} is unknown to the dispatcher (it restarted?): "
+                                   f"restart the trainer's iterator so that it creates the job again")
+        return job
+
+    def _get_split(self, h: dict[str, Any]) -> dict[str, Any]:
+        """The next file of the epoch; ``wait`` while every file is handed out but some is not acknowledged
+        (its worker may die and the file go to another), ``split: None`` once all are acknowledged."""
+        worker, job = self._worker(h), self._job_of(h)
+        if job.mode != "distributed_epoch" or job.files is None:
+            raise DataServiceError(f"job {job.name} ({job.mode}) has no splits to hand out")
+        self._reap()
+        if job.pending:
+            split = job.pending.popleft()
+            job.handed[split] = worker.worker_id
+            return {"split": split, "file": job.files[split]}
+        if len(job.done) == len(job.files):
+            return {"split": None}
+        return {"split": None, "wait": True}
+
+    def _split_done(self, h: dict[str, Any]) -> dict[str, Any]:
+        job = self._job_of(h)
+        split = int(h["split"])
+        job.done.add(split)
+        job.handed.pop(split, None)
+        return {}
+
+    def _release(self, h: dict[str, Any]) -> dict[str, Any]:
+        """A worker stopped a job's task: its unacknowledged splits go back, first in line."""
+        worker, job = self._worker(h), self._job_of(h)
+        _give_back(job, {worker.worker_id})
+        return {}
+
+    def _reap(self) -> None:
+        """Give the unacknowledged splits of workers silent for ``worker_timeout`` back, first in line."""
+        now = time.monotonic()
+        dead = {w.worker_id for w in self.workers.values() if now - w.last_seen >= self.worker_timeout}
+        for job in self.jobs.values():
+            _give_back(job, dead)
+
+    def _job(self, h: dict[str, Any]) -> dict[str, Any]:
+        mode, name = check_mode(h["mode"]), h.get("job_name")
+        self._check_pipeline(f"the trainer's job {name or '(unnamed)'}", h["fingerprint"], h.get("files"))
+        key = (str(name), int(h.get("iteration", 0)))
+        if name is not None and key in self._by_name and h.get("resume") is None:
+            job = self.jobs[self._by_name[key]]
+            if job.mode != mode:
+                raise DataServiceError(f"job {name} exists with processing_mode={job.mode!r}, not {mode!r}: use "
+                                       f"the same mode in every trainer, or another job_name")
+            return {"job_id": job.job_id}
+        if mode == "distributed_epoch" and h.get("files") is None:
+            raise DataServiceError("processing_mode='distributed_epoch' splits the pipeline's file list, and this "
+                                   "pipeline has not exactly one (list_files or TFRecordDataset of a list); use "
+                                   "processing_mode='parallel_epochs'")
+        job = _Job(next(self._ids), name or f"job-{len(self.jobs)}", mode, h.get("files"))
+        if h.get("resume") is not None:
+            _resume(job, h["resume"])
+        self.jobs[job.job_id] = job
+        if name is not None:
+            self._by_name[key] = job.job_id
+        return {"job_id": job.job_id}
+
+    def _stats(self, h: dict[str, Any]) -> dict[str, Any]:
+        """What `conveyor data status` shows: each worker and when it was last heard, each job's splits."""
+        now = time.monotonic()
+        return {"workers": [{"id": w.worker_id, "address": w.address, "pipeline": w.pipeline,
+                             "silent_s": round(now - w.last_seen, 1), "alive": now - w.last_seen < self.worker_timeout}
+                            for w in self.workers.values()],
+                "jobs": {str(j.job_id): _job_stats(j) for j in self.jobs.values()}}
+
+    def _list(self, h: dict[str, Any]) -> dict[str, Any]:
+        self._job_of(h)
+        now = time.monotonic()
+        live = [w for w in self.workers.values() if now - w.last_seen < self.worker_timeout]
+        return {"workers": [[w.worker_id, w.address] for w in live]}
+
+
+def _resume(job: _Job, done: Any) -> None:
+    """Start ``job`` where a trainer's checkpoint says it was: the splits it had acknowledged are done."""
+    count = len(job.files or ())
+    if job.mode != "distributed_epoch" or not isinstance(done, list) or not all(
+            isinstance(x, int) and 0 <= x < count for x in done):
+        raise DataServiceError(f"cannot resume job {job.name}: the saved position ({str(done)[:100]}) does not fit "
+                               f"its {count} files in distributed_epoch; resume with the pipeline it was saved from")
+    job.done = set(done)
+    job.pending = deque(i for i in range(count) if i not in job.done)
+
+
+def _give_back(job: _Job, workers: set[int]) -> None:
+    """The unacknowledged splits ``workers`` hold in ``job`` go back to the front of the line."""
+    lost = sorted(split for split, w in job.handed.items() if w in workers and split not in job.done)
+    for split in reversed(lost):
+        del job.handed[split]
+        job.pending.appendleft(split)
+    if lost:
+        log.warning("job %s: splits %s of worker(s) %s go to other workers", job.name, lost, sorted(workers))
+
+
+def _job_stats(job: _Job) -> dict[str, Any]:
+    return {"name": job.name, "mode": job.mode, "splits": len(job.files or ()), "done": len(job.done),
+            "in_progress": len(job.handed), "waiting": len(job.pending)}
