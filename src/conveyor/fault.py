@@ -18,6 +18,8 @@ from __future__ import annotations
 import os
 import signal
 
+from conveyor.cluster.variables import FAULT_VAR, RESTART_COUNT_VAR, TASK_INDEX_VAR, TASK_TYPE_VAR
+
 __all__ = ["POINTS", "point"]
 
 POINTS = ("part-written", "after-parts", "after-manifest", "after-seal", "before-rename", "after-rename",
@@ -26,14 +28,14 @@ POINTS = ("part-written", "after-parts", "after-manifest", "after-seal", "before
 
 def point(name: str, step: int) -> None:
     """Kill this process here if `CONVEYOR_FAULT` names this task, point `name` and (if given) `step`."""
-    spec = os.environ.get("CONVEYOR_FAULT")
-    if not spec or os.environ.get("CONVEYOR_RESTART_COUNT", "0") != "0":
+    spec = os.environ.get(FAULT_VAR)
+    if not spec or os.environ.get(RESTART_COUNT_VAR, "0") != "0":
         return
     fields = spec.split(":")
     if name not in fields:
         return
     at = fields.index(name)
     task, steps = ":".join(fields[:at]), fields[at + 1:]
-    me = f"{os.environ.get('CONVEYOR_TASK_TYPE', '')}:{os.environ.get('CONVEYOR_TASK_INDEX', '')}"
+    me = f"{os.environ.get(TASK_TYPE_VAR, '')}:{os.environ.get(TASK_INDEX_VAR, '')}"
     if task in (me, "*") and (not steps or steps[0] == str(step)):
         os.kill(os.getpid(), signal.SIGKILL)

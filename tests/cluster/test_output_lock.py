@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from conveyor.cluster.output_lock import HELD_VAR, LOCK_NAME, OutputDirBusyError, OutputLock, lock_for_script
+from conveyor.cluster.output_lock import LOCK_NAME, OutputDirBusyError, OutputLock, lock_for_script
+from conveyor.cluster.variables import OUTPUT_LOCK_VAR
 
 HOLD = """
 import sys, time
@@ -60,7 +61,7 @@ def test_one_process_may_take_it_twice_and_releases_it_with_the_last_holder(tmp_
 
 def test_a_script_takes_it_on_rank_0_unless_the_launcher_holds_it(tmp_path):
     assert lock_for_script(1, tmp_path, {}) is None
-    assert lock_for_script(0, tmp_path, {HELD_VAR: str(tmp_path / LOCK_NAME)}) is None
+    assert lock_for_script(0, tmp_path, {OUTPUT_LOCK_VAR: str(tmp_path / LOCK_NAME)}) is None
     lock = lock_for_script(0, tmp_path, {})
     try:
         assert acquire_elsewhere(tmp_path).returncode == 1

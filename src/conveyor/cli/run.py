@@ -24,12 +24,12 @@ import sys
 from collections.abc import Mapping
 
 from conveyor.cli import Command, CommandError
-from conveyor.cluster.output_lock import HELD_VAR, OutputDirBusyError, OutputLock
+from conveyor.cluster.output_lock import OutputDirBusyError, OutputLock
 from conveyor.cluster.secret import parse_secret, read_secret_file
 from conveyor.cluster.settings import add_arguments as add_settings
 from conveyor.cluster.settings import agreed_flags
 from conveyor.cluster.settings import given as given_settings
-from conveyor.cluster.variables import JOB_SECRET_FILE_VAR, JOB_SECRET_VAR
+from conveyor.cluster.variables import JOB_SECRET_FILE_VAR, JOB_SECRET_VAR, OUTPUT_LOCK_VAR
 from conveyor.launch import (
     OMP_DEFAULT_VAR,
     PeerError,
@@ -173,7 +173,7 @@ def _lock_output(output_dir: str, environ: dict[str, str]) -> OutputLock:
         lock = OutputLock.acquire(output_dir)
     except OutputDirBusyError as e:
         raise CommandError(str(e), exit_code=1) from None
-    environ[HELD_VAR] = str(lock.path)
+    environ[OUTPUT_LOCK_VAR] = str(lock.path)
     return lock
 
 

@@ -1,11 +1,11 @@
 """One job at a time per output folder: a POSIX record lock on ``<output>/.conveyor.lock``.
 
     lock = OutputLock.acquire(output_dir)      # OutputDirBusyError, naming the holder and the fix
-    environ[HELD_VAR] = str(lock.path)         # the launcher's tasks then do not take it again
+    environ[OUTPUT_LOCK_VAR] = str(lock.path)         # the launcher's tasks then do not take it again
     lock.release()                             # (or the process ends: the kernel releases it)
 
 Taken by ``conveyor run`` (node 0's launcher only, when several nodes share the folder) for the whole
-job, and by ``conveyor.init()`` on rank 0 of a script run without it (``HELD_VAR`` unset). The lock
+job, and by ``conveyor.init()`` on rank 0 of a script run without it (``OUTPUT_LOCK_VAR`` unset). The lock
 is ``fcntl.lockf`` (POSIX ``fcntl`` record locks): the kernel drops it when its holder dies, kill -9
 included, so nothing stale is ever left to clean up, and NFS (v3 through the lock manager, v4
 natively) and the other shared file systems the README recommends honour it across machines, which
@@ -25,12 +25,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import ClassVar
 
+from conveyor.cluster.variables import OUTPUT_LOCK_VAR
 from conveyor.errors import ConveyorError
 
-__all__ = ["HELD_VAR", "LOCK_NAME", "OutputDirBusyError", "OutputLock", "lock_for_script"]
+__all__ = ["LOCK_NAME", "OutputDirBusyError", "OutputLock", "lock_for_script"]
 
 LOCK_NAME = ".conveyor.lock"
-HELD_VAR = "CONVEYOR_OUTPUT_LOCK"  # set by `conveyor run` for its tasks: the launcher holds the folder's lock
 
 
 class OutputDirBusyError(ConveyorError, RuntimeError):
@@ -97,7 +97,7 @@ def _busy_message(folder: Path, path: Path) -> str:
 def lock_for_script(rank: int | None, output_dir: str | os.PathLike[str], environ: Mapping[str, str]
                     ) -> OutputLock | None:
     """What `conveyor.init()` takes: the folder's lock on rank 0, unless `conveyor run` holds it for the job
-    (`HELD_VAR`); None elsewhere (other ranks are the same job)."""
-    if rank != 0 or environ.get(HELD_VAR):
+    (`OUTPUT_LOCK_VAR`); None elsewhere (other ranks are the same job)."""
+    if rank != 0 or environ.get(OUTPUT_LOCK_VAR):
         return None
     return OutputLock.acquire(output_dir)

@@ -16,11 +16,13 @@ from dataclasses import dataclass
 
 __all__ = [
     "DATA_DIR_VAR",
+    "FAULT_VAR",
     "JOB_SECRET_FILE_VAR",
     "JOB_SECRET_VAR",
     "NAMES",
     "OMP_DEFAULT_VAR",
     "OUTPUT_DIR_VAR",
+    "OUTPUT_LOCK_VAR",
     "PIPELINE_MICROBATCHES_VAR",
     "PIPELINE_SCHEDULE_VAR",
     "PIPELINE_SPLIT_VAR",
@@ -55,6 +57,8 @@ PIPELINE_STAGES_VAR = "CONVEYOR_PIPELINE_STAGES"
 PIPELINE_MICROBATCHES_VAR = "CONVEYOR_PIPELINE_MICROBATCHES"
 PIPELINE_SCHEDULE_VAR = "CONVEYOR_PIPELINE_SCHEDULE"
 PIPELINE_SPLIT_VAR = "CONVEYOR_PIPELINE_SPLIT"
+OUTPUT_LOCK_VAR = "CONVEYOR_OUTPUT_LOCK"
+FAULT_VAR = "CONVEYOR_FAULT"
 #: ``conveyor run --stages/--microbatches/--schedule/--split``, by flag (read by the pipeline strategy)
 PIPELINE_VARS = {"stages": PIPELINE_STAGES_VAR, "microbatches": PIPELINE_MICROBATCHES_VAR,
                  "schedule": PIPELINE_SCHEDULE_VAR, "split": PIPELINE_SPLIT_VAR}
@@ -110,6 +114,10 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(PIPELINE_SCHEDULE_VAR, "1f1b (default) or gpipe", f"{_RUN} (--schedule)", _PIPE),
     Variable(PIPELINE_SPLIT_VAR, "layer names to cut the model before, comma-separated", f"{_RUN} (--split)",
              _PIPE),
+    Variable(OUTPUT_LOCK_VAR, "the output folder's lock file, held by the launcher for the whole job",
+             _RUN, f"{_INIT}, which then does not take the lock again (conveyor.cluster.output_lock)"),
+    Variable(FAULT_VAR, "TEST ONLY: <task>:<point>[:<step>] kills that task at that point of a checkpoint "
+             "save, in the first attempt", "the crash tests (tests/train/test_save_crash.py)", "conveyor.fault"),
 )
 
 #: The names alone, in the table's order.
