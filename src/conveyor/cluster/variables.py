@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 __all__ = [
     "DATA_DIR_VAR",
+    "FSDP_BLOCKS_VAR",
+    "FSDP_RESHARD_VAR",
     "JOB_SECRET_FILE_VAR",
     "JOB_SECRET_VAR",
     "NAMES",
@@ -55,6 +57,8 @@ PIPELINE_STAGES_VAR = "CONVEYOR_PIPELINE_STAGES"
 PIPELINE_MICROBATCHES_VAR = "CONVEYOR_PIPELINE_MICROBATCHES"
 PIPELINE_SCHEDULE_VAR = "CONVEYOR_PIPELINE_SCHEDULE"
 PIPELINE_SPLIT_VAR = "CONVEYOR_PIPELINE_SPLIT"
+FSDP_BLOCKS_VAR = "CONVEYOR_FSDP_BLOCKS"
+FSDP_RESHARD_VAR = "CONVEYOR_FSDP_RESHARD"
 #: ``conveyor run --stages/--microbatches/--schedule/--split``, by flag (read by the pipeline strategy)
 PIPELINE_VARS = {"stages": PIPELINE_STAGES_VAR, "microbatches": PIPELINE_MICROBATCHES_VAR,
                  "schedule": PIPELINE_SCHEDULE_VAR, "split": PIPELINE_SPLIT_VAR}
@@ -110,6 +114,10 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(PIPELINE_SCHEDULE_VAR, "1f1b (default) or gpipe", f"{_RUN} (--schedule)", _PIPE),
     Variable(PIPELINE_SPLIT_VAR, "layer names to cut the model before, comma-separated", f"{_RUN} (--split)",
              _PIPE),
+    Variable(FSDP_BLOCKS_VAR, "the modules to shard one by one (named_modules names), comma-separated",
+             f"{_RUN} (--fsdp-blocks), or the user", f"{_INIT} (job.settings), for the fsdp strategy"),
+    Variable(FSDP_RESHARD_VAR, "0: keep the gathered parameters from forward to backward (ZeRO-2-like)",
+             f"{_RUN} (--no-reshard-after-forward), or the user", f"{_INIT} (job.settings), for the fsdp strategy"),
 )
 
 #: The names alone, in the table's order.
