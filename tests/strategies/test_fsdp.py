@@ -232,13 +232,12 @@ def _summed_scenario(out: Path) -> dict:
     import conveyor
     from conveyor.strategies.fsdp import check
 
-    plain = check._shard_probe
+    plain = check._probe_gradient
 
-    def summing(module, mesh):  # as pytorch#162338's torch did on gloo: sum, not average
-        plain(module, mesh).set_gradient_divide_factor(1.0)
-        return module
+    def summing(job, mesh):  # what pytorch#162338's torch gave on gloo: the sum over the ranks, not the average
+        return plain(job, mesh) * job.world_size
 
-    check._shard_probe = summing
+    check._probe_gradient = summing
     try:
         conveyor.init("fsdp")
     except Exception as e:  # noqa: BLE001 - the test asserts which

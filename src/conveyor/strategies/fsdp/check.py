@@ -29,25 +29,26 @@ class GradientAverageError(ConveyorError, RuntimeError):
     usage_error = True  # the same torch meets it again on a restart
 
 
-def _shard_probe(module: nn.Module, mesh: Any) -> nn.Module:
-    """Shard the probe as the strategy shards blocks (a seam: the tests make it sum, to see the check fail)."""
-    fully_shard(module, mesh=mesh)
-    return module
+def _probe_gradient(job: Any, mesh: Any) -> torch.Tensor:
+    """This rank's shard of the probe's gradient after one step (a seam: the tests make it a sum, as
+    pytorch#162338's torch gave, to see the check fail)."""
+    world, rank = int(job.world_size), int(job.rank)
+    probe = nn.Linear(1, world, bias=False).to(job.device)
+    with torch.no_grad():
+        probe.weight.fill_(1.0)
+    fully_shard(probe, mesh=mesh)
+    x = torch.full((1, 1), float(rank + 1), device=job.device)
+    with collective_guard(job, "FSDP gradient-average check"):
+        probe(x).sum().backward()
+    return probe.weight.grad.to_local().detach().float().cpu()  # this rank's row
 
 
 def check_gradients_averaged(job: Any, mesh: Any) -> None:
     """Raise :class:`GradientAverageError` unless one known-gradient step of FSDP averages over the ranks."""
-    world, rank = int(job.world_size), int(job.rank)
+    world = int(job.world_size)
     if world < 2:
         return
-    probe = nn.Linear(1, world, bias=False).to(job.device)
-    with torch.no_grad():
-        probe.weight.fill_(1.0)
-    probe = _shard_probe(probe, mesh)
-    x = torch.full((1, 1), float(rank + 1), device=job.device)
-    with collective_guard(job, "FSDP gradient-average check"):
-        probe(x).sum().backward()
-    got = probe.weight.grad.to_local().detach().float().cpu()  # this rank's row(s)
+    got = _probe_gradient(job, mesh)
     mean, total = (world + 1) / 2, world * (world + 1) / 2
     if got.numel() and torch.allclose(got, torch.full_like(got, mean)):
         return
