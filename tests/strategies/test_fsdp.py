@@ -4,7 +4,8 @@ Each launch starts this file as a script twice (``python test_fsdp.py SCENARIO O
 environment conveyor's launcher would give worker 0 and worker 1; the workers write what they saw to
 JSON and the tests compare with one process training on the whole batch. "train" trains (resharding
 after forward, or not: CONVEYOR_FSDP_RESHARD=0); "resume" saves its shards halfway, rebuilds everything
-and restores them; "summed" makes the start-up check's probe sum its gradients and expects the refusal.
+and restores them; "trainer" runs the Trainer (evaluation, checkpoints, resume when run again); "summed" makes
+the start-up check see summed gradients and expects the refusal.
 
     pytest tests/strategies/test_fsdp.py -m multiprocess --durations=5
 """
@@ -71,10 +72,11 @@ def full(model: nn.Module) -> list[float]:
     return torch.cat([t.detach().flatten().float() for t in tensors]).tolist()
 
 
-def reference() -> torch.Tensor:
+def reference(epochs: int = 1) -> torch.Tensor:
     model = make_model(seed=0)
-    train(model, torch.optim.Adam(model.parameters(), lr=LR), rank=0, world=1, batch=WORLD * BATCH,
-          steps=range(STEPS))
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    for _ in range(epochs):
+        train(model, optimizer, rank=0, world=1, batch=WORLD * BATCH, steps=range(STEPS))
     return torch.tensor(full(model))
 
 
@@ -144,6 +146,26 @@ def test_start_up_check_refuses_summed_gradients(tmp_path: Path) -> None:
         assert r["type"] == "GradientAverageError", r
         assert f"torch {torch.__version__}" in r["message"] and "summed them" in r["message"], r["message"]
         assert "--strategy allreduce" in r["message"] and "pytorch#162338" in r["message"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_the_trainer_runs_unchanged_evaluates_checkpoints_shards_and_resumes(tmp_path: Path) -> None:
+    first = launch("trainer", tmp_path, {"EPOCHS": "1"})
+    assert all(r is not None and r.get("ok") for r in first), logs(tmp_path)
+    steps = sorted(p.name for p in (tmp_path / "output" / "checkpoints").glob("step-*"))
+    assert steps and all((tmp_path / "output" / "checkpoints" / s / "fsdp-rank-1.safetensors").exists() for s in steps)
+    for r in first:  # the sharding of rows by rank makes each global batch the reference's
+        assert r["steps"] == STEPS and r["summary"]["fsdp"]["blocks"] == ["layers.0", "layers.1", "layers.2"]
+        assert "eval_loss" in json.dumps(r["summary"]), r["summary"]
+        assert torch.allclose(torch.tensor(r["trained"]), reference(1), rtol=0, atol=1e-5)
+    again = launch("trainer", tmp_path, {"EPOCHS": "2"})  # resumes from the last step's shards
+    assert all(r is not None and r.get("ok") for r in again), logs(tmp_path)
+    assert f"resumed from step {STEPS} " in (tmp_path / "rank0.log").read_text(), logs(tmp_path)
+    for r in again:
+        assert r["steps"] == 2 * STEPS
+        trained = torch.tensor(r["trained"])
+        assert torch.allclose(trained, reference(2), rtol=0, atol=1e-5), (trained - reference(2)).abs().max()
 
 
 # -- in this process ------------------------------------------------------------------------------------------------
@@ -228,6 +250,23 @@ def _resume_scenario(out: Path) -> dict:
     return {"trained": full(model), "resume_on_one_rank": refused}
 
 
+def _trainer_scenario(out: Path) -> dict:
+    import conveyor
+    from conveyor.data import Dataset
+
+    job = conveyor.init("fsdp")
+    model = make_model(seed=0)
+    model, optimizer = job.prepare(model, torch.optim.Adam(model.parameters(), lr=LR))
+    x, y = make_data()
+    data = Dataset.from_tensor_slices((x.numpy(), y.numpy())).shard(WORLD, job.rank).batch(BATCH, drop_remainder=True)
+    held_out = Dataset.from_tensor_slices((x[:16].numpy(), y[:16].numpy())).shard(WORLD, job.rank).batch(BATCH)
+    trainer = conveyor.Trainer(job, model, optimizer, nn.functional.mse_loss, data, epochs=int(os.environ["EPOCHS"]),
+                               eval_data=held_out, metric_fn=lambda out, target: 0.0, eval_every_steps=3,
+                               checkpoint_every_steps=3, progress=False)
+    summary = trainer.fit()
+    return {"steps": trainer.step, "summary": summary, "trained": full(model)}
+
+
 def _summed_scenario(out: Path) -> dict:
     import conveyor
     from conveyor.strategies.fsdp import check
@@ -248,5 +287,6 @@ def _summed_scenario(out: Path) -> dict:
 if __name__ == "__main__":
     scenario, out_dir = sys.argv[1], Path(sys.argv[2])
     task = os.environ.get("CONVEYOR_TASK_INDEX", "0")
-    result = {"train": _train_scenario, "resume": _resume_scenario, "summed": _summed_scenario}[scenario](out_dir)
+    result = {"train": _train_scenario, "resume": _resume_scenario, "summed": _summed_scenario,
+              "trainer": _trainer_scenario}[scenario](out_dir)
     (out_dir / f"rank{task}.json").write_text(json.dumps({"ok": True, **result}))
