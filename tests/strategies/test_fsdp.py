@@ -166,6 +166,33 @@ def test_the_trainer_runs_unchanged_evaluates_checkpoints_shards_and_resumes(tmp
         assert r["steps"] == 2 * STEPS
         trained = torch.tensor(r["trained"])
         assert torch.allclose(trained, reference(2), rtol=0, atol=1e-5), (trained - reference(2)).abs().max()
+    exported = export_and_load(tmp_path / "output", tmp_path / "export")
+    assert torch.equal(torch.tensor(full(exported)), torch.tensor(again[0]["trained"])), "the shards joined"
+
+
+def export_and_load(run_dir: Path, to: Path) -> nn.Module:
+    """`conveyor checkpoint export` into `to`, refused a second time without --force; loaded strictly into a fresh
+    model in this one plain process."""
+    from safetensors.torch import load_file
+
+    from conveyor.cli.main import main
+
+    assert main(["checkpoint", "export", str(run_dir), "--to", str(to)]) == 0
+    assert main(["checkpoint", "export", str(run_dir), "--to", str(to)]) == 2, "an existing folder needs --force"
+    assert main(["checkpoint", "export", str(run_dir), "--to", str(to), "--force"]) == 0
+    model = make_model(seed=99)
+    model.load_state_dict(load_file(str(to / "model.safetensors")), strict=True)
+    return model
+
+
+def test_export_of_a_whole_model_checkpoint_loads_strictly_and_computes_alike(tmp_path: Path) -> None:
+    from conveyor.train.checkpoint import CheckpointManager
+
+    trained = make_model(seed=3)
+    CheckpointManager(tmp_path / "run" / "checkpoints", fsync=False).save(5, {"model": trained.state_dict()})
+    exported = export_and_load(tmp_path / "run", tmp_path / "export")
+    x = make_data()[0][:8]
+    assert torch.equal(exported(x), trained(x))
 
 
 # -- in this process ------------------------------------------------------------------------------------------------

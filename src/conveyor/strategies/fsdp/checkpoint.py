@@ -5,9 +5,10 @@
 Rank r writes part ``fsdp-rank-<r>``: its local shard of every parameter (a DTensor's ``to_local()``) and
 the buffers, under the model's own names, and its optimizer state (the state of each sharded parameter
 is sharded alike; its local shards are written). Nothing is gathered on one rank. The chief writes the
-header tree ``fsdp`` (format, world size, blocks, part names). On resume every rank reads its own part
-back into its shards. A checkpoint of another number of ranks, or of another strategy, is refused
-naming why: resharding comes with elastic resume.
+header tree ``fsdp`` (format, world size, blocks, part names, each sharded tensor's whole shape). On
+resume every rank reads its own part back into its shards; :func:`full_model` joins every rank's
+shards into the whole model (``conveyor checkpoint export``). A checkpoint of another number of ranks,
+or of another strategy, is refused naming why: resharding comes with elastic resume.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from conveyor.train.checkpoint.items import Item, StepWrite
 from conveyor.train.checkpoint.read import Checkpoint, ResumeError
 
-__all__ = ["CHECKPOINT_FORMAT", "ShardsItem"]
+__all__ = ["CHECKPOINT_FORMAT", "ShardsItem", "full_model"]
 
 CHECKPOINT_FORMAT = "conveyor.fsdp.shards"
 
@@ -39,11 +40,13 @@ class ShardsItem(Item):
     def save(self, name: str, out: StepWrite) -> None:
         job = self.strategy.job
         world, rank = int(job.world_size), int(job.rank)
-        out.part_tree(_part(rank), {"rank": rank, "world": world, "model": _local(self.module.state_dict()),
+        model = self.module.state_dict()
+        out.part_tree(_part(rank), {"rank": rank, "world": world, "model": _local(model),
                                     "optimizer": _local(self.optimizer.state_dict())})
         if out.is_chief:
             names = [_part(r) for r in range(world)]
-            out.tree(name, {"format": CHECKPOINT_FORMAT, "world": world, "parts": names,
+            sharded = {k: list(v.shape) for k, v in model.items() if isinstance(v, DTensor)}
+            out.tree(name, {"format": CHECKPOINT_FORMAT, "world": world, "parts": names, "sharded": sharded,
                             "blocks": [b for b in self.strategy.sharded if b]})
             out.expect(f"{n}.{ext}" for n in names for ext in ("safetensors", "json"))
 
@@ -108,3 +111,24 @@ def _sharded_like(optimizer: Any, saved: dict[str, Any]) -> dict[str, Any]:
                      for k, v in entry.items()}
         state[index] = entry
     return {**saved, "state": state}
+
+
+def full_model(ckpt: Checkpoint, header: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The whole model's state from every rank's part: FSDP2 shards a tensor into dim-0 chunks, rank r holding
+    chunk r (``torch.chunk``; later ranks may hold none), so the shards in rank order concatenate to it."""
+    shards: dict[str, list[torch.Tensor]] = {}
+    state: dict[str, torch.Tensor] = {}
+    for rank, part in enumerate(header["parts"]):
+        model = ckpt.part_tree(part)["model"]
+        for k, v in model.items():
+            if k in header["sharded"]:
+                shards.setdefault(k, []).append(v)
+            elif rank == 0:
+                state[k] = v
+    for k, shape in header["sharded"].items():
+        whole = torch.cat(shards[k], dim=0)
+        if list(whole.shape) != list(shape):
+            raise ValueError(f"checkpoint {ckpt.path}: the shards of {k} join to {list(whole.shape)}, not the "
+                             f"{shape} the header says: the step is damaged")
+        state[k] = whole
+    return state
