@@ -57,7 +57,8 @@ def test_yes_no_variables_change_only_when_spelt_as_the_other_value():
 
 def test_the_declarations_generate_the_agreed_flags_the_owned_variables_and_each_commands_flags():
     assert set(agreed_flags()) == {"strategy", "chief", "max_restarts", "tf_flags", "share_gpus", "resume",
-                                   "timeout", "stages", "microbatches", "schedule", "split"}
+                                   "timeout", "stages", "microbatches", "schedule", "split", "fsdp_blocks",
+                                   "reshard_after_forward"}
     assert set(owned_variables()) <= set(NAMES) and "CONVEYOR_SHARE_GPUS" not in owned_variables()
     parser = build_parser()
     for command, absent in (("run", set()), ("k8s", {"share_gpus"}), ("slurm", set())):
@@ -73,7 +74,25 @@ def test_agreed_settings_are_json_values():
     options = run_options("-n", "2", "--strategy", "pipeline", "--split", "a,b")
     assert options.agreed() == {"strategy": "pipeline", "chief": False, "tf_flags": False, "max_restarts": 3,
                                 "share_gpus": False, "resume": True, "timeout": 300.0, "stages": None,
-                                "microbatches": None, "schedule": None, "split": ["a", "b"]}
+                                "microbatches": None, "schedule": None, "split": ["a", "b"], "fsdp_blocks": None,
+                                "reshard_after_forward": True}
+
+
+def test_fsdp_flags_reach_the_task_and_need_the_fsdp_strategy():
+    options = run_options("-n", "2", "--strategy", "fsdp", "--fsdp-blocks", "layers.0, layers.1",
+                          "--no-reshard-after-forward")
+    plan = local_plan(options, [7001, 7002], master_port=7000, secret=SECRET, environ={})
+    env = plan.tasks[0].env
+    assert (env["CONVEYOR_FSDP_BLOCKS"], env["CONVEYOR_FSDP_RESHARD"]) == ("layers.0,layers.1", "0")
+    read = JobSettings.from_environ(env)
+    assert (read.strategy, read.fsdp_blocks, read.reshard_after_forward) == (
+        StrategyName("fsdp"), ("layers.0", "layers.1"), False)
+    default = local_plan(run_options("-n", "2", "--strategy", "fsdp"), [7001, 7002], master_port=7000,
+                         secret=SECRET, environ={}).tasks[0].env
+    assert "CONVEYOR_FSDP_RESHARD" not in default and JobSettings.from_environ(default).reshard_after_forward
+    for argv in (["--fsdp-blocks", "a"], ["--no-reshard-after-forward"]):
+        with pytest.raises(ValueError, match=f"{argv[0]} belong.* to sharded data parallelism: add --strategy fsdp"):
+            local_plan(run_options("-n", "2", *argv), [7001, 7002], master_port=7000, secret=SECRET, environ={})
 
 
 def test_sbatch_passes_the_settings_on_as_conveyor_run_flags():

@@ -16,6 +16,7 @@ from conveyor.strategies.ps.server import MODES, serve_task
     ("allreduce", "allreduce", "", 0, "allreduce"),
     (" AllReduce ", "allreduce", "", 0, "allreduce"),
     ("pipeline", "pipeline", "", 0, "pipeline"),
+    (" FSDP ", "fsdp", "", 0, "fsdp"),
     ("ps-sync", "ps", "sync", 0, "ps-sync"),
     ("PS-Async\n", "ps", "async", 0, "ps-async"),
     ("ps-ssp:0", "ps", "ssp", 0, "ps-ssp:0"),
@@ -32,7 +33,7 @@ def test_every_valid_spelling(text, kind, mode, staleness, name) -> None:
 
 
 @pytest.mark.parametrize("text, message", [
-    ("sgd", "unknown strategy 'sgd'; expected one of local, allreduce, ps-sync, ps-async, ps-ssp:K, pipeline"),
+    ("sgd", "unknown strategy 'sgd'; expected one of local, allreduce, ps-sync, ps-async, ps-ssp:K, pipeline, fsdp"),
     ("", "unknown strategy ''"),
     ("ps", "unknown strategy 'ps'"),
     ("ps-", "unknown strategy 'ps-'"),
@@ -68,6 +69,7 @@ def test_the_one_default(world, ps, expected) -> None:
 def test_every_user_shares_the_names() -> None:
     assert STRATEGY_NAMES == strategies.NAMES == launch.STRATEGIES
     assert "allreduce" in STRATEGY_NAMES and "ps-ssp:K" in STRATEGY_NAMES and "pipeline" in STRATEGY_NAMES
+    assert "fsdp" in STRATEGY_NAMES
     assert MODES == ("sync", "async", "ssp")
 
 
@@ -90,3 +92,8 @@ def test_a_ps_server_refuses_a_strategy_without_parameter_servers() -> None:
         serve_task("127.0.0.1:1", b"s", index=0, num_workers=1, strategy="allreduce")
     with pytest.raises(ValueError, match="unknown strategy 'sgd'"):
         serve_task("127.0.0.1:1", b"s", index=0, num_workers=1, strategy="sgd")
+
+
+def test_fsdp_with_parameter_servers_is_refused() -> None:
+    with pytest.raises(ValueError, match="--ps 1 starts parameter servers, which only the ps strategies use"):
+        launch.resolve_strategy("fsdp", 2, 1)

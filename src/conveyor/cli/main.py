@@ -4,6 +4,7 @@
     conveyor data convert digits.npz data/digits --shards 4 --split train=0.8 --split test=0.2
     conveyor data inspect data/digits/train-*.tfrecord
     conveyor predict runs/digits/summary.json --cluster cluster.json
+    conveyor checkpoint export runs/digits --to runs/digits-model
 
 Every subcommand is a `Command` in `COMMANDS`; adding one is a module plus a line here. Bad input
 (a missing file, a wrong argument) prints one line on stderr and exits with status 2.
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 from importlib import metadata
 
 from conveyor.cli import Command, CommandError
+from conveyor.cli import checkpoint as checkpoint_command
 from conveyor.cli import data as data_command
 from conveyor.cli import k8s as k8s_command
 from conveyor.cli import predict as predict_command
@@ -24,7 +26,8 @@ from conveyor.cli import run as run_command
 from conveyor.cli import slurm as slurm_command
 
 COMMANDS: tuple[Command, ...] = (data_command.COMMAND, run_command.COMMAND, slurm_command.COMMAND,
-                                 k8s_command.COMMAND, k8s_command.TASK_COMMAND, predict_command.COMMAND)
+                                 k8s_command.COMMAND, k8s_command.TASK_COMMAND, predict_command.COMMAND,
+                                 checkpoint_command.COMMAND)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -28,6 +28,8 @@ from conveyor.cluster.strategy_name import NAMES as STRATEGY_NAMES
 from conveyor.cluster.strategy_name import StrategyName
 from conveyor.cluster.variables import (
     DATA_DIR_VAR,
+    FSDP_BLOCKS_VAR,
+    FSDP_RESHARD_VAR,
     OUTPUT_DIR_VAR,
     PIPELINE_MICROBATCHES_VAR,
     PIPELINE_SCHEDULE_VAR,
@@ -92,6 +94,7 @@ def _setting(default: object, **declared: Any) -> Any:
 
 
 _PIPELINE = "pipeline"
+_FSDP = "fsdp"
 _SPLIT_HELP = ("where each later stage begins: the modules to cut before (named_modules names, in forward order), "
                "instead of a balanced --stages. A model that is not an nn.Sequential (its own forward: blocks in a "
                "ModuleList, residuals) is cut this way only: torch.export traces it at the first batch and the "
@@ -153,6 +156,15 @@ class JobSettings:
     split: tuple[str, ...] | str | None = _setting(
         None, flag="--split", check=validate.layer_names, env=PIPELINE_SPLIT_VAR, agreed=True, metavar="NAME,NAME",
         group=_PIPELINE, help=_SPLIT_HELP)
+    fsdp_blocks: tuple[str, ...] | str | None = _setting(
+        None, flag="--fsdp-blocks", check=validate.layer_names, env=FSDP_BLOCKS_VAR, agreed=True, metavar="NAME,NAME",
+        group=_FSDP, help="with --strategy fsdp: the modules sharded one by one (named_modules names), then the root "
+                          "(default: the children of the model's largest list of same-typed modules)")
+    reshard_after_forward: bool = _setting(
+        True, flag="--no-reshard-after-forward", check=validate.flag, env=FSDP_RESHARD_VAR, agreed=True, kind=bool,
+        omit=True, switch="no", group=_FSDP,
+        help="with --strategy fsdp: keep each block's gathered parameters from forward to backward (ZeRO-2-like: "
+             "one all-gather less per block, more memory); default: free them after forward (ZeRO-3)")
 
     def __post_init__(self) -> None:
         for f, setting in _declared():
@@ -173,6 +185,8 @@ class JobSettings:
         """The checks that relate settings to each other and to the job's ``workers`` (a launcher's)."""
         validate.tf_flags(self.tf_flags, self.chief)
         validate.pipeline_shape(self.strategy, workers, self.stages, self.given_pipeline_flags(), self.split)
+        fsdp_given = [s.flag for f, s in _declared() if s.group == _FSDP and getattr(self, f.name) != f.default]
+        validate.fsdp_flags(self.strategy, fsdp_given)
         if self.timeout > validate.MAX_TIMEOUT:  # inf would reach torch as a timedelta it cannot hold
             validate.seconds(self.timeout, "--timeout", zero_ok=False, most=validate.MAX_TIMEOUT,
                              example="e.g. --timeout 300")

@@ -18,16 +18,16 @@ __all__ = ["NAMES", "PS_MODES", "StrategyName", "default_strategy", "parse_strat
 
 #: The parameter-server update rules: ``ps-sync``, ``ps-async``, ``ps-ssp:K``.
 PS_MODES: tuple[str, ...] = ("sync", "async", "ssp")
-_PLAIN = ("local", "allreduce", "pipeline")
+_PLAIN = ("local", "allreduce", "pipeline", "fsdp")
 
 #: Every strategy name conveyor knows, implemented or not, as the command line spells them.
-NAMES: tuple[str, ...] = ("local", "allreduce", "ps-sync", "ps-async", "ps-ssp:K", "pipeline")
+NAMES: tuple[str, ...] = ("local", "allreduce", "ps-sync", "ps-async", "ps-ssp:K", "pipeline", "fsdp")
 
 
 @dataclass(frozen=True)
 class StrategyName:
-    """A parsed strategy name: ``kind`` is ``local``, ``allreduce``, ``ps`` or ``pipeline``; a ``ps`` kind has
-    a ``mode`` (``sync``, ``async``, ``ssp``) and, for ``ssp``, a ``staleness`` bound."""
+    """A parsed strategy name: ``kind`` is ``local``, ``allreduce``, ``ps``, ``pipeline`` or ``fsdp``; a ``ps``
+    kind has a ``mode`` (``sync``, ``async``, ``ssp``) and, for ``ssp``, a ``staleness`` bound."""
 
     kind: str
     mode: str = ""

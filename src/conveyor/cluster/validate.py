@@ -139,6 +139,13 @@ def pipeline_shape(strategy_name: StrategyName | None, workers: int, stages: int
                          f"stages, so -n must be a multiple of {stages} (e.g. -n {stages})")
 
 
+def fsdp_flags(strategy_name: StrategyName | None, given: Sequence[str]) -> None:
+    """The fsdp flags ``given`` need ``--strategy fsdp``."""
+    if given and (strategy_name is None or strategy_name.kind != "fsdp"):
+        raise ValueError(f"{', '.join(given)} belong(s) to sharded data parallelism: add --strategy fsdp, or drop "
+                         f"{'them' if len(given) > 1 else 'it'}")
+
+
 def tf_flags(tf: bool, chief: bool) -> None:
     """TensorFlow 1's cluster flags know no chief job."""
     if tf and chief:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 __all__ = [
     "DATA_DIR_VAR",
     "FAULT_VAR",
+    "FSDP_BLOCKS_VAR",
+    "FSDP_RESHARD_VAR",
     "JOB_SECRET_FILE_VAR",
     "JOB_SECRET_VAR",
     "NAMES",
@@ -59,6 +61,8 @@ PIPELINE_SCHEDULE_VAR = "CONVEYOR_PIPELINE_SCHEDULE"
 PIPELINE_SPLIT_VAR = "CONVEYOR_PIPELINE_SPLIT"
 OUTPUT_LOCK_VAR = "CONVEYOR_OUTPUT_LOCK"
 FAULT_VAR = "CONVEYOR_FAULT"
+FSDP_BLOCKS_VAR = "CONVEYOR_FSDP_BLOCKS"
+FSDP_RESHARD_VAR = "CONVEYOR_FSDP_RESHARD"
 #: ``conveyor run --stages/--microbatches/--schedule/--split``, by flag (read by the pipeline strategy)
 PIPELINE_VARS = {"stages": PIPELINE_STAGES_VAR, "microbatches": PIPELINE_MICROBATCHES_VAR,
                  "schedule": PIPELINE_SCHEDULE_VAR, "split": PIPELINE_SPLIT_VAR}
@@ -118,6 +122,10 @@ VARIABLES: tuple[Variable, ...] = (
              _RUN, f"{_INIT}, which then does not take the lock again (conveyor.cluster.output_lock)"),
     Variable(FAULT_VAR, "TEST ONLY: <task>:<point>[:<step>] kills that task at that point of a checkpoint "
              "save, in the first attempt", "the crash tests (tests/train/test_save_crash.py)", "conveyor.fault"),
+    Variable(FSDP_BLOCKS_VAR, "the modules to shard one by one (named_modules names), comma-separated",
+             f"{_RUN} (--fsdp-blocks), or the user", f"{_INIT} (job.settings), for the fsdp strategy"),
+    Variable(FSDP_RESHARD_VAR, "0: keep the gathered parameters from forward to backward (ZeRO-2-like)",
+             f"{_RUN} (--no-reshard-after-forward), or the user", f"{_INIT} (job.settings), for the fsdp strategy"),
 )
 
 #: The names alone, in the table's order.

@@ -5,7 +5,8 @@
 Implemented: ``local`` (one process, no communication), ``allreduce`` (DistributedDataParallel) and
 the parameter-server strategies ``ps-sync``, ``ps-async``, ``ps-ssp:K`` (bounded staleness K;
 :mod:`conveyor.strategies.ps.strategy`), and ``pipeline`` (pipeline model parallelism, combined with
-data parallelism: :mod:`conveyor.strategies.pipeline.strategy`).
+data parallelism: :mod:`conveyor.strategies.pipeline.strategy`), and ``fsdp`` (sharded data parallelism,
+FSDP2: :mod:`conveyor.strategies.fsdp`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from conveyor.strategies.base import Strategy, check_optimizer
 from conveyor.strategies.local import LocalStrategy
 from conveyor.strategies.ps.strategy import PSStrategy
 
-__all__ = ["NAMES", "AllReduceStrategy", "LocalStrategy", "PSStrategy", "PipelineStrategy", "Strategy",
-           "check_optimizer", "get_strategy"]
+__all__ = ["NAMES", "AllReduceStrategy", "FSDPStrategy", "LocalStrategy", "PSStrategy", "PipelineStrategy",
+           "Strategy", "check_optimizer", "get_strategy"]
 
 _IMPLEMENTED: dict[str, type[Strategy]] = {"local": LocalStrategy, "allreduce": AllReduceStrategy}
 
@@ -29,6 +30,10 @@ def __getattr__(name: str):
         from conveyor.strategies.pipeline.strategy import PipelineStrategy
 
         return PipelineStrategy
+    if name == "FSDPStrategy":  # the same: FSDP2 brings in DTensor
+        from conveyor.strategies.fsdp.strategy import FSDPStrategy
+
+        return FSDPStrategy
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -40,4 +45,6 @@ def get_strategy(name: str) -> Strategy:
         return PSStrategy(parsed.mode, parsed.staleness)
     if parsed.kind == "pipeline":
         return __getattr__("PipelineStrategy")()
+    if parsed.kind == "fsdp":
+        return __getattr__("FSDPStrategy")()
     return _IMPLEMENTED[parsed.kind]()
