@@ -97,8 +97,10 @@ class Progress:
 
 def _extras(record: Mapping[str, Any]) -> list[tuple[str, str]]:
     """The throughput figures a record has (``conveyor.train.throughput``), as (label, value) in torchtitan's order."""
-    known = [("tokens/s", "tokens_per_second", ".0f"), ("TFLOPS", "tflops", ".2f"), ("MFU", "mfu", ".1%"),
-             ("mem", "peak_memory_gib", ".2f")]
+    tflops = record.get("tflops")
+    known = [("tokens/s", "tokens_per_second", ".0f"),
+             ("TFLOPS", "tflops", ".1f" if _num(tflops) and tflops >= 10 else ".3g"),  # small models: 3 digits
+             ("MFU", "mfu", ".1%"), ("mem", "peak_memory_gib", ".2f")]
     return [(label, format(record[key], spec) + ("GiB" if label == "mem" else ""))
             for label, key, spec in known if _num(record.get(key))]
 
