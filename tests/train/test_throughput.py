@@ -69,6 +69,12 @@ def test_a_convolution_is_counted_analytically():
     assert flops == 2 * (2 * 8 * 6 * 6) * (3 * 3 * 3)  # 2 per multiply-add, per output element
 
 
+def test_shape_inference_on_the_meta_device_is_no_flops():
+    model = mlp()[0].to("meta")
+    _, flops = count_flops(lambda: model(torch.randn(B, 4, device="meta")).sum().backward())
+    assert flops == 0  # a pipeline stage builds its schedule so at the first step
+
+
 def test_counting_does_not_change_the_step():
     results = []
     for counted in (True, False):

@@ -6,12 +6,12 @@
     meter.figures(flops, tokens, seconds)                     # {"tokens_per_second", "tflops", "mfu"} known
 
 FLOPs: the first training step (forward, backward and the optimizer step, as the strategy runs it) runs
-once under torch's ``FlopCounterMode``; matmuls, convolutions and attention count (2 per multiply-add),
-elementwise work and the optimizer do not. A Linear layer costs 2*in*out per sample forward and as much
-again for each of its input and weight gradients (the first layer computes no input gradient). Later
-steps are scaled by their batch size. Each process counts what it runs: under allreduce and the
-parameter servers the whole model's forward and backward, under pipeline its own stage's, so the
-figures are per device. Counting leaves the step's result unchanged.
+once under torch's ``FlopCounterMode``: matmuls, convolutions and attention count (2 per multiply-add);
+elementwise work, the optimizer and meta-device shape inference do not. A Linear layer costs 2*in*out per
+sample forward and as much again for each of its input and weight gradients (the first layer computes no
+input gradient). Later steps are scaled by their batch size. Each process counts what it runs: under
+allreduce and the parameter servers the whole model's forward and backward, under pipeline its own
+stage's, so the figures are per device. Counting leaves the step's result unchanged.
 
 Tokens: a batch whose inputs are an integer tensor of shape (B, T) has B*T tokens; ``tokens_per_sample``
 overrides it (any input). Peak: ``peak_tflops``, else on CUDA the bf16 dense peak of a known GPU
@@ -92,12 +92,25 @@ def peak_memory_bytes(device: torch.device | str) -> int:
 
 def count_flops(fn: Callable[..., Any], *args: Any) -> tuple[Any, int]:
     """``fn(*args)`` run once under torch's FlopCounterMode: its result and the FLOPs it dispatched."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    counter = FlopCounterMode(display=False)
+    counter = _flop_counter()
     with counter:
         result = fn(*args)
     return result, int(counter.get_total_flops())
+
+
+def _flop_counter() -> Any:
+    """torch's FlopCounterMode, leaving out work on the meta device: shape inference (a pipeline's schedule
+    build and start-up table run the stage on meta tensors at the first step) computes nothing."""
+    from torch.utils._pytree import tree_leaves
+    from torch.utils.flop_counter import FlopCounterMode
+
+    class RealFlopCounter(FlopCounterMode):
+        def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:  # torch's hook per op
+            if any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_leaves(out)):
+                return out
+            return super()._count_flops(func_packet, out, args, kwargs)
+
+    return RealFlopCounter(display=False)
 
 
 def tokens_per_sample(inputs: Any, override: int | None) -> int | None:
