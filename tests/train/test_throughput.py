@@ -122,3 +122,11 @@ def test_options_are_checked(options, fragment):
     args = {"peak_tflops": None, "tokens_per_sample": None, "count": True, **options}
     with pytest.raises(ValueError, match=fragment):
         check_options(**args)
+
+
+def test_the_trainer_checks_them_with_its_other_options():
+    from conveyor.train.trainer import TrainConfig
+
+    assert TrainConfig(peak_tflops=989, tokens_per_sample=128, count_flops=False).peak_tflops == 989
+    with pytest.raises(ValueError, match="peak_tflops must be a positive number"):
+        TrainConfig(peak_tflops=-1)
