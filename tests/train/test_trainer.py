@@ -472,6 +472,45 @@ def test_progress_prints_lines_when_not_a_terminal(tmp_path, monkeypatch, capsys
 
 
 
+def test_the_step_log_and_summary_show_tflops_memory_and_mfu_only_with_a_peak(tmp_path, monkeypatch, capsys):
+    summary, _, _ = run(tmp_path / "a", monkeypatch, progress=True, log_every_steps=5)
+    err = capsys.readouterr().err
+    assert "input wait" in err and " TFLOPS  mem " in err and "GiB\n" in err
+    assert "MFU" not in err  # the CPU has no known peak
+    train = [r for r in read_jsonl(tmp_path / "a" / "metrics.jsonl") if r["event"] == "train"]
+    assert all(r["tflops"] > 0 and r["peak_memory_gib"] > 0 and "mfu" not in r for r in train)
+    assert "tokens_per_second" not in train[0] and "tokens_per_second" not in summary  # float features
+    assert summary["tflops"] > 0 and summary["peak_memory_gib"] > 0 and "mfu" not in summary
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["tflops"] == summary["tflops"]
+
+    summary, _, _ = run(tmp_path / "b", monkeypatch, progress=True, log_every_steps=5, peak_tflops=0.5)
+    err = capsys.readouterr().err
+    assert " TFLOPS  MFU " in err
+    train = [r for r in read_jsonl(tmp_path / "b" / "metrics.jsonl") if r["event"] == "train"]
+    assert all(r["mfu"] == pytest.approx(r["tflops"] / 0.5) for r in train)
+    assert summary["mfu"] == pytest.approx(summary["tflops"] / 0.5)
+
+
+def test_a_run_counting_flops_ends_as_one_that_does_not(tmp_path, monkeypatch):
+    counted, _, params = run(tmp_path / "counted", monkeypatch, checkpoint_every_steps=None)
+    plain, _, plain_params = run(tmp_path / "plain", monkeypatch, checkpoint_every_steps=None, count_flops=False)
+    assert all(torch.equal(a, b) for a, b in zip(params, plain_params, strict=True))  # dropout's RNG too
+    assert counted["tflops"] > 0 and "tflops" not in plain and plain["peak_memory_gib"] > 0
+
+
+def test_token_batches_log_tokens_per_second(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (N, 6))
+    ds = Dataset.from_tensor_slices((ids.numpy(), ids[:, 0].numpy() % CLASSES)).batch(BATCH)
+    model = nn.Sequential(nn.Embedding(50, 8), nn.Flatten(), nn.Linear(6 * 8, CLASSES))
+    job = make_job(tmp_path, monkeypatch)
+    summary = Trainer(job, model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.cross_entropy, ds,
+                      epochs=1, log_every_steps=5, progress=False).fit()
+    train = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r["event"] == "train"]
+    assert train[0]["tokens_per_second"] == pytest.approx(6 * train[0]["samples_per_second"])
+    assert summary["tokens_per_second"] == pytest.approx(6 * summary["samples_per_second"])
+
+
 def test_progress_bar_when_forced_and_silence_elsewhere():
     import io
 
@@ -485,6 +524,11 @@ def test_progress_bar_when_forced_and_silence_elsewhere():
     bar.advance()
     bar.close()
     assert "loss=0.5000 samples/s=1234 input-wait=25.0%" in stream.getvalue() and "2/4" in stream.getvalue()
+    bar = Progress(enabled=True, mode="always", total=4, stream=stream)
+    bar.write({"event": "train", "step": 1, "loss": 0.5, "samples_per_second": 1234.0, "input_wait_fraction": 0.25,
+               "tokens_per_second": 9872.0, "tflops": 0.000213, "mfu": 0.0042, "peak_memory_gib": 0.5})
+    bar.close()
+    assert "input-wait=25.0% tokens/s=9872 TFLOPS=0.000213 MFU=0.4% mem=0.50GiB" in stream.getvalue()
     for progress in (Progress(enabled=False, stream=stream), Progress(enabled=True, mode=False, stream=stream)):
         before = stream.getvalue()
         progress.advance()

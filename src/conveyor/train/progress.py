@@ -8,6 +8,7 @@ unreadable there); "always" forces the bar; False shows nothing. Only the chief 
     progress = Progress(enabled=job.is_chief, mode=True, total=1000, initial=resumed_step)
     progress.advance()                                  # every step: cheap
     progress.write({"step": 10, "loss": 0.7, ...})      # every log record: refreshes the postfix
+                                                        # (with tokens/s, TFLOPS, MFU, peak memory where known)
     progress.close()
 """
 
@@ -68,14 +69,18 @@ class Progress:
         if self._bar is not None:
             if "global_step" in record:
                 self._bar.n = int(record["global_step"])
+            extra = "".join(f" {label}={value}" for label, value in _extras(record))
             self._bar.set_postfix_str(
-                f"loss={_fmt(loss, '.4f')} samples/s={_fmt(sps, '.0f')} input-wait={_fmt(wait, '.1%')}", refresh=False
+                f"loss={_fmt(loss, '.4f')} samples/s={_fmt(sps, '.0f')} input-wait={_fmt(wait, '.1%')}{extra}",
+                refresh=False
             )
             return
         total = f"/{self._total}" if self._total else ""
+        extra = "".join(f"  {label} {value}" if label in ("MFU", "mem") else f"  {value} {label}"
+                        for label, value in _extras(record))
         self._line(
             f"step {step}{total}  epoch {record.get('epoch')}  loss {_fmt(loss, '.4f')}  "
-            f"{_fmt(sps, '.0f')} samples/s  input wait {_fmt(wait, '.1%')}"
+            f"{_fmt(sps, '.0f')} samples/s  input wait {_fmt(wait, '.1%')}{extra}"
         )
 
     def _line(self, text: str) -> None:
@@ -88,6 +93,16 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+def _extras(record: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The throughput figures a record has (``conveyor.train.throughput``), as (label, value) in torchtitan's order."""
+    tflops = record.get("tflops")
+    known = [("tokens/s", "tokens_per_second", ".0f"),
+             ("TFLOPS", "tflops", ".1f" if _num(tflops) and tflops >= 10 else ".3g"),  # small models: 3 digits
+             ("MFU", "mfu", ".1%"), ("mem", "peak_memory_gib", ".2f")]
+    return [(label, format(record[key], spec) + ("GiB" if label == "mem" else ""))
+            for label, key, spec in known if _num(record.get(key))]
 
 
 def _num(v: Any) -> bool:

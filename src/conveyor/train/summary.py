@@ -5,7 +5,9 @@
 Global figures (samples, input-wait and accelerator-idle fractions) are summed over ranks;
 ``step_breakdown`` is this rank's; ``scaling`` is what ``conveyor predict`` reads
 (``conveyor.train.scaling_figures``). The chief adds the strategy's own figures (``communication``) and
-writes ``<output>/summary.json`` atomically. The keys: ``docs/training.md``, "Outputs".
+writes ``<output>/summary.json`` atomically. The keys: ``docs/training.md``, "Outputs". Where known, the
+run's tokens/s, mean TFLOPS per device and MFU (over ``wall``, as samples/s) and the peak memory (GiB, the
+largest rank's): ``conveyor.train.throughput``.
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ from conveyor.fileio import atomic_write
 from conveyor.train.plots import plot_step_breakdown, plot_timeline
 from conveyor.train.profiler import StepProfiler
 from conveyor.train.scaling_figures import local_counts, scaling_block
+from conveyor.train.throughput import Throughput, peak_memory_bytes
 
 __all__ = ["summarize", "write_json_atomic"]
 
 
 def summarize(job: Any, prof: StepProfiler, *, wall: float, steps: int, epochs: int, eval_result: dict[str, Any],
-              resumed_from: int | None, checkpoints: Path, module: torch.nn.Module | None = None) -> dict[str, Any]:
+              resumed_from: int | None, checkpoints: Path, module: torch.nn.Module | None = None,
+              throughput: Throughput | None = None) -> dict[str, Any]:
     """The run's summary (module docstring); writes the trace, and on the chief the plots and summary.json.
 
     `module` (the user's model, or this rank's stage of it) gives the ``scaling`` block its byte counts.
@@ -50,6 +54,7 @@ def summarize(job: Any, prof: StepProfiler, *, wall: float, steps: int, epochs: 
         **{k: _finite(v) for k, v in eval_result.items() if k != "eval_samples"},
         "input_wait_fraction": wait_fraction_sum / world,
         "accelerator_idle_fraction": idle_sum / world,
+        **(_throughput(job, throughput, wall) if throughput is not None else {}),
         "step_breakdown": figures["step_breakdown"],
         "scaling": scaling_block(counts, job=job, samples=samples, module_known=module is not None),
         "restarts": int(job.restart_count),
@@ -66,6 +71,20 @@ def summarize(job: Any, prof: StepProfiler, *, wall: float, steps: int, epochs: 
     if job.is_chief:
         write_json_atomic(out / "summary.json", summary)
     return summary
+
+
+def _throughput(job: Any, meter: Throughput, wall: float) -> dict[str, Any]:
+    """tokens/s, TFLOPS and MFU where known, and the peak memory (collective: a sum, then a max)."""
+    known = [meter.total_tokens is not None, meter.total_flops is not None]
+    vec = torch.tensor([meter.total_tokens or 0, meter.total_flops or 0.0, *known], dtype=torch.float64,
+                       device=torch.device(job.device))
+    job.all_reduce(vec)
+    tokens, flops, tokens_known, flops_known = vec.tolist()
+    memory = torch.tensor([peak_memory_bytes(job.device)], dtype=torch.float64, device=torch.device(job.device))
+    job.all_reduce(memory, op="max")
+    world = int(job.world_size)
+    figures = meter.figures(flops / world if flops_known else None, tokens if tokens_known else None, wall)
+    return {**figures, "peak_memory_gib": memory.item() / 2**30}
 
 
 def _write_trace_and_plots(job: Any, prof: StepProfiler, out: Path) -> dict[str, Any]:

@@ -41,6 +41,8 @@ from conveyor.train.profiler import StepProfiler, StepTimes
 from conveyor.train.reporting import Reporter
 from conveyor.train.resume import ResumeError, resume
 from conveyor.train.summary import summarize
+from conveyor.train.throughput import Throughput
+from conveyor.train.throughput import check_options as check_throughput_options
 
 __all__ = ["ResumeError", "StepEnd", "TrainConfig", "Trainer", "accuracy"]
 
@@ -61,6 +63,9 @@ class TrainConfig:
     progress: True (a bar on a terminal, plain lines otherwise), "always" (a bar), False.
     nonfinite: what a NaN or infinite loss does: "stop" (the default; `NonfiniteError` naming the step and
         the worker) or "skip" (that worker's batch is dropped); `conveyor.train.nonfinite`.
+    peak_tflops / tokens_per_sample / count_flops: the step log's MFU peak (default: a known GPU's bf16 peak),
+        tokens per sample (default: T for integer inputs (B, T)) and whether the first step's FLOPs are
+        counted for TFLOPS and MFU; `conveyor.train.throughput`.
     """
 
     epochs: int | None = None
@@ -73,6 +78,9 @@ class TrainConfig:
     log_every_steps: int = 10
     progress: bool | str = True
     nonfinite: str = "stop"
+    peak_tflops: float | None = None
+    tokens_per_sample: int | None = None
+    count_flops: bool = True
 
     def __post_init__(self) -> None:
         for name in ("epochs", "max_steps", "steps_per_epoch", "eval_every_steps", "checkpoint_every_steps",
@@ -85,6 +93,7 @@ class TrainConfig:
         if self.progress not in (True, False, "always"):
             raise ValueError(f"progress must be True, False or 'always', got {self.progress!r}")
         check_policy(self.nonfinite, shares_batches=False)
+        check_throughput_options(self.peak_tflops, self.tokens_per_sample, self.count_flops)
 
     @property
     def total_epochs(self) -> int | None:
@@ -223,6 +232,8 @@ class _Run:
         self.checkpointer = _Checkpointer(self)
         self.guard = NonfiniteGuard(self.cfg.nonfinite, self.job, trainer.module)
         self.loss_fn = self.guard.wrap(trainer.loss_fn)
+        self.meter = Throughput(self.device, peak_tflops=self.cfg.peak_tflops,
+                                tokens_per_sample=self.cfg.tokens_per_sample, count_flops=self.cfg.count_flops)
         self.finished_before = False  # resumed from a run that did every step asked: fit() changes nothing
         self.reporter: Reporter | None = None
         self.resumed_from: int | None = None
@@ -239,7 +250,7 @@ class _Run:
             self._finished_before()
             return
         self.reporter = Reporter.open(self.job, self.out, progress=self.cfg.progress, total=self._known_total(),
-                                      initial=t.step, resumed_from=self.resumed_from)
+                                      initial=t.step, resumed_from=self.resumed_from, throughput=self.meter)
         self.prof.start()
         self.started = time.perf_counter()
         self.reporter.window.reset()
@@ -258,14 +269,14 @@ class _Run:
             inputs, targets = split_batch(batch)
             step = self.strategy.step
             comm_before = step.comm_seconds()
-            loss = step.train(t.model, t.optimizer, self.loss_fn, inputs, targets, self.prof.mark)
+            loss = self.meter.train(step.train, t.model, t.optimizer, self.loss_fn, inputs, targets, self.prof.mark)
             t.step += 1
             self.guard.after_step(t.step, loss)
             if t.scheduler is not None:
                 t.scheduler.step()
             samples = step.counted_samples(batch_size(targets))
             times = self.prof.end_step(t.step, samples, step.comm_seconds() - comm_before)
-            self.reporter.add(loss, samples, times.input_wait)
+            self.reporter.add(loss, samples, times.input_wait, *self.meter.measure(inputs, targets, samples))
             if t.step % self.cfg.log_every_steps == 0:
                 self._log()
             if self.evaluator.due(t.step):
@@ -282,7 +293,7 @@ class _Run:
         self.summary = summarize(self.job, self.prof, wall=time.perf_counter() - self.started, steps=self.t.step,
                                  epochs=self.t.epoch, eval_result=self.evaluator.result,
                                  resumed_from=self.resumed_from, checkpoints=self.t.checkpoints.root,
-                                 module=self.t.module)
+                                 module=self.t.module, throughput=self.meter)
 
     def _finished_before(self) -> None:
         """The run resumed from did every step asked (every rank sees it alike): nothing is trained, and no
