@@ -73,6 +73,8 @@ _TRACK_BYTES = 1 << 16  # pyzmq's copy_threshold: smaller frames are copied, lar
 PART_BYTES = 8 << 20  # a request or reply larger than this travels as several messages (see _send)
 _MAX_ASSEMBLIES = 4096  # split messages being put together at once, per server or client
 MAX_ASSEMBLY_BYTES = 4 << 30  # tensor bytes of split messages being put together at once (see _Assembly)
+#: what all connections not yet authenticated may hold together (each, up to ``max_frame_bytes``)
+MAX_UNAUTHENTICATED_BYTES = 1 << 30
 PART_TIMEOUT = 60.0  # seconds a split message may wait for its next part before it is abandoned
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
@@ -399,6 +401,15 @@ def _router(ip: str, ipv6: bool, port: int, domain: bytes, max_frame_bytes: int 
     return sock, sock.get_monitor_socket(_SERVER_EVENTS)
 
 
+def _handshake_limit(max_frame_bytes: int | None) -> int | None:
+    """How many connections may handshake at once: :data:`MAX_UNAUTHENTICATED_BYTES` over what each may
+    hold (its frame and ZeroMQ's 8 KiB read buffer), and at least 64 (a job's workers connecting at once);
+    None (no limit) without a frame limit, where one connection alone is unbounded."""
+    if max_frame_bytes is None:
+        return None
+    return max(64, MAX_UNAUTHENTICATED_BYTES // (int(max_frame_bytes) + (8 << 10)))
+
+
 def _bound_router(ip: str, ipv6: bool, port: int, domain: bytes, max_frame_bytes: int | None,
                   handshake_timeout: float, *, name: str, address: str) -> tuple[zmq.Socket, zmq.Socket]:
     """:func:`_router`, bound to ``ip:port``; on failure everything is closed, ``domain`` unregistered, and
@@ -466,27 +477,60 @@ class _Handshakes:
     followed by file descriptor from ``ACCEPTED`` to ``DISCONNECTED``; the handshake events carry no
     descriptor and are matched to the oldest connection still handshaking, which is exact unless
     several peers handshake at the same moment (then only which connection is blamed may be off).
+
+    At most ``limit`` connections may be handshaking at once (each may hold a frame before it is
+    authenticated): beyond it, the newest are shut down (``shutdown(2)`` on their descriptor, which ZeroMQ
+    sees as the peer leaving and cleans up itself) and counted as ``"unauthenticated"`` drops.
     """
 
-    def __init__(self, drops: _Drops) -> None:
+    def __init__(self, drops: _Drops, limit: int | None = None) -> None:
         self._drops = drops
+        self._limit = limit
         self._pending: OrderedDict[int, None] = OrderedDict()  # fds accepted, handshake not settled
+        self._shut: set[int] = set()  # fds shut down here: their failure or disconnect is not a drop again
 
     def follow(self, events: list[tuple[int, int]]) -> None:
         for event, value in events:
             if event & zmq.EVENT_ACCEPTED:
                 self._pending[value] = None
+                self._shut.discard(value)  # a new connection on a reused descriptor
             elif event & (zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED):
+                if event & _HANDSHAKE_FAILED and self._shut:
+                    self._shut.pop()  # a connection shut down here failing its handshake: counted already
+                    continue
                 if self._pending:
                     self._pending.popitem(last=False)  # settled: its disconnect is not counted again
                 if event & _HANDSHAKE_FAILED:
                     why = ("a wrong password (another job's secret?)" if event & zmq.EVENT_HANDSHAKE_FAILED_AUTH
                            else "no or another security mechanism (not a conveyor client)")
                     self._drops.add("handshake", f"a connection failed the handshake: {why}", None)
+            elif event & zmq.EVENT_DISCONNECTED and value in self._shut:
+                self._shut.discard(value)
             elif event & zmq.EVENT_DISCONNECTED and value in self._pending:
                 del self._pending[value]
                 self._drops.add("handshake", "a connection closed before completing the ZeroMQ handshake (random "
                                              "bytes, a port scanner, or a ZMTP 1.0 peer)", None)
+        while self._limit is not None and len(self._pending) > self._limit:
+            fd, _ = self._pending.popitem(last=True)  # the newest: connections already handshaking go on
+            self._drops.add("unauthenticated", f"over {self._limit} connections were handshaking at once (the "
+                                               f"bound on memory before authentication); the newest was closed", None)
+            self._shut.add(fd)
+            _shut_down(fd)
+
+
+def _shut_down(fd: int) -> None:
+    """Shut down the connection on descriptor ``fd`` without closing it: ZeroMQ, which owns the descriptor,
+    reads end-of-file, disconnects and closes it itself."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return  # already closed
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        sock.detach()
 
 
 # --------------------------------------------------------------------------------------------- server
@@ -593,7 +637,7 @@ class Server:
         self._lock = threading.Lock()
         self._close_on_exit = False
         self._closed = False
-        self._handshakes = _Handshakes(self._drops)
+        self._handshakes = _Handshakes(self._drops, _handshake_limit(max_frame_bytes))
         self._active = time.monotonic()  # when serving began or an authenticated message was last handled
         self._peer: Any = None  # the connection whose message the handler is handling
         ip, ipv6 = _resolve_bind(host, port, name, bind_address)
