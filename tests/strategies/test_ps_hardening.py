@@ -22,10 +22,11 @@ import psutil
 import pytest
 
 from conveyor.cluster import local_cluster, task_environment
+from conveyor.comm import transport
 from conveyor.comm.transport import Client
 from conveyor.launch.ports import free_ports
 from conveyor.strategies.ps.client import PSClient
-from conveyor.strategies.ps.server import IdleTimeout, ParameterServer
+from conveyor.strategies.ps.server import IdleTimeout, ParameterServer, max_frame_bytes
 
 SECRET = b"ps-hardening-secret"
 CLAIM = 256 << 20  # per connection: large enough to see, small enough to reproduce safely before the fix
@@ -139,6 +140,30 @@ def test_a_connection_that_does_not_finish_the_handshake_is_dropped() -> None:
             s.sendall(GREETING)  # and then nothing: no HELLO
             assert _closed_by_peer(s, timeout=20.0), "the ps kept a connection that never authenticated"
     finally:
+        server.close()
+
+
+@pytest.mark.timeout(120)
+def test_connections_beyond_the_bound_on_unauthenticated_memory_are_closed() -> None:
+    port = free_ports(1)[0]
+    server = ParameterServer(f"127.0.0.1:{port}", SECRET, index=0, num_workers=1, mode="sync",
+                             handshake_timeout=60.0).start()  # the handshake timeout cannot be what closes them
+    frame = max_frame_bytes()
+    limit = transport._handshake_limit(frame) if hasattr(transport, "_handshake_limit") else 64  # 64: main's code
+    assert limit * (frame + (8 << 10)) <= getattr(transport, "MAX_UNAUTHENTICATED_BYTES", 1 << 30)
+    peers = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(limit + 6)]
+    try:
+        deadline = time.monotonic() + 30
+        closed = sum(_closed_by_peer(s, max(0.0, deadline - time.monotonic())) for s in peers[-6:])  # the newest
+        assert closed == 6, f"{closed} of the 6 connections beyond the bound ({limit}) were closed"
+        assert server.server.stats["dropped_by_reason"].get("unauthenticated", 0) >= 6
+        for s in peers:  # the flood ends: honest peers connect again
+            s.close()
+        with Client(f"127.0.0.1:{port}", SECRET, name="ps:0", timeout=30.0, sender="worker:0") as worker:
+            assert worker.request("ping").kind == "ok"
+    finally:
+        for s in peers:
+            s.close()
         server.close()
 
 
