@@ -13,10 +13,11 @@ Messages are :mod:`conveyor.comm.framing` frames. What it promises: the server b
 cluster spec's address; connections must pass a gate keyed by the job secret, and messages that do not
 decode are dropped and counted (``server.stats["dropped_by_reason"]``), never answered; a handler that
 raises becomes a :class:`RemoteError` at the client; payloads over ``part_bytes`` travel in separately
-signed parts; every request has a timeout, after which :class:`ServerUnavailable` says what the
-connection looked like. Tensors travel without copies, so keep those given to :meth:`Client.send`
-unchanged until :meth:`Client.receive` returns. A socket belongs to one thread. The reasons and the
-measurements: ``docs/ps.md``, "The parameter-server transport".
+signed parts (incomplete ones abandoned after ``PART_TIMEOUT`` and within ``MAX_ASSEMBLY_BYTES``);
+every request has a timeout, after which :class:`ServerUnavailable` says what the connection looked
+like. Tensors travel without copies, so keep those given to :meth:`Client.send` unchanged until
+:meth:`Client.receive` returns. A socket belongs to one thread. The reasons and the measurements:
+``docs/ps.md``, "The parameter-server transport".
 """
 
 from __future__ import annotations

@@ -9,7 +9,10 @@ bound to the task's TF_CONFIG address; each handler ``_on_<kind>`` takes one typ
 
 Promises: only authenticated, well-formed requests addressed to this task reach the handlers, so
 garbage on the port cannot change the parameters; an unauthenticated peer holds at most
-:func:`max_frame_bytes` per connection, for at most ``handshake_timeout`` seconds; the update rules
+:func:`max_frame_bytes` per connection, for at most ``handshake_timeout`` seconds (all together at most
+the transport's ``MAX_UNAUTHENTICATED_BYTES``); a push or commit for a step outside the worker's window,
+or naming pieces this task does not hold (or more than it holds), is refused with a counted ``error``
+reply and nothing kept, and held pulls are bounded per connection and in all (docs/ps.md); the update rules
 (``sync``, ``async``, ``ssp:K``) are :mod:`.rules`' (the handlers only delegate to one), applied as
 docs/ps.md, "The parameter-server protocol", describes; and :meth:`ParameterServer.serve` raises
 :class:`IdleTimeout` after the job's timeout without hearing from a worker (twice that before the
