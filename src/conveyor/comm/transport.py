@@ -488,7 +488,8 @@ class _Handshakes:
         self._drops = drops
         self._limit = limit
         self._pending: OrderedDict[int, None] = OrderedDict()  # fds accepted, handshake not settled
-        self._shut: set[int] = set()  # fds shut down here: their failure or disconnect is not a drop again
+        self._shut: set[int] = set()  # fds shut down here: their disconnect is not a drop again
+        self._shut_failing = 0  # handshake failures still to come from them (one each, before the disconnect)
 
     def follow(self, events: list[tuple[int, int]]) -> None:
         for event, value in events:
@@ -496,8 +497,8 @@ class _Handshakes:
                 self._pending[value] = None
                 self._shut.discard(value)  # a new connection on a reused descriptor
             elif event & (zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED):
-                if event & _HANDSHAKE_FAILED and self._shut:
-                    self._shut.pop()  # a connection shut down here failing its handshake: counted already
+                if event & _HANDSHAKE_FAILED and self._shut_failing:
+                    self._shut_failing -= 1  # a connection shut down here failing its handshake: counted already
                     continue
                 if self._pending:
                     self._pending.popitem(last=False)  # settled: its disconnect is not counted again
@@ -516,6 +517,7 @@ class _Handshakes:
             self._drops.add("unauthenticated", f"over {self._limit} connections were handshaking at once (the "
                                                f"bound on memory before authentication); the newest was closed", None)
             self._shut.add(fd)
+            self._shut_failing += 1
             _shut_down(fd)
 
 
