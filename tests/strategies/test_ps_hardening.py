@@ -22,10 +22,11 @@ import psutil
 import pytest
 
 from conveyor.cluster import local_cluster, task_environment
+from conveyor.comm import transport
 from conveyor.comm.transport import Client
 from conveyor.launch.ports import free_ports
 from conveyor.strategies.ps.client import PSClient
-from conveyor.strategies.ps.server import IdleTimeout, ParameterServer
+from conveyor.strategies.ps.server import IdleTimeout, ParameterServer, max_frame_bytes
 
 SECRET = b"ps-hardening-secret"
 CLAIM = 256 << 20  # per connection: large enough to see, small enough to reproduce safely before the fix
@@ -89,6 +90,21 @@ def flood(port: int, claim: int, connections: int, sample) -> bool:
     return all(closed)
 
 
+def _count_closed(socks: list[socket.socket], at_least: int, timeout: float) -> int:
+    """How many of ``socks`` the server closed, waiting until ``at_least`` are or ``timeout`` seconds pass."""
+    deadline, open_, closed = time.monotonic() + timeout, list(socks), 0
+    while closed < at_least and (remaining := deadline - time.monotonic()) > 0:
+        for s in select.select(open_, [], [], remaining)[0]:
+            try:
+                data = s.recv(1 << 16)  # the server's greeting comes first, then EOF
+            except (ConnectionResetError, BrokenPipeError):
+                data = b""
+            if not data:
+                open_.remove(s)
+                closed += 1
+    return closed
+
+
 def _closed_by_peer(s: socket.socket, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while (remaining := deadline - time.monotonic()) > 0:
@@ -139,6 +155,29 @@ def test_a_connection_that_does_not_finish_the_handshake_is_dropped() -> None:
             s.sendall(GREETING)  # and then nothing: no HELLO
             assert _closed_by_peer(s, timeout=20.0), "the ps kept a connection that never authenticated"
     finally:
+        server.close()
+
+
+@pytest.mark.timeout(120)
+def test_connections_beyond_the_bound_on_unauthenticated_memory_are_closed() -> None:
+    port = free_ports(1)[0]
+    server = ParameterServer(f"127.0.0.1:{port}", SECRET, index=0, num_workers=1, mode="sync",
+                             handshake_timeout=60.0).start()  # the handshake timeout cannot be what closes them
+    frame = max_frame_bytes()
+    limit = transport._handshake_limit(frame) if hasattr(transport, "_handshake_limit") else 64  # 64: main's code
+    assert limit * (frame + (8 << 10)) <= getattr(transport, "MAX_UNAUTHENTICATED_BYTES", 1 << 30)
+    peers = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(limit + 6)]
+    try:
+        closed = _count_closed(peers, at_least=6, timeout=30.0)
+        assert closed >= 6, f"{closed} of {len(peers)} silent connections were closed (bound {limit})"
+        assert server.server.stats["dropped_by_reason"].get("unauthenticated", 0) >= 6
+        for s in peers:  # the flood ends: honest peers connect again
+            s.close()
+        with Client(f"127.0.0.1:{port}", SECRET, name="ps:0", timeout=30.0, sender="worker:0") as worker:
+            assert worker.request("ping").kind == "ok"
+    finally:
+        for s in peers:
+            s.close()
         server.close()
 
 

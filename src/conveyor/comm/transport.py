@@ -13,10 +13,11 @@ Messages are :mod:`conveyor.comm.framing` frames. What it promises: the server b
 cluster spec's address; connections must pass a gate keyed by the job secret, and messages that do not
 decode are dropped and counted (``server.stats["dropped_by_reason"]``), never answered; a handler that
 raises becomes a :class:`RemoteError` at the client; payloads over ``part_bytes`` travel in separately
-signed parts; every request has a timeout, after which :class:`ServerUnavailable` says what the
-connection looked like. Tensors travel without copies, so keep those given to :meth:`Client.send`
-unchanged until :meth:`Client.receive` returns. A socket belongs to one thread. The reasons and the
-measurements: ``docs/ps.md``, "The parameter-server transport".
+signed parts (incomplete ones abandoned after ``PART_TIMEOUT`` and within ``MAX_ASSEMBLY_BYTES``);
+every request has a timeout, after which :class:`ServerUnavailable` says what the connection looked
+like. Tensors travel without copies, so keep those given to :meth:`Client.send` unchanged until
+:meth:`Client.receive` returns. A socket belongs to one thread. The reasons and the measurements:
+``docs/ps.md``, "The parameter-server transport".
 """
 
 from __future__ import annotations
@@ -72,6 +73,10 @@ _BATCH = 64  # messages handled before the loop polls again (lets monitor events
 _TRACK_BYTES = 1 << 16  # pyzmq's copy_threshold: smaller frames are copied, larger ones are tracked
 PART_BYTES = 8 << 20  # a request or reply larger than this travels as several messages (see _send)
 _MAX_ASSEMBLIES = 4096  # split messages being put together at once, per server or client
+MAX_ASSEMBLY_BYTES = 4 << 30  # tensor bytes of split messages being put together at once (see _Assembly)
+#: what all connections not yet authenticated may hold together (each, up to ``max_frame_bytes``)
+MAX_UNAUTHENTICATED_BYTES = 1 << 30
+PART_TIMEOUT = 60.0  # seconds a split message may wait for its next part before it is abandoned
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 _SERVER_EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED
@@ -266,44 +271,83 @@ def _send(sock: zmq.Socket, envelope: list[Any], kind: str, header: dict[str, An
 
 
 class _Assembly:
-    """Puts split messages back together: the first part's kind and header, every part's tensors."""
+    """Puts split messages back together: the first part's kind and header, every part's tensors.
 
-    def __init__(self, limit: int = _MAX_ASSEMBLIES) -> None:
-        self._open: OrderedDict[tuple[str, int], list[Message]] = OrderedDict()
+    Bounded (docs/ps.md, "Large payloads travel in parts"): at most ``limit`` assemblies and ``max_bytes``
+    of their tensors at once (beyond either, the oldest are abandoned: their requests time out at the
+    sender), and one whose next part has not come within ``timeout`` seconds of the previous one is
+    abandoned (:meth:`expire`, and on every part). Abandoned assemblies are ``"part"`` drops.
+    """
+
+    def __init__(self, limit: int = _MAX_ASSEMBLIES, *, max_bytes: int = MAX_ASSEMBLY_BYTES,
+                 timeout: float = PART_TIMEOUT, on_drop: Callable[[str], None] | None = None) -> None:
+        self._open: OrderedDict[tuple[str, int], tuple[list[Message], float]] = OrderedDict()  # by last part
         self._limit = limit
+        self.max_bytes = max_bytes
+        self.timeout = timeout
+        self.nbytes = 0  # tensor bytes held in incomplete assemblies
+        self._on_drop = on_drop
 
     def add(self, message: Message) -> Message | None:
-        """The whole message once its last part is in, else ``None``; ``BadMessage("part")`` if out of order."""
+        """The whole message once its last part is in, else ``None``; ``BadMessage("part")`` if out of order
+        or too large for the bound alone."""
         assert message.part is not None
         index, count, first = message.part
         key = (message.sender, first)
+        now = time.monotonic()
+        self.expire(now)
         if index == 0:
-            self._open[key] = [message]
-            while len(self._open) > self._limit:  # the oldest assembly is abandoned (its request times out)
-                self._open.popitem(last=False)
-            return None
-        parts = self._open.get(key)
-        if parts is None or len(parts) != index or parts[0].part[1] != count:  # type: ignore[index]
-            self._open.pop(key, None)
-            raise BadMessage("part", f"part {index}/{count} of message {first} from {message.sender} came out of "
-                                     f"order or without its first part")
+            self._abandon(key, None)
+            parts: list[Message] | None = []
+        else:
+            parts = self._open.pop(key, (None, 0.0))[0]
+            if parts is None or len(parts) != index or parts[0].part[1] != count:  # type: ignore[index]
+                self._forget(parts)
+                raise BadMessage("part", f"part {index}/{count} of message {first} from {message.sender} came out of "
+                                         f"order or without its first part (or after its assembly was abandoned)")
         parts.append(message)
-        if index < count - 1:
-            return None
-        del self._open[key]
-        return replace(parts[0], tensors=[t for p in parts for t in p.tensors],
-                       dtypes=[d for p in parts for d in p.dtypes], part=None)
+        size = sum(t.nbytes for t in message.tensors)
+        self.nbytes += size
+        if index == count - 1:
+            self._forget(parts)
+            return replace(parts[0], tensors=[t for p in parts for t in p.tensors],
+                           dtypes=[d for p in parts for d in p.dtypes], part=None)
+        self._open[key] = (parts, now)
+        while len(self._open) > self._limit or (self.nbytes > self.max_bytes and len(self._open) > 1):
+            self._abandon(next(iter(self._open)), "the bound on split messages being assembled was reached")
+        if self.nbytes > self.max_bytes:
+            self._abandon(key, None)
+            raise BadMessage("part", f"message {first} from {message.sender} is larger than the {self.max_bytes} "
+                                     f"bytes a split message may hold while it is assembled")
+        return None
+
+    def expire(self, now: float) -> None:
+        """Abandon the assemblies whose last part came more than ``timeout`` seconds before ``now``."""
+        while self._open:
+            key, (_, last) = next(iter(self._open.items()))
+            if now - last <= self.timeout:
+                break
+            self._abandon(key, f"no part came for {self.timeout:g} s")
+
+    def _abandon(self, key: tuple[str, int], why: str | None) -> None:
+        parts = self._open.pop(key, (None, 0.0))[0]
+        self._forget(parts)
+        if parts is not None and why is not None and self._on_drop is not None:
+            self._on_drop(f"abandoned split message {key[1]} from {key[0]} after {len(parts)} parts: {why}")
+
+    def _forget(self, parts: list[Message] | None) -> None:
+        self.nbytes -= sum(t.nbytes for p in parts or () for t in p.tensors)
 
 
 class _Inbox:
     """What a server does to each incoming message (the frames after the routing id) before its handler
     sees it: authenticate and check it (:func:`decode`), then put split requests back together."""
 
-    def __init__(self, secret: bytes, recipient: str, guard: ReplayGuard) -> None:
+    def __init__(self, secret: bytes, recipient: str, guard: ReplayGuard, assembly: _Assembly) -> None:
         self._secret = secret
         self._recipient = recipient
         self._guard = guard
-        self._assembly = _Assembly()
+        self.assembly = assembly
         #: ``(time.time(), sender role)`` of the last authenticated message, ``None`` before the first
         self.heard: tuple[float, str] | None = None
 
@@ -312,7 +356,7 @@ class _Inbox:
         :class:`BadMessage` for anything to drop (its ``reason`` is what the server counts)."""
         message = decode(body, secret=self._secret, replay_guard=self._guard, recipient=self._recipient)
         self.heard = (time.time(), sender_role(message.sender))
-        return self._assembly.add(message) if message.part is not None else message
+        return self.assembly.add(message) if message.part is not None else message
 
 
 def _reply_parts(result: Any) -> tuple[str, dict, Sequence[Any]]:
@@ -356,6 +400,31 @@ def _router(ip: str, ipv6: bool, port: int, domain: bytes, max_frame_bytes: int 
         sock.maxmsgsize = int(max_frame_bytes)
     sock.handshake_ivl = max(1, int(handshake_timeout * 1000))
     return sock, sock.get_monitor_socket(_SERVER_EVENTS)
+
+
+def _handshake_limit(max_frame_bytes: int | None) -> int | None:
+    """How many connections may handshake at once: :data:`MAX_UNAUTHENTICATED_BYTES` over what each may
+    hold (its frame and ZeroMQ's 8 KiB read buffer), and at least 64 (a job's workers connecting at once);
+    None (no limit) without a frame limit, where one connection alone is unbounded."""
+    if max_frame_bytes is None:
+        return None
+    return max(64, MAX_UNAUTHENTICATED_BYTES // (int(max_frame_bytes) + (8 << 10)))
+
+
+def _bound_router(ip: str, ipv6: bool, port: int, domain: bytes, max_frame_bytes: int | None,
+                  handshake_timeout: float, *, name: str, address: str) -> tuple[zmq.Socket, zmq.Socket]:
+    """:func:`_router`, bound to ``ip:port``; on failure everything is closed, ``domain`` unregistered, and
+    :class:`AddressInUseError` says why."""
+    sock, monitor = _router(ip, ipv6, port, domain, max_frame_bytes, handshake_timeout)
+    try:
+        sock.bind(_tcp(ip, port))
+    except zmq.ZMQError as exc:
+        sock.disable_monitor()
+        monitor.close(linger=0)
+        sock.close(linger=0)
+        _GATE.unregister(domain)
+        raise _bind_error(exc, name, address, ip, port) from None
+    return sock, monitor
 
 
 def _close_router(sock: zmq.Socket, monitor: zmq.Socket, endpoint: str) -> None:
@@ -409,27 +478,62 @@ class _Handshakes:
     followed by file descriptor from ``ACCEPTED`` to ``DISCONNECTED``; the handshake events carry no
     descriptor and are matched to the oldest connection still handshaking, which is exact unless
     several peers handshake at the same moment (then only which connection is blamed may be off).
+
+    At most ``limit`` connections may be handshaking at once (each may hold a frame before it is
+    authenticated): beyond it, the newest are shut down (``shutdown(2)`` on their descriptor, which ZeroMQ
+    sees as the peer leaving and cleans up itself) and counted as ``"unauthenticated"`` drops.
     """
 
-    def __init__(self, drops: _Drops) -> None:
+    def __init__(self, drops: _Drops, limit: int | None = None) -> None:
         self._drops = drops
+        self._limit = limit
         self._pending: OrderedDict[int, None] = OrderedDict()  # fds accepted, handshake not settled
+        self._shut: set[int] = set()  # fds shut down here: their disconnect is not a drop again
+        self._shut_failing = 0  # handshake failures still to come from them (one each, before the disconnect)
 
     def follow(self, events: list[tuple[int, int]]) -> None:
         for event, value in events:
             if event & zmq.EVENT_ACCEPTED:
                 self._pending[value] = None
+                self._shut.discard(value)  # a new connection on a reused descriptor
             elif event & (zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED):
+                if event & _HANDSHAKE_FAILED and self._shut_failing:
+                    self._shut_failing -= 1  # a connection shut down here failing its handshake: counted already
+                    continue
                 if self._pending:
                     self._pending.popitem(last=False)  # settled: its disconnect is not counted again
                 if event & _HANDSHAKE_FAILED:
                     why = ("a wrong password (another job's secret?)" if event & zmq.EVENT_HANDSHAKE_FAILED_AUTH
                            else "no or another security mechanism (not a conveyor client)")
                     self._drops.add("handshake", f"a connection failed the handshake: {why}", None)
+            elif event & zmq.EVENT_DISCONNECTED and value in self._shut:
+                self._shut.discard(value)
             elif event & zmq.EVENT_DISCONNECTED and value in self._pending:
                 del self._pending[value]
                 self._drops.add("handshake", "a connection closed before completing the ZeroMQ handshake (random "
                                              "bytes, a port scanner, or a ZMTP 1.0 peer)", None)
+        while self._limit is not None and len(self._pending) > self._limit:
+            fd, _ = self._pending.popitem(last=True)  # the newest: connections already handshaking go on
+            self._drops.add("unauthenticated", f"over {self._limit} connections were handshaking at once (the "
+                                               f"bound on memory before authentication); the newest was closed", None)
+            self._shut.add(fd)
+            self._shut_failing += 1
+            _shut_down(fd)
+
+
+def _shut_down(fd: int) -> None:
+    """Shut down the connection on descriptor ``fd`` without closing it: ZeroMQ, which owns the descriptor,
+    reads end-of-file, disconnects and closes it itself."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return  # already closed
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        sock.detach()
 
 
 # --------------------------------------------------------------------------------------------- server
@@ -508,7 +612,8 @@ class Server:
 
     def __init__(self, bind_address: str, secret: bytes, handler: Handler, *, name: str, max_skew: float = 300.0,
                  max_frame_bytes: int | None = None, handshake_timeout: float = 10.0, part_bytes: int = PART_BYTES,
-                 tick: Callable[[], None] | None = None) -> None:
+                 tick: Callable[[], None] | None = None, max_assembly_bytes: int = MAX_ASSEMBLY_BYTES,
+                 part_timeout: float = PART_TIMEOUT) -> None:
         host, port = split_address(bind_address, field=f"{name} address")
         check_secret(secret)
         if not handshake_timeout > 0:
@@ -520,10 +625,13 @@ class Server:
         self.tick = tick
         self.part_bytes = part_bytes
         self._secret = bytes(secret)
-        self._inbox = _Inbox(self._secret, name, ReplayGuard(max_skew=max_skew))
         self._stats: Counter[str] = Counter(dict.fromkeys(
             ("received", "replied", "handler_errors", "reply_failed", "internal_errors"), 0))  # fixed keys
         self._drops = _Drops(name)
+        #: split requests being put together (a handler learning how large they can be may raise ``max_bytes``)
+        self.assembly = _Assembly(max_bytes=max_assembly_bytes, timeout=part_timeout,
+                                  on_drop=lambda why: self._drops.add("part", why, None))
+        self._inbox = _Inbox(self._secret, name, ReplayGuard(max_skew=max_skew), self.assembly)
         self._outbox = _Outbox(name, self._secret, self.sender, self._stats)
         self._stop = threading.Event()
         self._serving: threading.Thread | None = None  # the thread that owns the socket while serving
@@ -532,23 +640,15 @@ class Server:
         self._lock = threading.Lock()
         self._close_on_exit = False
         self._closed = False
-        self._handshakes = _Handshakes(self._drops)
+        self._handshakes = _Handshakes(self._drops, _handshake_limit(max_frame_bytes))
         self._active = time.monotonic()  # when serving began or an authenticated message was last handled
         self._peer: Any = None  # the connection whose message the handler is handling
         ip, ipv6 = _resolve_bind(host, port, name, bind_address)
         self._domain = f"conveyor/{name}/{secrets.token_hex(8)}".encode()
         _GATE.register(zmq.Context.instance(), self._domain, _password(self._secret))
-        sock, self._monitor = _router(ip, ipv6, port, self._domain, max_frame_bytes, handshake_timeout)
-        try:
-            sock.bind(_tcp(ip, port))
-        except zmq.ZMQError as exc:
-            sock.disable_monitor()
-            self._monitor.close(linger=0)
-            sock.close(linger=0)
-            _GATE.unregister(self._domain)
-            raise _bind_error(exc, name, bind_address, ip, port) from None
-        self._sock = sock
-        self._endpoint = sock.last_endpoint
+        self._sock, self._monitor = _bound_router(ip, ipv6, port, self._domain, max_frame_bytes, handshake_timeout,
+                                                  name=name, address=bind_address)
+        self._endpoint = self._sock.last_endpoint
 
     # ---- serving
 
@@ -606,6 +706,7 @@ class Server:
                 return True
             if self._monitor in ready:
                 self._handshakes.follow(_drain_monitor(self._monitor))
+            self.assembly.expire(time.monotonic())
             self._tick()
             if self._sock not in ready:
                 limit = idle[0] if self.last_heard is not None else idle[1]
@@ -683,6 +784,11 @@ class Server:
     def lending(self) -> bool:
         """Whether ZeroMQ may still read tensors of earlier replies: change them only by writing new ones."""
         return self._outbox.lending()
+
+    @property
+    def peer(self) -> bytes | None:
+        """The connection whose message the handler is handling (None outside a handler): a key per peer."""
+        return None if self._peer is None else bytes(self._peer)
 
     def unsent_bytes(self, peer: Deferred | None = None) -> int:
         """Tensor bytes of replies not yet sent to a peer: the one whose request the handler is handling

@@ -32,7 +32,7 @@ from conveyor.strategies.ps.packing import pack, unpack
 
 __all__ = [
     "REQUESTS", "CommitReply", "Commit", "Done", "Init", "InitReply", "LoadState", "OkReply", "ParamsReply",
-    "Ping", "Position", "Positions", "PositionsReply", "ProtocolError", "Pull", "Push", "Restore", "Save",
+    "Ping", "Position", "Positions", "PositionsReply", "ProtocolError", "Pull", "Push", "Refused", "Restore", "Save",
     "SaveReply", "State", "StateReply", "Stats", "StatsReply", "WaitReply", "read_reply", "read_request",
 ]
 
@@ -46,15 +46,25 @@ class ProtocolError(ConveyorError, ValueError):
         super().__init__(f"ps {kind} message: {field_name} {problem}")
 
 
+class Refused(ProtocolError):
+    """A well-formed request the server will not keep: it names pieces the server does not hold, too many
+    pieces, or a step outside the worker's window. ``reason`` is what the server counts it under."""
+
+    def __init__(self, kind: str, field_name: str, problem: str, *, reason: str) -> None:
+        super().__init__(kind, field_name, problem)
+        self.reason = reason
+
+
 class _Fields:
     """Reads one message's header fields, refusing a wrong type or range with a :class:`ProtocolError`."""
 
-    def __init__(self, label: str, header: Any, num_workers: int | None) -> None:
+    def __init__(self, label: str, header: Any, num_workers: int | None, max_pieces: int | None = None) -> None:
         if header is None:
             header = {}
         if not isinstance(header, dict):
             raise ProtocolError(label, "header", f"is a {type(header).__name__}; expected a map")
         self.label, self.header, self.num_workers = label, header, num_workers
+        self.max_pieces = max_pieces  # the most pieces a push may name (the pieces the server holds)
 
     def fail(self, name: str, problem: str) -> ProtocolError:
         return ProtocolError(self.label, name, problem)
@@ -152,9 +162,11 @@ class _Message:
         return self.KIND, self.to_header(), self.tensors()
 
     @classmethod
-    def from_header(cls, header: Any, tensors: Sequence[Any] = (), *, num_workers: int | None = None) -> Any:
-        """The message from a received header and its tensors; :class:`ProtocolError` when malformed."""
-        fields = _Fields(cls.LABEL, header, num_workers)
+    def from_header(cls, header: Any, tensors: Sequence[Any] = (), *, num_workers: int | None = None,
+                    max_pieces: int | None = None) -> Any:
+        """The message from a received header and its tensors; :class:`ProtocolError` when malformed
+        (:class:`Refused` for a push naming more than ``max_pieces`` pieces, checked before anything else)."""
+        fields = _Fields(cls.LABEL, header, num_workers, max_pieces)
         if cls.TENSORS is None and len(tensors):
             raise fields.fail("tensors", f"are {len(tensors)}; this message carries none")
         return cls._read(fields, list(tensors))
@@ -225,6 +237,7 @@ class Push(_Packed):
 
     @classmethod
     def _read(cls, f: _Fields, tensors: list[Any]) -> Push:
+        _check_count(f, "keys")
         step = f.whole("step")
         keys = f.items("keys", str, "piece keys")
         return cls(f.rank(), step, _read_version(f, step), keys, _pieces(f, keys, tensors))
@@ -255,6 +268,14 @@ def _check_finite_hyper(f: _Fields, hyper: list[dict[str, Any]] | None) -> None:
             if any(isinstance(v, float) and not math.isfinite(v) for v in numbers):
                 raise f.fail("hyper", f"group {i}: {str(key)[:80]} = {value!r}; expected a finite number (a "
                                       f"non-finite hyperparameter would make every parameter NaN)")
+
+
+def _check_count(f: _Fields, name: str) -> None:
+    """Refuse a list ``name`` longer than ``f.max_pieces`` before reading (or unpacking) any of it."""
+    values = f.header.get(name)
+    if f.max_pieces is not None and isinstance(values, (list, tuple)) and len(values) > f.max_pieces:
+        raise Refused(f.label, name, f"lists {len(values)} pieces; this server holds {f.max_pieces}, and a push "
+                                     f"names only pieces it holds", reason="too_many_pieces")
 
 
 def _read_version(f: _Fields, step: int) -> int:
@@ -387,12 +408,14 @@ REQUESTS: dict[str, type[_Message]] = {cls.KIND: cls for cls in (
     Init, Push, Commit, Pull, Stats, State, LoadState, Save, Restore, Position, Positions, Ping, Done)}
 
 
-def read_request(kind: str, header: Any, tensors: Sequence[Any], *, num_workers: int | None = None) -> Any:
-    """The typed request for a received message; :class:`ProtocolError` for an unknown kind or a bad field."""
+def read_request(kind: str, header: Any, tensors: Sequence[Any], *, num_workers: int | None = None,
+                 max_pieces: int | None = None) -> Any:
+    """The typed request for a received message; :class:`ProtocolError` for an unknown kind or a bad field,
+    :class:`Refused` for a push naming more than ``max_pieces`` pieces (None: no limit)."""
     cls = REQUESTS.get(kind)
     if cls is None:
         raise ProtocolError(repr(kind), "kind", f"is not a ps request; expected one of {', '.join(REQUESTS)}")
-    return cls.from_header(header, tensors, num_workers=num_workers)
+    return cls.from_header(header, tensors, num_workers=num_workers, max_pieces=max_pieces)
 
 
 # -- replies -----------------------------------------------------------------------------------------------------

@@ -29,7 +29,11 @@ import torch
 
 from conveyor.strategies.ps.optim import mean_of_gradients
 
-__all__ = ["AsyncRule", "Clocks", "SspRule", "SyncRule", "UpdateRule", "make_rule"]
+__all__ = ["STEP_AHEAD", "AsyncRule", "Clocks", "SspRule", "SyncRule", "UpdateRule", "make_rule"]
+
+#: How far past its next step (its clock) a worker's push or commit may be. An honest worker pushes and
+#: commits exactly its next step; anything else would be kept and never applied (sync) or poison the clock.
+STEP_AHEAD = 1
 
 Grads = Mapping[str, torch.Tensor]
 
@@ -45,6 +49,15 @@ class Clocks:
     def advance(self, rank: int, step: int) -> None:
         """Worker ``rank`` committed ``step``."""
         self.clock[rank] = max(self.clock[rank], step + 1)
+
+    def out_of_window(self, rank: int, step: int) -> str | None:
+        """Why worker ``rank`` may not push or commit ``step`` (None: it may): only its next step (its clock)
+        or up to :data:`STEP_AHEAD` beyond is accepted; an earlier one was committed, a later one is not due."""
+        clock = self.clock[rank]
+        if clock <= step <= clock + STEP_AHEAD:
+            return None
+        return (f"is {step}, outside worker {rank}'s window {clock}..{clock + STEP_AHEAD} (its next step is "
+                f"{clock}: it committed {clock} steps); a worker pushes and commits only the step it trains")
 
     def announce(self, rank: int, plan: int) -> None:
         """Worker ``rank`` stops once the workers' total reaches ``plan`` (the largest it announced)."""

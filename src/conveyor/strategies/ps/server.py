@@ -9,7 +9,10 @@ bound to the task's TF_CONFIG address; each handler ``_on_<kind>`` takes one typ
 
 Promises: only authenticated, well-formed requests addressed to this task reach the handlers, so
 garbage on the port cannot change the parameters; an unauthenticated peer holds at most
-:func:`max_frame_bytes` per connection, for at most ``handshake_timeout`` seconds; the update rules
+:func:`max_frame_bytes` per connection, for at most ``handshake_timeout`` seconds (all together at most
+the transport's ``MAX_UNAUTHENTICATED_BYTES``); a push or commit for a step outside the worker's window,
+or naming pieces this task does not hold (or more than it holds), is refused with a counted ``error``
+reply and nothing kept, and held pulls are bounded per connection and in all (docs/ps.md); the update rules
 (``sync``, ``async``, ``ssp:K``) are :mod:`.rules`' (the handlers only delegate to one), applied as
 docs/ps.md, "The parameter-server protocol", describes; and :meth:`ParameterServer.serve` raises
 :class:`IdleTimeout` after the job's timeout without hearing from a worker (twice that before the
@@ -32,12 +35,13 @@ from safetensors.torch import save as save_safetensors
 
 from conveyor.cluster.strategy_name import PS_MODES, parse_strategy
 from conveyor.comm.framing import MAX_HEADER_BYTES, MAX_TRAILER_BYTES, Message
-from conveyor.comm.transport import Deferred, Server
+from conveyor.comm.transport import MAX_ASSEMBLY_BYTES, Deferred, Server
 from conveyor.errors import ConveyorError
 from conveyor.strategies.ps import protocol as wire
+from conveyor.strategies.ps.held import HeldPulls
 from conveyor.strategies.ps.optim import OptimizerSpec, ServerOptimizer
 from conveyor.strategies.ps.packing import PACK_BYTES
-from conveyor.strategies.ps.rules import UpdateRule, make_rule
+from conveyor.strategies.ps.rules import Clocks, UpdateRule, make_rule
 from conveyor.strategies.ps.sharding import DEFAULT_CHUNK_BYTES
 
 __all__ = ["MODES", "IdleTimeout", "ParameterServer", "ShardStore", "max_frame_bytes"]
@@ -46,6 +50,7 @@ log = logging.getLogger(__name__)
 
 MODES = PS_MODES
 MAX_HOLD_MS = 2000  # the longest a server keeps a pull that asked to be held (the worker asks again after)
+MAX_HELD_PER_PEER = 4  # held pulls per connection (a worker holds one); the server: this x 2 x workers
 
 
 def max_frame_bytes(chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
@@ -133,6 +138,37 @@ class ShardFiles:
         return shard
 
 
+def _refuse(name: str, counters: Counter[str], message: Message,
+            refused: wire.Refused) -> tuple[str, dict[str, Any], list[Any]]:
+    """The ``error`` reply to a request a server will not keep, counted as ``refused_<reason>`` and logged
+    (the first of each reason, then every 1000th: a peer cannot flood the log)."""
+    counter = f"refused_{refused.reason}"
+    counters[counter] += 1
+    if counters[counter] == 1 or counters[counter] % 1000 == 0:
+        log.warning("%s: refused a %r request from %s (%s); %d refused for this reason so far", name,
+                    message.kind, message.sender, refused, counters[counter])
+    return "error", {"error": f"{type(refused).__name__}: {refused}"[:4000], "request_kind": message.kind}, []
+
+
+def _check_push(name: str, params: Mapping[str, torch.Tensor], clocks: Clocks, push: wire.Push) -> None:
+    """Refuse a push naming a piece the server does not hold (or one twice), or for a step outside the
+    worker's window: the sync rule would keep its gradients and never apply them."""
+    if len(set(push.keys)) != len(push.keys):
+        raise wire.Refused("'push'", "keys", "lists a piece twice", reason="unknown_pieces")
+    unknown = [k for k in push.keys if k not in params]
+    if unknown:
+        raise wire.Refused("'push'", "keys", f"names {len(unknown)} pieces {name} does not hold (e.g. "
+                                             f"{unknown[0][:80]!r}); every worker must build the same model with "
+                                             f"the same number of ps tasks", reason="unknown_pieces")
+    _check_step(clocks, "'push'", push.rank, push.step)
+
+
+def _check_step(clocks: Clocks, label: str, rank: int, step: int) -> None:
+    problem = clocks.out_of_window(rank, step)
+    if problem is not None:
+        raise wire.Refused(label, "step", problem, reason="step_out_of_window")
+
+
 class ParameterServer:
     """One ps task's state and request handler (docs/ps.md, "The parameter-server protocol")."""
 
@@ -153,7 +189,7 @@ class ParameterServer:
         self.counters: Counter[str] = Counter()
         self.positions: dict[int, bytes] = {}  # each worker's newest data position (workers running apart)
         self.shard_files = ShardFiles(index, shards)
-        self._held: list[tuple[wire.Pull, Deferred, float]] = []  # pulls kept until ready, since when
+        self._held = HeldPulls(per_peer=MAX_HELD_PER_PEER, total=MAX_HELD_PER_PEER * 2 * num_workers)  # till ready
         #: a pull from a peer with more reply bytes than this still unsent is answered 'wait' (set at init:
         #: one reply of this server's pieces; a worker reads each reply before it pulls again)
         self.max_unsent_bytes = 0
@@ -225,10 +261,14 @@ class ParameterServer:
     def handle(self, message: Message) -> tuple[str, dict[str, Any], list[Any]] | Deferred:
         self.counters["requests"] += 1
         self.counters["bytes_in"] += sum(a.nbytes for a in message.tensors)
-        request = wire.read_request(message.kind, message.header, message.torch_tensors(), num_workers=self.num_workers)
-        if self.opt is None and not isinstance(request, (wire.Init, wire.Stats, wire.Done, wire.Ping)):
-            return wire.WaitReply().encode()
-        reply = getattr(self, f"_on_{request.KIND}")(request)
+        try:
+            request = wire.read_request(message.kind, message.header, message.torch_tensors(),
+                                        num_workers=self.num_workers, max_pieces=len(self.keys) if self.opt else None)
+            if self.opt is None and not isinstance(request, (wire.Init, wire.Stats, wire.Done, wire.Ping)):
+                return wire.WaitReply().encode()
+            reply = getattr(self, f"_on_{request.KIND}")(request)
+        except wire.Refused as refused:
+            return _refuse(self.name, self.counters, message, refused)
         if isinstance(reply, Deferred):
             return reply
         if isinstance(request, wire.Commit):
@@ -254,18 +294,21 @@ class ParameterServer:
         self.opt = ServerOptimizer(spec, {k: _own(v) for k, v in zip(init.keys, init.values, strict=True)})
         self.keys, self.fingerprint = list(init.keys), init.fingerprint
         self.max_unsent_bytes = sum(p.numel() * p.element_size() for p in self.opt.params.values())
+        self.server.assembly.max_bytes = max(MAX_ASSEMBLY_BYTES, 8 * self.max_unsent_bytes)  # a few load_states
         # the task said "serving" when it started (ps/task.py); this is worker 0's parameters arriving
         log.info("%s: holds %d pieces from worker 0 (server-side optimizer %s)", self.name, len(self.keys),
                  spec.name)
         return wire.InitReply(self.version)
 
     def _on_push(self, push: wire.Push) -> wire.OkReply:
+        _check_push(self.name, self.opt.params, self.rule.clocks, push)
         grads = {k: _own(g) for k, g in zip(push.keys, push.grads, strict=True)}
         self.counters["pushes"] += 1
         self._apply(self.rule.push(push.rank, push.step, push.read, grads))
         return wire.OkReply()
 
     def _on_commit(self, commit: wire.Commit) -> wire.CommitReply:
+        _check_step(self.rule.clocks, "'commit'", commit.rank, commit.step)
         if commit.hyper is not None:
             self.opt.update_hyperparameters(commit.hyper)
         clocks = self.rule.clocks
@@ -296,9 +339,11 @@ class ParameterServer:
         if pull.hold:
             # Kept until a commit makes it ready (answered at once then) or its hold runs out (then 'wait'):
             # no polling round trips, and the worker's own timeout still bounds the wait.
-            deferred = Deferred()
-            self._held.append((pull, deferred, time.monotonic()))
-            return deferred
+            deferred, now = Deferred(), time.monotonic()
+            if self._held.add(self.server.peer, pull.step, deferred, since=now,
+                              deadline=now + min(pull.hold, MAX_HOLD_MS) / 1000):
+                return deferred
+            self.counters["pull_hold_refused"] += 1  # over the bound: answered 'wait' now, it asks again
         self.counters["pull_waits"] += 1
         return wire.WaitReply(self.version)
 
@@ -314,21 +359,16 @@ class ParameterServer:
                                 held=int(held * 1e6))
 
     def _answer_held(self) -> None:
-        """Answer the held pulls that became ready (their parameters) or ran out of time ('wait')."""
-        if not self._held:
-            return
-        now, still = time.monotonic(), []
-        for pull, deferred, since in self._held:
-            if self.server.unsent_bytes(deferred) > self.max_unsent_bytes:
-                self.server.reply(deferred, self._encoded(self._backlogged()))
-            elif self.rule.ready(pull.step):
-                self.server.reply(deferred, self._encoded(self._params(held=now - since)))
-            elif now - since >= min(pull.hold, MAX_HOLD_MS) / 1000:
-                self.counters["pull_waits"] += 1
-                self.server.reply(deferred, self._encoded(wire.WaitReply(self.version)))
-            else:
-                still.append((pull, deferred, since))
-        self._held = still
+        """Answer the held pulls that became ready (their parameters, or 'wait' to a peer that has not read
+        earlier replies) or ran out of time ('wait'); touches only those (:class:`.held.HeldPulls`)."""
+        now = time.monotonic()
+        for _, deferred, since in self._held.take_ready(self.rule.ready):
+            backlogged = self.server.unsent_bytes(deferred) > self.max_unsent_bytes  # answered 'wait', as below
+            reply = self._backlogged() if backlogged else self._params(held=now - since)
+            self.server.reply(deferred, self._encoded(reply))
+        for _, deferred, _ in self._held.take_expired(now):
+            self.counters["pull_waits"] += 1
+            self.server.reply(deferred, self._encoded(wire.WaitReply(self.version)))
 
     def _on_stats(self, stats: wire.Stats) -> wire.StatsReply:
         transport = self.server.stats
