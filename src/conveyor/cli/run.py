@@ -21,10 +21,10 @@ import json
 import os
 import secrets
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from conveyor.cli import Command, CommandError
-from conveyor.cluster.output_lock import OutputDirBusyError, OutputLock
+from conveyor.cluster.output_lock import OutputDirBusyError, OutputLock, lock_path
 from conveyor.cluster.secret import parse_secret, read_secret_file
 from conveyor.cluster.settings import add_arguments as add_settings
 from conveyor.cluster.settings import agreed_flags
@@ -154,19 +154,20 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not os.path.isfile(options.script):
         raise CommandError(f"{options.script}: no such file (the script every task runs)")
-    lock = _lock_output(options.output_dir, environ) if args.nnodes == 1 or args.node_rank == 0 else None
-    try:
-        if args.nnodes == 1:
-            ports = free_ports(options.tasks_per_node + 1)  # one per task, one for torch's store (MASTER_PORT)
-            plan = local_plan(options, ports[:-1], master_port=ports[-1], secret=secret, environ=environ)
+    if args.nnodes == 1:
+        ports = free_ports(options.tasks_per_node + 1)  # one per task, one for torch's store (MASTER_PORT)
+        # the tasks are told where the lock is before it is taken: the plan is checked first, so that a job
+        # refused for its flags leaves nothing behind, not even the output folder
+        environ[OUTPUT_LOCK_VAR] = str(lock_path(options.output_dir))
+        plan = local_plan(options, ports[:-1], master_port=ports[-1], secret=secret, environ=environ)
+        with _locked_output(options.output_dir, environ):
             return _report(_supervisor(plan, options).run(), options.output_dir)
+    with _locked_output(options.output_dir, environ) if args.node_rank == 0 else contextlib.nullcontext():
         return _run_node(args, options, environ, secret)
-    finally:
-        if lock is not None:
-            lock.release()
 
 
-def _lock_output(output_dir: str, environ: dict[str, str]) -> OutputLock:
+@contextlib.contextmanager
+def _locked_output(output_dir: str, environ: dict[str, str]) -> Iterator[OutputLock]:
     """The output folder's lock, held by this launcher for the whole job (node 0's, where several nodes share
     the folder); its tasks are told, so that rank 0's `conveyor.init()` does not take it again."""
     try:
@@ -174,7 +175,10 @@ def _lock_output(output_dir: str, environ: dict[str, str]) -> OutputLock:
     except OutputDirBusyError as e:
         raise CommandError(str(e), exit_code=1) from None
     environ[OUTPUT_LOCK_VAR] = str(lock.path)
-    return lock
+    try:
+        yield lock
+    finally:
+        lock.release()
 
 
 def _supervisor(plan, options: RunOptions, peers=None) -> Supervisor:

@@ -28,9 +28,15 @@ from typing import ClassVar
 from conveyor.cluster.variables import OUTPUT_LOCK_VAR
 from conveyor.errors import ConveyorError
 
-__all__ = ["LOCK_NAME", "OutputDirBusyError", "OutputLock", "lock_for_script"]
+__all__ = ["LOCK_NAME", "lock_path", "OutputDirBusyError", "OutputLock", "lock_for_script"]
 
 LOCK_NAME = ".conveyor.lock"
+
+
+
+def lock_path(output_dir: str | os.PathLike[str]) -> Path:
+    """Where the lock of `output_dir` lives (what `conveyor run` tells its tasks)."""
+    return Path(output_dir).resolve() / LOCK_NAME
 
 
 class OutputDirBusyError(ConveyorError, RuntimeError):
@@ -50,9 +56,9 @@ class OutputLock:
     @classmethod
     def acquire(cls, output_dir: str | os.PathLike[str]) -> OutputLock:
         """Lock `output_dir` (created if missing) for this process, or raise `OutputDirBusyError` at once."""
-        folder = Path(output_dir).resolve()
+        path = lock_path(output_dir)
+        folder = path.parent
         folder.mkdir(parents=True, exist_ok=True)
-        path = folder / LOCK_NAME
         held = cls._held.get(str(path))
         if held is not None:  # this process has it already (a second init() in one process): share it
             held._users += 1

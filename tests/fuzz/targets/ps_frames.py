@@ -15,7 +15,7 @@ import struct
 import numpy as np
 
 from conveyor.comm.framing import BadMessage, ReplayGuard, encode
-from conveyor.comm.transport import _Inbox
+from conveyor.comm.transport import _Assembly, _Inbox
 
 EXPECTED = (BadMessage,)
 
@@ -67,7 +67,7 @@ def _split(data: bytes) -> list[list[bytes]]:
 
 
 def target(data: bytes) -> None:
-    inbox = _Inbox(SECRET, "ps:0", ReplayGuard(clock=lambda: TS))
+    inbox = _Inbox(SECRET, "ps:0", ReplayGuard(clock=lambda: TS), _Assembly())
     errors = []
     for frames in _split(data):
         try:
