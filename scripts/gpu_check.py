@@ -17,7 +17,8 @@ what it did not run; parts after a failed install are skipped, having nothing to
    with two workers sharing the GPU, and allreduce with two (gloo); parameters equal within a tolerance,
    parameters and batches on the expected device.
 
-Writes OUT/gpu_check.json and OUT/gpu_check.md; exits 0 when every part passed, else 1, naming the part.
+Writes OUT/gpu_check.json and OUT/gpu_check.md (both described in docs/gpu_check.md); exits 0 when every part
+passed, else 1, naming the part.
 """
 
 from __future__ import annotations
