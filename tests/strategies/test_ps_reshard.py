@@ -4,11 +4,16 @@ A ps-sync job of one worker and P=2 ps tasks (servers in threads, real sockets) 
 and saves through its checkpoint items; jobs with Q=1, 2, 3 ps tasks restore that step. Pieces are kept
 small (256 bytes) so the first layer's weight is cut in different places for each Q: the restored
 servers must hold bit for bit the saved parameters and optimizer state, and the next steps must give
-the same losses as the job resumed on P=2.
+the same losses as the job resumed on P=2. End to end, `conveyor run` resumes the digits demo written
+by 2 workers and 2 ps tasks on 3 ps tasks, to the model the uninterrupted run on 2 ends with.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -171,3 +176,40 @@ def test_pieces_that_took_different_numbers_of_steps_cannot_be_cut_across_and_sa
     assert len(reshard(shards, place(named, 1, CHUNK))) == 1  # one server keeps the saved cut: nothing crosses
     with pytest.raises(ReshardError, match=r"pieces of '0.weight' hold different 'step' \(3.0, 4.0\).*ps-async"):
         reshard(shards, place(named, 3, CHUNK))
+
+
+# -- end to end: `conveyor run` with the digits demo, 2 workers, --ps 2 and then --ps 3 --------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_digits(data: Path, out: Path, num_ps: int, epochs: int) -> str:
+    cmd = [sys.executable, "-m", "conveyor.cli.main", "run", "-n", "2", "--ps", str(num_ps), "--strategy", "ps-sync",
+           "--data-dir", str(data), "--output-dir", str(out), "--max-restarts", "0",
+           str(ROOT / "examples" / "digits" / "train.py"), "--epochs", str(epochs), "--batch-size", "64",
+           "--checkpoint-every", "5"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return proc.stdout + proc.stderr
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_conveyor_run_resumes_a_two_ps_job_on_three_to_the_same_model(tmp_path: Path) -> None:
+    """Two epochs (22 steps) on --ps 2; a copy rewound to its step 15 (mid-epoch) finishes on --ps 3: the same model."""
+    from safetensors.torch import load_file
+
+    data, two, three = tmp_path / "data", tmp_path / "two", tmp_path / "three"
+    assert "shards re-split" not in run_digits(data, two, 2, epochs=2)
+    shutil.copytree(two, three)
+    for later in ("step-00000020", "step-00000022"):
+        shutil.rmtree(three / "checkpoints" / later)
+    (three / "checkpoints" / "latest").write_text("step-00000015")
+    log = run_digits(data, three, 3, epochs=2)
+    assert "resumed step 15, written with 2 ps tasks, on 3: shards re-split" in log, log[-3000:]
+    final = [load_file(str(out / "checkpoints" / "step-00000022" / "model.safetensors")) for out in (two, three)]
+    assert final[0].keys() == final[1].keys() and final[0]
+    assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])  # bit for bit, as if never re-split
+    assert sorted(p.name for p in (three / "checkpoints" / "step-00000022").glob("ps-*.json")) == \
+        ["ps-0.json", "ps-1.json", "ps-2.json"]

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from conveyor.errors import ConveyorError
 from conveyor.strategies.ps.sharding import Placement, parse_piece_key
 
 __all__ = ["ReshardError", "reshard"]
@@ -30,8 +31,10 @@ __all__ = ["ReshardError", "reshard"]
 Shard = tuple[Mapping[str, torch.Tensor], Mapping[str, Any]]
 
 
-class ReshardError(ValueError):
+class ReshardError(ConveyorError, ValueError):
     """The saved shards cannot be re-split onto this job's servers; the message names why and the fix."""
+
+    usage_error = True  # a restart meets the same shards again
 
 
 @dataclass
@@ -143,7 +146,7 @@ def _flat(tensors: Mapping[str, torch.Tensor], key: str, numel: int) -> torch.Te
 
 
 def _scalars(param: str, whole: _Whole, start: int, stop: int) -> dict[str, Any]:
-    """The per-piece state of new piece [start, stop) of `param`: the old overlapping pieces' value, which must agree."""
+    """The per-piece state of new piece [start, stop) of `param`: the overlapping old pieces' value, all alike."""
     overlapping = [p for p in whole.pieces if p.start < stop and start < p.stop] or whole.pieces[:1]
     out = {}
     for name, value in overlapping[0].scalars.items():
