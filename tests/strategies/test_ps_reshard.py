@@ -28,7 +28,7 @@ from conveyor.strategies.ps.client import PSClient
 from conveyor.strategies.ps.reshard import ReshardError, reshard
 from conveyor.strategies.ps.server import ParameterServer
 from conveyor.strategies.ps.task import shard_stores
-from conveyor.train.checkpoint import CheckpointManager, StepWrite, commit
+from conveyor.train.checkpoint import CheckpointManager, ResumeError, StepWrite, commit
 
 SECRET = b"ps-reshard-secret"
 CHUNK = 256  # bytes: "0.weight" (128 floats) is cut into pieces, differently for 1, 2 and 3 servers
@@ -177,6 +177,31 @@ def test_pieces_that_took_different_numbers_of_steps_cannot_be_cut_across_and_sa
     with pytest.raises(ReshardError, match=r"pieces of '0.weight' hold different 'step' \(3.0, 4.0\).*ps-async"):
         reshard(shards, place(named, 3, CHUNK))
 
+
+@pytest.mark.timeout(60)
+def test_a_checkpoint_that_cannot_be_re_split_is_refused_on_resume_naming_why(saved) -> None:
+    """Step SAVED_AT + 1: the saved step with one piece a step ahead (as ps-async may save it); P=2 -> Q=3 refuses."""
+    from safetensors.torch import load as load_safetensors
+    from safetensors.torch import save as save_safetensors
+
+    out, _ = saved
+    checkpoints = CheckpointManager(out / "checkpoints")
+    ckpt = checkpoints.load(SAVED_AT)
+    late = load_safetensors(ckpt.read_part("ps-1.safetensors"))
+    late["state/0.weight[64:128]/step"] += 1
+    parts = {"ps-0.safetensors": ckpt.read_part("ps-0.safetensors"), "ps-0.json": ckpt.read_part("ps-0.json"),
+             "ps-1.safetensors": save_safetensors(late), "ps-1.json": ckpt.read_part("ps-1.json")}
+    for name, data in parts.items():
+        checkpoints.save_part(SAVED_AT + 1, name, data)
+    checkpoints.save(SAVED_AT + 1, dict(ckpt.trees), extra=ckpt.extra, parts=list(parts), parts_timeout=10)
+    job = Job(3, out, seed=1)
+    try:
+        with pytest.raises(ResumeError, match=r"written with 2 ps tasks and cannot be re-split onto this job's 3: "
+                                              r"the saved pieces of '0.weight' hold different 'step' \(3.0, 4.0\).*"
+                                              r"Resume with the number of ps tasks that wrote it"):
+            job.restore(SAVED_AT + 1)
+    finally:
+        job.close()
 
 # -- end to end: `conveyor run` with the digits demo, 2 workers, --ps 2 and then --ps 3 --------------------------------
 
