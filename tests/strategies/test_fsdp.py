@@ -133,8 +133,8 @@ def test_resume_from_per_rank_shards_ends_where_the_uninterrupted_run_ends(tmp_p
     for r in results:
         trained = torch.tensor(r["trained"])
         assert torch.allclose(trained, expected, rtol=0, atol=1e-5), (trained - expected).abs().max()
-        assert r["resume_on_one_rank"].startswith("ResumeError") and "holds fsdp shards of 2 ranks" in \
-            r["resume_on_one_rank"] and "-n 2" in r["resume_on_one_rank"], r["resume_on_one_rank"]
+        # another number of ranks is re-split on restore (test_fsdp_reshard.py), not refused by the check
+        assert r["resume_on_one_rank"] == "accepted", r["resume_on_one_rank"]
 
 
 @pytest.mark.multiprocess
