@@ -168,6 +168,9 @@ def test_a_folder_that_is_no_run_is_named(tmp_path: Path, capsys) -> None:
         err = capsys.readouterr().err
         assert "is not a run or checkpoint folder" in err or "is not a folder" in err, err
         assert "output folder" in err, err
+    (tmp_path / "fresh" / "checkpoints").mkdir(parents=True)  # a run that has not saved yet
+    assert main(["checkpoint", "show", str(tmp_path / "fresh")]) == 2
+    assert "holds no checkpoint yet" in capsys.readouterr().err
 
 
 def test_show_lists_steps_items_sizes_strategy_and_leftovers(tmp_path: Path, capsys) -> None:

@@ -7,7 +7,8 @@ the buffers, under the model's own names, and its optimizer state (the state of 
 is sharded alike; its local shards are written). Nothing is gathered on one rank. The chief writes the
 header tree ``fsdp`` (format, world size, blocks, part names, each sharded tensor's whole shape). On
 resume every rank reads its own part back into its shards; :func:`full_model` joins every rank's
-shards into the whole model (``conveyor checkpoint export``). A checkpoint of another number of ranks,
+shards into the whole model in memory (``conveyor checkpoint export`` reads the same layout a tensor at a time:
+``conveyor.train.checkpoint.sources``). A checkpoint of another number of ranks,
 or of another strategy, is refused naming why: resharding comes with elastic resume.
 """
 

@@ -77,6 +77,9 @@ def checkpoint_root(run_dir: str | Path) -> Path:
         raise CheckpointError(f"{run} is not a folder: give a run's output folder (the one holding checkpoints/) or "
                               f"its checkpoints folder")
     if not any(p.name.startswith(("step-", ".tmp-step-", ".parts-step-")) for p in root.iterdir()):
+        if root != run:
+            raise CheckpointError(f"{run} holds no checkpoint yet ({root} has no step folder): let the run save one "
+                                  f"(checkpoint_every_steps=) or give another run's folder")
         raise CheckpointError(f"{run} is not a run or checkpoint folder: it holds no checkpoints/ and no "
                               f"step-XXXXXXXX folders; give a run's output folder (--output-dir of conveyor run) or "
                               f"its checkpoints folder")
