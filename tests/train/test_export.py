@@ -247,3 +247,20 @@ def test_every_strategys_checkpoint_exports_a_model_that_computes_what_the_run_t
             assert loss == pytest.approx(saved["eval_loss"], rel=1e-6, abs=0)
             batch_sums = [outputs[i:i + 8].double().sum().item() for i in (0, 8)]
             assert sum(batch_sums) / 2 == pytest.approx(saved["eval_outsum"], rel=1e-6, abs=1e-9)
+
+
+def test_huggingface_hub_splits_and_loads_the_export_alike(tmp_path: Path) -> None:
+    """Where huggingface_hub is installed (it is no dependency): its split of the same state dict names the same
+    files, and its own loader reads the export strictly. Checked with huggingface_hub 2.4.0."""
+    hub = pytest.importorskip("huggingface_hub")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(30, 40), nn.BatchNorm1d(40), nn.Linear(40, 30), nn.Linear(30, 5))
+    CheckpointManager(tmp_path / "run" / "checkpoints", fsync=False).save(1, {"model": model.state_dict()})
+    export_model(tmp_path / "run", tmp_path / "export", max_shard_size=4000)
+    split = hub.split_torch_state_dict_into_shards(model.state_dict(), max_shard_size=4000)
+    assert split.is_sharded and json.loads((tmp_path / "export" / INDEX).read_text())["weight_map"] == \
+        split.tensor_to_filename
+    fresh = nn.Sequential(nn.Linear(30, 40), nn.BatchNorm1d(40), nn.Linear(40, 30), nn.Linear(30, 5))
+    hub.load_torch_model(fresh, tmp_path / "export", strict=True)
+    x = torch.randn(4, 30)
+    assert torch.equal(fresh.eval()(x), model.eval()(x))
