@@ -168,6 +168,11 @@ def test_the_trainer_runs_unchanged_evaluates_checkpoints_shards_and_resumes(tmp
         assert torch.allclose(trained, reference(2), rtol=0, atol=1e-5), (trained - reference(2)).abs().max()
     exported = export_and_load(tmp_path / "output", tmp_path / "export")
     assert torch.equal(torch.tensor(full(exported)), torch.tensor(again[0]["trained"])), "the shards joined"
+    from conveyor.train.checkpoint.show import describe
+
+    last = describe(tmp_path / "output")["steps"][-1]
+    assert last["strategy"] == "fsdp" and last["world"] == {"workers": 2, "fsdp_ranks": 2}, last
+    assert {"fsdp", "fsdp-rank-0", "fsdp-rank-1"} <= set(last["items"]), last["items"]
 
 
 def export_and_load(run_dir: Path, to: Path) -> nn.Module:
@@ -182,6 +187,13 @@ def export_and_load(run_dir: Path, to: Path) -> nn.Module:
     assert main(["checkpoint", "export", str(run_dir), "--to", str(to), "--force"]) == 0
     model = make_model(seed=99)
     model.load_state_dict(load_file(str(to / "model.safetensors")), strict=True)
+    shards = to.with_name(to.name + "-shards")  # the same step as Hugging Face-style shards: the same tensors
+    assert main(["checkpoint", "export", str(run_dir), "--to", str(shards), "--max-shard-size", "300B"]) == 0
+    weight_map = json.loads((shards / "model.safetensors.index.json").read_text())["weight_map"]
+    joined = {k: v for file in set(weight_map.values()) for k, v in load_file(str(shards / file)).items()}
+    single = load_file(str(to / "model.safetensors"))
+    assert len(set(weight_map.values())) > 1 and joined.keys() == single.keys() == weight_map.keys()
+    assert all(torch.equal(joined[k], single[k]) for k in single)
     return model
 
 
