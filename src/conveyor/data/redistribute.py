@@ -3,27 +3,23 @@
     shares = plan(dataset, [Saved(state_r, share_r) for r in range(N)], M)     # the same on every rank
     it = leftover_iterator(dataset, shares[k], root_seed, epoch)                # worker k's rest of the epoch
 
-`dataset` is the pipeline as new worker k builds it, with `shard(M, k)`. Old worker r's pipeline is that
-one with `shard(N, r)` in its place (its fingerprint must be the saved one), or, if r was itself running
-a leftover, that leftover. Its saved state is read op by op from the top into what r had not yet handed
-out: elements the element ops (batch, filter, map, shuffle, prefetch, and `to_torch`'s look-ahead) hold,
-each at its depth, and records, by provenance, at the record level (the range, from_tensor_slices,
-TFRecordDataset or interleave under them): the rest of the source, TFRecord files from the saved offset,
-files not yet opened, interleave slots and read-ahead, shuffle buffers saved as provenances. A shard
-above the record level is run to its end from its state (provenances only). The units are dealt in that
-fixed order to the least-loaded new worker (an element held above a batch weighs its batch size).
-Worker k's leftover pipeline is `dataset`'s element ops without shards, over a `LeftoverNode` that
-re-reads k's records through the record level, with `PrependNode`s handing out its held elements first
-at their depth (ops/leftover.py); its shuffles draw from the saved seed: same checkpoint and M, same
-order. Later epochs run the pipeline itself, sharded M ways.
+`dataset` is the pipeline as new worker k builds it, with `shard(M, k)`. Old worker r ran it with
+`shard(N, r)` instead (its saved fingerprint must say so), or a leftover of an earlier change (`share_r`).
+`plan` reads each saved state into what r had not handed out: records, by provenance, that the record
+level (range, from_tensor_slices, TFRecordDataset, or an interleave of those) has still to produce or
+that shuffle buffers hold, and the elements the element ops above it (batch, filter, map, shuffle,
+prefetch, shard; `to_torch`'s look-ahead) hold, each at its depth; then deals them, in a fixed order, to
+the least-loaded new worker. Worker k's leftover pipeline is `dataset`'s element ops without shards over
+its records (re-read through the record level), its held elements handed out first at their depth
+(ops/leftover.py); its shuffles draw from the saved seed: same checkpoint and M, same order.
 
-Exactly once: each pending record and held element goes to one new worker and is handed out once; a
-held element re-enters at its depth, so it passes no map twice (a fused map+batch holds its chunk from
-before the map: it is mapped again, deterministically). Refused with `RedistributeError` naming the op:
-record levels that cannot re-read (from_generator), cache, repeat, take, skip, unbatch, a shard over a
-map, an interleave over datasets that are not plain record sources, file names computed by a map. Not
-covered here: a lockstep Trainer ends an epoch when the first worker runs out, so a leftover that does
-not split into equally many batches loses the surplus batches, with the Trainer's warning.
+Exactly once: each pending record and held element goes to one new worker, which hands it out once;
+a held element re-enters at its depth, so it passes no map twice (a fused map+batch saved its chunk
+from before the map: it is mapped again). Anything else is refused with `RedistributeError` naming the
+op (from_generator, cache, repeat, take, skip, unbatch, a shard over a map, an interleave over datasets
+with ops, computed file names). Not covered here: a lockstep Trainer ends an epoch when the first worker
+runs out, so a leftover that does not split into equally many batches loses the surplus batches, with the
+Trainer's warning. Design: docs/data.md, "Resuming on another number of workers".
 """
 
 from __future__ import annotations
