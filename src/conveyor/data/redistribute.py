@@ -38,7 +38,7 @@ from conveyor.data.ops.batch import BatchNode
 from conveyor.data.ops.leftover import LeftoverNode, PrependNode
 from conveyor.data.ops.shard import ShardNode
 from conveyor.data.pipeline import _optimize
-from conveyor.data.records.tfrecord import TFRecordReader
+from conveyor.data.records.tfrecord import build_index
 from conveyor.data.sources.tfrecord import _as_path
 
 __all__ = ["Saved", "leftover_iterator", "leftover_node", "plan"]
@@ -255,15 +255,10 @@ def _file_records(node: Any, path: str, offset: int, saved: tuple[int, int] | No
         raise RedistributeError(f"{path} changed since the checkpoint ({saved[0]} bytes then, {now[0]} now): its "
                                 f"saved offsets would land in other records")
     source = [path, *now]
-    offsets = []
-    with TFRecordReader(path, node.compression_type, offset=offset, max_record_bytes=node.max_record_bytes) as reader:
-        while True:
-            start = reader.offset
-            try:
-                next(reader)
-            except StopIteration:
-                break
-            offsets.append(start)
+    index = [int(o) for o in build_index(path, node.compression_type)]
+    offsets = [o for o in index if o >= offset]
+    if offsets and offsets[0] != offset:
+        raise RedistributeError(f"{path} has no record at the saved byte {offset} (a record spans it)")
     return [(source, o) for o in offsets]
 
 
