@@ -398,6 +398,16 @@ def test_a_checkpoint_of_two_workers_resumes_on_one_with_every_sample_once(tmp_p
     assert summary["steps"] == 1 + 3 + 5
 
 
+def test_a_generator_pipeline_is_not_redistributed_and_the_refusal_names_the_op_and_the_way_out(tmp_path,
+                                                                                                 monkeypatch):
+    fake_checkpoint(tmp_path, world_size=2, workers=[0, 1])
+    x, y = np.zeros((N, 4), np.float32), np.zeros(N, np.int64)
+    generated = Dataset.from_generator(lambda: zip(x, y, strict=True)).shard(1, 0).batch(BATCH)
+    with pytest.raises(ResumeError, match=r"2 worker\(s\); this job has 1.*the from_generator op cannot be "
+                                          r"redistributed.*-n 2.*--no-resume"):
+        run(tmp_path, monkeypatch, ds=generated)
+
+
 def test_a_checkpoint_of_another_model_is_refused_naming_what_differs(tmp_path, monkeypatch):
     run(tmp_path, monkeypatch)
     job = make_job(tmp_path, monkeypatch)
