@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from conveyor.data import Dataset, TFRecordDataset
+from conveyor.data import Dataset, FixedLenFeature, TFRecordDataset, encode_example, parse_single_example
 from conveyor.data.errors import RedistributeError
 from conveyor.data.records import TFRecordWriter
 from conveyor.data.redistribute import Saved, leftover_iterator, plan
@@ -18,19 +18,19 @@ SEED = 11
 
 
 def write_id_files(folder, files: int, per_file: int) -> int:
-    """TFRecord files whose records are "<id>:" plus padding of varying length; ids 0.. are unique."""
+    """TFRecord files of tf.train.Examples with a unique int64 feature "id" (0..) and padding of varying length."""
     rng = np.random.default_rng(files)
     next_id = 0
     for f in range(files):
         with TFRecordWriter(os.path.join(str(folder), f"part-{f:02d}.tfrecord")) as w:
             for _ in range(per_file + f % 3):  # files of different lengths
-                w.write(f"{next_id}:".encode() + rng.bytes(int(rng.integers(0, 30))))
+                w.write(encode_example({"id": next_id, "pad": rng.bytes(int(rng.integers(0, 30)))}))
                 next_id += 1
     return next_id
 
 
 def record_id(record: bytes) -> int:
-    return int(record.split(b":", 1)[0])
+    return int(parse_single_example(record, {"id": FixedLenFeature([], "int64")})["id"])
 
 
 def ids_of(element) -> list[int]:
