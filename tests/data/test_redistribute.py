@@ -12,7 +12,8 @@ import pytest
 from conveyor.data import Dataset, FixedLenFeature, TFRecordDataset, encode_example, parse_single_example
 from conveyor.data.errors import RedistributeError
 from conveyor.data.records import TFRecordWriter
-from conveyor.data.redistribute import Saved, leftover_iterator, plan
+from conveyor.data.redistribute import Saved, leftover_iterator, leftover_node, plan
+from resume_check import assert_resumes
 
 SEED = 11
 
@@ -155,6 +156,19 @@ def test_the_leftover_order_is_deterministic_from_the_checkpoint_and_the_world(t
         for it in its:
             it.close()
         assert leftover_streams(make, again, 2) == leftover_streams(make, again, 2)
+
+
+@pytest.mark.parametrize("name", ["range, shard over records",
+                                  "list_files, interleave read-ahead, shuffle, map in processes + batch"])
+def test_a_leftover_pipeline_resumes_exactly_on_the_same_world(tmp_path, name):
+    make, _ = pipelines(tmp_path)[name]
+    its = [make(2, k).iterator(root_seed=SEED, iteration=0) for k in range(2)]
+    for it in its:
+        take(it, 2)
+    shares = plan(make(3, 1), [Saved(it.state_dict()) for it in its], 3)
+    for it in its:
+        it.close()
+    assert_resumes(lambda: Dataset(leftover_node(make(3, 1)._node, shares[1])), ks=[0, 1, 3])
 
 
 def test_the_deal_is_balanced(tmp_path):
