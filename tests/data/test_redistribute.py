@@ -125,6 +125,17 @@ def test_stopping_at_several_points_of_the_epoch(tmp_path, stop):
         assert all(phases[1]), "every new worker gets part of the leftover"
 
 
+def saved_after(make, world: int, count: int) -> list[Saved]:
+    """The states of `world` workers of the pipeline itself after `count` elements each."""
+    its = [make(world, k).iterator(root_seed=SEED, iteration=0) for k in range(world)]
+    for it in its:
+        take(it, count)
+    saved = [Saved(it.state_dict()) for it in its]
+    for it in its:
+        it.close()
+    return saved
+
+
 def leftover_streams(make, saved: list[Saved], world: int) -> list[list[int]]:
     shares = plan(make(world, 0), saved, world)
     streams = []
@@ -139,12 +150,7 @@ def test_the_leftover_order_is_deterministic_from_the_checkpoint_and_the_world(t
     """Background readers (prefetch, parallel interleave, map processes) make the saved states depend on timing;
     from one saved set of states, every redistribution to M workers hands out the same ids in the same order."""
     for make, _ in pipelines(tmp_path).values():
-        its = [make(2, k).iterator(root_seed=SEED, iteration=0) for k in range(2)]
-        for it in its:
-            take(it, 2)
-        saved = [Saved(it.state_dict()) for it in its]
-        for it in its:
-            it.close()
+        saved = saved_after(make, 2, 2)
         first = leftover_streams(make, saved, 3)
         assert leftover_streams(make, saved, 3) == first
         # ... and from the states of workers that were themselves running a leftover
@@ -162,12 +168,7 @@ def test_the_leftover_order_is_deterministic_from_the_checkpoint_and_the_world(t
                                   "list_files, interleave read-ahead, shuffle, map in processes + batch"])
 def test_a_leftover_pipeline_resumes_exactly_on_the_same_world(tmp_path, name):
     make, _ = pipelines(tmp_path)[name]
-    its = [make(2, k).iterator(root_seed=SEED, iteration=0) for k in range(2)]
-    for it in its:
-        take(it, 2)
-    shares = plan(make(3, 1), [Saved(it.state_dict()) for it in its], 3)
-    for it in its:
-        it.close()
+    shares = plan(make(3, 1), saved_after(make, 2, 2), 3)
     assert_resumes(lambda: Dataset(leftover_node(make(3, 1)._node, shares[1])), ks=[0, 1, 3])
 
 
@@ -181,12 +182,7 @@ def test_the_deal_is_balanced(tmp_path):
 
 def test_file_records_are_dealt_by_file_and_offset(tmp_path):
     make, n = pipelines(tmp_path)["list_files, interleave read-ahead, shuffle, map in processes + batch"]
-    its = [make(2, k).iterator(root_seed=SEED, iteration=0) for k in range(2)]
-    for it in its:
-        take(it, 1)
-    shares = plan(make(3, 0), [Saved(it.state_dict()) for it in its], 3)
-    for it in its:
-        it.close()
+    shares = plan(make(3, 0), saved_after(make, 2, 1), 3)
     sources = [s for share in shares for s in share["sources"]]
     assert sources and all(isinstance(s, list) and len(s) == 2 and len(s[1]) == 3 for s in sources), sources
     names = set(Dataset.list_files(os.path.join(str(tmp_path), "*.tfrecord"), shuffle=False).iterator())
