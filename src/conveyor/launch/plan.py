@@ -285,16 +285,9 @@ def build_plan(
     ``master_addr:master_port`` is where rank 0 (node 0's first training task) hosts torch's store;
     ``environ`` is the caller's environment, which every task inherits. ``topology``: this machine's CPUs
     for ``options.bind`` (read from sysfs and the launcher's affinity when not given). ``dispatcher_port``:
-    where node 0 runs the data service's dispatcher when any node has data workers (:func:`_data_launches`).
+    where node 0 runs the data service's dispatcher when any node has data workers (:func:`data_task_argv`).
     """
-    if not nodes:
-        raise ValueError("nodes is empty; a job has at least this machine")
-    if not 0 <= node_rank < len(nodes):
-        raise ValueError(f"--node-rank {node_rank} is out of range for --nnodes {len(nodes)} (0..{len(nodes) - 1})")
-    if not nodes[0].workers:
-        raise ValueError("node 0 runs rank 0, the chief, which hosts the process group's store and writes the "
-                         "checkpoints: give node 0 -n 1 or more, and the parameter-server-only node (-n 0) another "
-                         "--node-rank")
+    _check_nodes(nodes, node_rank)
     spec = cluster_from_nodes(nodes, options.chief, dispatcher_port)
     settings = options.replace(strategy=job_strategy(options.strategy, spec.world_size, len(spec.ps)))
     strategy = settings.strategy.name  # what every task is told, the strategy resolved
@@ -304,15 +297,7 @@ def build_plan(
     if spec.dispatcher:
         extra[DATA_SERVICE_VAR] = spec.dispatcher[0]  # every task may `distribute(from_env())`
     log_dir = os.path.join(options.output_dir, "logs")
-    training = spec.training_tasks
-    first_rank = sum(n.workers for n in nodes[:node_rank])
-    first_ps = sum(n.ps for n in nodes[:node_rank])
-    mine = [(training[first_rank + i], i) for i in range(node.workers)]
-    mine += [(TaskId("ps", first_ps + i), 0) for i in range(node.ps)]
-    if spec.dispatcher and node_rank == 0:
-        mine.append((TaskId("dispatcher", 0), 0))
-    first_data = sum(n.data_workers for n in nodes[:node_rank])
-    mine += [(TaskId("data_worker", first_data + i), 0) for i in range(node.data_workers)]
+    mine = _node_tasks(spec, nodes, node_rank)
     places = _placements(options, len(mine), topology)
     launches = []
     for (task, local_rank), place in zip(mine, places, strict=True):
@@ -339,6 +324,30 @@ def build_plan(
         ))
     return LaunchPlan(spec=spec, strategy=strategy, tasks=tuple(launches), log_dir=log_dir, node_rank=node_rank,
                       nnodes=len(nodes), inherited=len(base))
+
+
+def _check_nodes(nodes: Sequence[NodeInfo], node_rank: int) -> None:
+    if not nodes:
+        raise ValueError("nodes is empty; a job has at least this machine")
+    if not 0 <= node_rank < len(nodes):
+        raise ValueError(f"--node-rank {node_rank} is out of range for --nnodes {len(nodes)} (0..{len(nodes) - 1})")
+    if not nodes[0].workers:
+        raise ValueError("node 0 runs rank 0, the chief, which hosts the process group's store and writes the "
+                         "checkpoints: give node 0 -n 1 or more, and the parameter-server-only node (-n 0) another "
+                         "--node-rank")
+
+
+def _node_tasks(spec: ClusterSpec, nodes: Sequence[NodeInfo], node_rank: int) -> list[tuple[TaskId, int]]:
+    """Node ``node_rank``'s tasks with their local ranks: its training tasks, its ps, the dispatcher (node 0, when
+    the job has data workers), its data workers."""
+    node, before = nodes[node_rank], nodes[:node_rank]
+    first_rank, first_ps = sum(n.workers for n in before), sum(n.ps for n in before)
+    mine = [(spec.training_tasks[first_rank + i], i) for i in range(node.workers)]
+    mine += [(TaskId("ps", first_ps + i), 0) for i in range(node.ps)]
+    if spec.dispatcher and node_rank == 0:
+        mine.append((TaskId("dispatcher", 0), 0))
+    first_data = sum(n.data_workers for n in before)
+    return mine + [(TaskId("data_worker", first_data + i), 0) for i in range(node.data_workers)]
 
 
 def data_task_argv(options: RunOptions, spec: ClusterSpec, task: TaskId, log_dir: str) -> tuple[str, ...]:
