@@ -81,6 +81,8 @@ STRATEGIES: tuple[str, ...] = STRATEGY_NAMES
 
 #: The dispatcher's figures (per data worker rates, queues, the trainers' input wait), in the job's logs folder
 DATA_REPORT = "data_service.json"
+#: How many times a data worker that exits is started again (per attempt of the job; k8s: per pod)
+DATA_WORKER_RESTARTS = 3
 
 #: Open files the launcher holds per task: the task's output pipe and its log for the whole job, and a
 #: socket for a moment while free ports are picked (all at once, so the kernel hands out distinct ones).

@@ -32,7 +32,7 @@ from conveyor.cluster.failure_report import read_report, report_path
 from conveyor.cluster.spec import DATA_JOBS
 from conveyor.errors import PeerError  # re-exported: its old home
 from conveyor.launch.failures import exit_status, peer_signature, signature, signature_line
-from conveyor.launch.plan import LaunchPlan
+from conveyor.launch.plan import DATA_WORKER_RESTARTS, LaunchPlan
 from conveyor.launch.restarts import Failure, RestartPolicy, Stop, decide, latest_step, resume_point, stop_message
 from conveyor.launch.states import (
     Done,
@@ -49,10 +49,7 @@ from conveyor.launch.states import (
 )
 from conveyor.launch.tasks import Console, RunningTask, stop_tasks
 
-__all__ = ["DATA_WORKER_RESTARTS", "JobResult", "PeerError", "Peers", "Supervisor", "TaskExit"]
-
-#: How many times a data worker that exits is started again within one attempt of the job
-DATA_WORKER_RESTARTS = 3
+__all__ = ["JobResult", "PeerError", "Peers", "Supervisor", "TaskExit"]
 
 
 class Peers(Protocol):

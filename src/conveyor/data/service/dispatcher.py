@@ -112,6 +112,7 @@ class Dispatcher:
         if self.report_path is None:
             return
         try:
+            Path(self.report_path).parent.mkdir(parents=True, exist_ok=True)
             atomic_write(Path(self.report_path), json.dumps(self.report(), indent=1).encode())
         except OSError as e:
             log.warning("cannot write the data service report %s: %s", self.report_path, e)
