@@ -131,8 +131,9 @@ class RunOptions(JobSettings):
         validate.count(self.ps, "--ps", 0, "parameter servers on this machine")
         # -n 0 is a machine of parameter servers only, one node of a job on several machines (cli/run.py
         # checks that); with no --ps it would start nothing at all.
-        validate.count(self.workers, "--workers", 0 if self.ps else 1,
-                       "training processes on this machine; -n 0 only with --ps M, for a node of parameter servers")
+        validate.count(self.workers, "--workers", 0 if self.ps or self.data_workers else 1,
+                       "training processes on this machine; -n 0 only with --ps M or --data-workers K, for a node "
+                       "of parameter servers or data workers")
         validate.seconds(self.restart_delay, "--restart-delay", zero_ok=True, most=3600.0,
                          example="e.g. --restart-delay 1, or 0: none")
         validate.seconds(self.linger, "--linger", zero_ok=True, most=3600.0,
