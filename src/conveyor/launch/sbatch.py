@@ -103,9 +103,9 @@ class SbatchJob(JobSettings):
                              f"leave at least one node for the workers")
         if self.gpus_per_node is not None:
             raise ValueError(f"--data-nodes with --gpus-per-node {self.gpus_per_node}: one Slurm allocation gives "
-                             f"every node the same GPUs, so the data nodes would hold GPUs they never use; start the data "
-                             f"workers on CPU nodes by hand (`conveyor data worker`, docs/data-service.md), or use "
-                             f"--data-nodes in a CPU job")
+                             f"every node the same GPUs, so the data nodes would hold GPUs they never use; start "
+                             f"the data workers on CPU nodes by hand (`conveyor data worker`, docs/data-service.md), "
+                             f"or use --data-nodes in a CPU job")
 
     @property
     def name(self) -> str:
