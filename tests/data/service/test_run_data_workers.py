@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from svc_pipelines import FILES, PER_FILE
+from svc_pipelines import FILES, PER_FILE, free_port
 
 from conveyor.cli.main import main
 
@@ -117,6 +117,39 @@ def test_a_data_worker_killed_mid_epoch_is_restarted_and_no_id_is_lost_or_repeat
     assert exit_["task"] == "data_worker:0" and exit_["status"] == "was killed by SIGKILL" and exit_["restarted"]
     assert [w["id"] for w in block["lost_workers"]] == [1]  # the first to register; its splits went to others
     assert len(block["workers"]) == 3
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_node_of_data_workers_only_serves_the_trainers_of_node_0(tmp_path, record_dir):
+    """--nnodes 2: node 0 trains (and runs the dispatcher), node 1 runs data workers only (-n 0 --data-workers 2),
+    the shape `conveyor slurm --data-nodes` writes."""
+    (tmp_path / "train.py").write_text(textwrap.dedent(TRAIN))
+    (tmp_path / "ids").mkdir()
+    env = {**os.environ, "SVC_TEST_DIR": str(record_dir), "IDS_DIR": str(tmp_path / "ids"), "PIPELINE": "records",
+           "EPOCHS": "1", "CONVEYOR_JOB_SECRET": os.urandom(32).hex(),
+           "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [("-n", "1"), ("-n", "0", "--data-workers", "2", "--data-pipeline", "svc_pipelines:records")]
+    procs = []
+    for rank, flags in enumerate(nodes):
+        with open(tmp_path / f"node{rank}.err", "w") as err:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "conveyor", "run", "--nnodes", "2", "--node-rank", str(rank), "--rdzv",
+                 endpoint, "--output-dir", str(tmp_path / f"output{rank}"), "--timeout", "30", *flags, "train.py"],
+                cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=err))
+    try:
+        codes = [p.wait(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    logs = [(tmp_path / f"node{rank}.err").read_text() for rank in (0, 1)]
+    assert codes == [0, 0], logs
+    assert sorted(ids_of(tmp_path, 0, 0)) == IDS
+    block = json.loads((tmp_path / "output0" / "summary.json").read_text())["data_service"]
+    assert len(block["workers"]) == 2 and all(w["elements"] > 0 for w in block["workers"])
+    assert "'dispatcher': ['127.0.0.1:" in logs[1] and "'data_worker': [" in logs[1]
 
 
 def test_dry_run_shows_the_dispatcher_the_data_workers_and_the_address_every_task_gets(tmp_path, capsys,

@@ -57,6 +57,7 @@ class _Task:
         self.sent_bytes = 0  # element bytes sent to trainers
         self.blocked = 0.0  # seconds the producer waited on a full queue: the trainer took slower than it made
         self.started = self.last_request = time.monotonic()
+        self.ended: float | None = None  # when the producer stopped: its rates are over the time it ran
         self.error: str | None = None
         self.finished = False  # the queue's last item is _END
         self.stop_event = stop
@@ -72,6 +73,7 @@ class _Task:
         except Exception as e:  # the trainer gets it with the end of the stream
             log.exception("data worker task failed")
             self.error = f"{type(e).__name__}: {e}"
+        self.ended = time.monotonic()
         self._put(_END)
 
     def _put(self, item: Any) -> bool:
@@ -84,7 +86,7 @@ class _Task:
     def figures(self, buffer: int) -> dict[str, Any]:
         """What the heartbeat tells the dispatcher (data/service/report.py reads it)."""
         return {"produced": self.produced, "bytes": self.sent_bytes, "queued": self.queue.qsize(), "buffer": buffer,
-                "run_s": round(time.monotonic() - self.started, 3), "blocked_s": round(self.blocked, 3)}
+                "run_s": round((self.ended or time.monotonic()) - self.started, 3), "blocked_s": round(self.blocked, 3)}
 
     def take(self, most: int) -> list[Any]:
         out: list[Any] = []
