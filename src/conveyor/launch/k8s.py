@@ -22,9 +22,7 @@ Kubernetes gives it (``JOB_COMPLETION_INDEX``; :mod:`conveyor.launch.pod`). Two 
 Every pod mounts the data claim read-only at the data folder and the output claim (ReadWriteMany: the
 chief's checkpoints and the ps tasks' shards meet there) at the output folder, and gets the job secret
 from a Secret. A NetworkPolicy admits only the job's own pods (``network_policy=False``: none).
-With ``data_workers`` K, a ``dispatcher`` pod and K ``data-worker`` pods (no GPU; restarted in place on
-failure, their Job allowing 3 restarts each, while the dispatcher's failure fails the set) run the data service;
-every pod finds it in ``CONVEYOR_DATA_SERVICE`` (docs/data-service.md).
+``data_workers`` K adds a dispatcher pod and K data-worker pods (no GPU, restarted in place; docs/data-service.md).
 """
 
 from __future__ import annotations

@@ -73,8 +73,8 @@ class _Task:
         except Exception as e:  # the trainer gets it with the end of the stream
             log.exception("data worker task failed")
             self.error = f"{type(e).__name__}: {e}"
-        self.ended = time.monotonic()
         self._put(_END)
+        self.ended = time.monotonic()  # after the last put, so that its blocked time is inside the run
 
     def _put(self, item: Any) -> bool:
         t0 = time.monotonic()
