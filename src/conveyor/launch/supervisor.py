@@ -10,6 +10,8 @@ prefixed ``[worker:1]``, to stdout. The job succeeds as Kubeflow's TFJob does (t
 without a chief every worker); a failure before that restarts the whole job as :func:`.restarts.decide`
 says: up to ``max_restarts`` times with a growing pause, never for a usage error, and not again when
 the same failure (by what failed, not which task: :mod:`.failures`) repeats without a new checkpoint.
+A data worker (``conveyor run --data-workers K``) that exits is no failure: it is started again, at most
+``DATA_WORKER_RESTARTS`` times per attempt, and listed in ``data_worker_exits`` (docs/data-service.md).
 The states it moves through: :mod:`.states`. Across machines the launchers coordinate through
 :class:`Peers` (``launch/rendezvous.py``). :meth:`Supervisor.run` must run on a thread that outlives the
 tasks (the main thread). The design: ``docs/launcher.md``, "The supervisor: success, failure, restarts".

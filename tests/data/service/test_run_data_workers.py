@@ -78,6 +78,7 @@ def ids_of(tmp_path: Path, rank: int, epoch: int) -> list[int]:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_job_with_two_data_workers_trains_on_every_id_once_per_epoch(tmp_path, record_dir):
     err = finish(launch(tmp_path, record_dir, "records", epochs=2), tmp_path)
@@ -99,6 +100,7 @@ def test_a_job_with_two_data_workers_trains_on_every_id_once_per_epoch(tmp_path,
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_data_worker_killed_mid_epoch_is_restarted_and_no_id_is_lost_or_repeated(tmp_path, record_dir):
     proc = launch(tmp_path, record_dir, "slow_records", epochs=1)
@@ -120,6 +122,7 @@ def test_a_data_worker_killed_mid_epoch_is_restarted_and_no_id_is_lost_or_repeat
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_node_of_data_workers_only_serves_the_trainers_of_node_0(tmp_path, record_dir):
     """--nnodes 2: node 0 trains (and runs the dispatcher), node 1 runs data workers only (-n 0 --data-workers 2),
