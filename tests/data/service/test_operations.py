@@ -66,6 +66,15 @@ def test_input_bound_trainers_get_the_number_of_workers_the_rates_call_for():
     assert "input-bound" in block["advice"] and "2 more" in block["advice"]
 
 
+def test_the_epochs_of_one_trainer_count_once_and_two_trainers_add_up():
+    workers = [_worker(1, 100, 10.0, 0.0)]
+    epoch = {"consumed": 100, "bytes": 0, "wait_s": 5.0, "elapsed_s": 10.0}  # could take 20 elements/s
+    one = service_report(workers, [trainer_figures("train-0", epoch), trainer_figures("train-0", epoch)], [])
+    assert one["trainer_could_consume_per_s"] == 20.0 and one["workers_needed"] == 2
+    two = service_report(workers, [trainer_figures("train-0", epoch), trainer_figures("train-1", epoch)], [])
+    assert two["trainer_could_consume_per_s"] == 40.0 and two["workers_needed"] == 4
+
+
 def test_a_trainer_that_hardly_waits_is_not_input_bound():
     # the workers were blocked most of the time (the trainer took slower than they made)
     workers = [_worker(1, 50, 10.0, 8.0)]

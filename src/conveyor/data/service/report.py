@@ -4,13 +4,14 @@
     block["input_bound"], block["more_workers"]             # data_service block (docs/data-service.md)
 
 Inputs are what the roles send the dispatcher: each worker's heartbeat carries, per job, the elements it
-produced and the bytes it sent, the seconds its task ran and the seconds it was blocked on a full queue
-(the trainer did not take fast enough), and its queue depth; each trainer's iterator reports, with its
+produced and the bytes it sent, the seconds its task ran and the seconds it was blocked (a full queue: the
+trainer did not take fast enough; or no split left to take), and its queue depth; each trainer's iterator reports, with its
 look for workers (every second) and at its end, the elements and bytes it consumed, the seconds it was
 blocked waiting for the next element (input wait) and the seconds since its first request. A trainer is
 input-bound when its input wait is over ``INPUT_BOUND_SHARE`` of its time. A worker's capacity is what it
 produced per second it was not blocked; the trainers could consume elements / (elapsed - input wait) per
-second; ``workers_needed`` = ceil(that rate / the mean capacity of a worker).
+second (the mean over the epochs of one job name, summed over job names); ``workers_needed`` = ceil(that
+rate / the mean capacity of a worker).
 """
 
 from __future__ import annotations
@@ -54,7 +55,11 @@ def service_report(workers: list[dict[str, Any]], trainers: list[dict[str, Any]]
     bound = [t for t in trainers if t["input_wait_share"] > INPUT_BOUND_SHARE]
     producing = [w["capacity_elements_per_s"] for w in workers if w["capacity_elements_per_s"] > 0]
     per_worker = sum(producing) / len(producing) if producing else 0.0
-    demand = sum(t["could_consume_per_s"] for t in trainers)
+    # one trainer's epochs are iterators of their own under one job name: its demand is their mean, not their sum
+    by_job: dict[str, list[float]] = {}
+    for t in trainers:
+        by_job.setdefault(t["job"], []).append(t["could_consume_per_s"])
+    demand = sum(sum(rates) / len(rates) for rates in by_job.values())
     live = sum(1 for w in workers if w["alive"])
     needed = math.ceil(demand / per_worker) if bound and per_worker > 0 else live
     more = max(0, needed - live)

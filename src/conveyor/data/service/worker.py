@@ -55,7 +55,7 @@ class _Task:
         self.queue: queue.Queue = queue.Queue(maxsize=buffer)
         self.produced = 0
         self.sent_bytes = 0  # element bytes sent to trainers
-        self.blocked = 0.0  # seconds the producer waited on a full queue: the trainer took slower than it made
+        self.blocked = 0.0  # seconds the producer waited on a full queue (the trainer took slower) or for a split
         self.started = self.last_request = time.monotonic()
         self.ended: float | None = None  # when the producer stopped: its rates are over the time it ran
         self.error: str | None = None
@@ -190,7 +190,11 @@ class DataWorker:
                 while not stop.is_set():
                     answer = _ask(client, "get_split", request)
                     if answer.get("wait"):  # every split is out, some not yet acknowledged: it may come back
+                        t0 = time.monotonic()
                         stop.wait(0.2)
+                        task = self.tasks.get(job_id)  # idle, not slow: its capacity leaves this time out
+                        if task is not None:
+                            task.blocked += time.monotonic() - t0
                     elif answer["split"] is None:
                         return
                     else:
