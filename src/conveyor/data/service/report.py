@@ -1,15 +1,15 @@
 """The data service's figures: per worker throughput and queues, the trainers' input wait, and the advice.
 
-    block = service_report(workers, trainers, lost, now)     # the dispatcher's `stats` "report", summary.json's
-    block["input_bound"], block["more_workers"]             # data_service block (docs/data-service.md)
+    block = service_report(workers, trainers, lost)     # the dispatcher's `stats` "report", summary.json's
+    block["input_bound"], block["more_workers"]        # data_service block (docs/data-service.md)
 
 Inputs are what the roles send the dispatcher: each worker's heartbeat carries, per job, the elements it
 produced and the bytes it sent, the seconds its task ran and the seconds it was blocked (a full queue: the
-trainer did not take fast enough; or no split left to take), and its queue depth; each trainer's iterator reports, with its
-look for workers (every second) and at its end, the elements and bytes it consumed, the seconds it was
-blocked waiting for the next element (input wait) and the seconds since its first request. A trainer is
-input-bound when its input wait is over ``INPUT_BOUND_SHARE`` of its time. A worker's capacity is what it
-produced per second it was not blocked; the trainers could consume elements / (elapsed - input wait) per
+trainer did not take fast enough; or no split left to take), and its queue depth; each trainer's iterator
+reports, with its look for workers (every second) and at its end, the elements and bytes it consumed, the
+seconds it was blocked waiting for the next element (input wait) and the seconds since its first request.
+A trainer is input-bound when its input wait is over ``INPUT_BOUND_SHARE`` of its time. A worker's capacity
+is what it produced per second it was not blocked; the trainers could consume elements / (elapsed - input wait) per
 second (the mean over the epochs of one job name, summed over job names); ``workers_needed`` = ceil(that
 rate / the mean capacity of a worker).
 """
