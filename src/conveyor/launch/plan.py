@@ -35,6 +35,7 @@ from conveyor.cluster.variables import (  # re-exported: conveyor.launch.*_VAR a
     OMP_DEFAULT_VAR,
     RESTART_COUNT_VAR,
     RESUME_VAR,
+    ROUND_VAR,
     TASK_INDEX_VAR,
     TASK_TYPE_VAR,
     TIMEOUT_VAR,
@@ -88,7 +89,7 @@ _FILES_RESERVED = 64
 #: TORCH_NCCL_ASYNC_ERROR_HANDLING is not among them: the caller's value is passed on, as torchrun does.
 OWNED_VARS: tuple[str, ...] = (
     "TF_CONFIG", *(v for v in TORCHRUN_VARS if v != "TORCH_NCCL_ASYNC_ERROR_HANDLING"),
-    TASK_TYPE_VAR, TASK_INDEX_VAR, JOB_SECRET_VAR, OMP_DEFAULT_VAR, *owned_variables(),
+    TASK_TYPE_VAR, TASK_INDEX_VAR, JOB_SECRET_VAR, OMP_DEFAULT_VAR, ROUND_VAR, *owned_variables(),
 )
 
 
@@ -255,12 +256,14 @@ def build_plan(
     secret: bytes,
     environ: Mapping[str, str],
     topology: CpuTopology | None = None,
+    membership_round: int | None = None,
 ) -> LaunchPlan:
     """The plan for node ``node_rank`` of ``nodes`` (all of them, in node-rank order).
 
     ``master_addr:master_port`` is where rank 0 (node 0's first training task) hosts torch's store;
     ``environ`` is the caller's environment, which every task inherits. ``topology``: this machine's CPUs
-    for ``options.bind`` (read from sysfs and the launcher's affinity when not given).
+    for ``options.bind`` (read from sysfs and the launcher's affinity when not given). ``membership_round``:
+    an elastic job's round (``CONVEYOR_ROUND`` on every task).
     """
     if not nodes:
         raise ValueError("nodes is empty; a job has at least this machine")
@@ -276,6 +279,8 @@ def build_plan(
     base = {k: v for k, v in environ.items() if k not in OWNED_VARS}
     node = nodes[node_rank]
     extra, torchrun = _node_env(options, node, node_rank, len(nodes), secret, environ)
+    if membership_round is not None:
+        extra[ROUND_VAR] = str(membership_round)
     log_dir = os.path.join(options.output_dir, "logs")
     training = spec.training_tasks
     first_rank = sum(n.workers for n in nodes[:node_rank])
