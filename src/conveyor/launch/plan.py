@@ -262,8 +262,7 @@ def build_plan(
 
     ``master_addr:master_port`` is where rank 0 (node 0's first training task) hosts torch's store;
     ``environ`` is the caller's environment, which every task inherits. ``topology``: this machine's CPUs
-    for ``options.bind`` (read from sysfs and the launcher's affinity when not given). ``membership_round``:
-    an elastic job's round (``CONVEYOR_ROUND`` on every task).
+    for ``options.bind`` (sysfs and the launcher's affinity if not given); ``membership_round``: CONVEYOR_ROUND.
     """
     if not nodes:
         raise ValueError("nodes is empty; a job has at least this machine")
@@ -278,9 +277,7 @@ def build_plan(
     strategy = settings.strategy.name  # what every task is told, the strategy resolved
     base = {k: v for k, v in environ.items() if k not in OWNED_VARS}
     node = nodes[node_rank]
-    extra, torchrun = _node_env(options, node, node_rank, len(nodes), secret, environ)
-    if membership_round is not None:
-        extra[ROUND_VAR] = str(membership_round)
+    extra, torchrun = _node_env(options, node, node_rank, len(nodes), secret, environ, membership_round)
     log_dir = os.path.join(options.output_dir, "logs")
     training = spec.training_tasks
     first_rank = sum(n.workers for n in nodes[:node_rank])
@@ -321,10 +318,12 @@ def _placements(options: RunOptions, tasks: int,
 
 
 def _node_env(options: RunOptions, node: NodeInfo, node_rank: int, nnodes: int, secret: bytes,
-              environ: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+              environ: Mapping[str, str], membership_round: int | None) -> tuple[dict[str, str], dict[str, str]]:
     """The variables every task of this node gets besides the settings', and those torchrun gives its
     training tasks."""
     extra = {"PYTHONUNBUFFERED": "1"}  # lines reach the launcher (and the log) as they are printed
+    if membership_round is not None:
+        extra[ROUND_VAR] = str(membership_round)
     if node.workers + node.ps > 1 and not environ.get("OMP_NUM_THREADS") and options.bind == "none":
         # torchrun's default: N processes with a full-size OpenMP pool each would overload the cores
         # (a bound task gets its own cores' count instead, in build_plan).

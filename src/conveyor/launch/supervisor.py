@@ -249,10 +249,12 @@ class Supervisor:
 
     def _starting(self, s: Starting) -> Running:
         start_step = latest_step(self.plan.checkpoint_dir)
+        # restarts after failures differ from attempts only once an elastic job has changed its membership
+        failures = {"failures": len(self._history)} if self._regroup_of() is not None else {}
         for launch in self.plan.tasks:
             with contextlib.suppress(OSError):  # an earlier attempt's report would describe this one's failure
                 os.remove(report_path(launch.log_path))
-            self._tasks.append(RunningTask.start(launch, s.attempt, self._console, failures=len(self._history)))
+            self._tasks.append(RunningTask.start(launch, s.attempt, self._console, **failures))
         pids = ", ".join(f"{r.name} pid {r.proc.pid}" for r in self._tasks)
         self._say(f"attempt {s.attempt}: started {pids}; logs in {self.plan.log_dir}")
         self._next_peer_check = 0.0
@@ -428,8 +430,11 @@ class Supervisor:
         """The failures restarted so far, oldest first: what an elastic job's next round goes on counting."""
         return self._history
 
+    def _regroup_of(self):
+        return getattr(self.peers, "regroup", None)  # the peers of an elastic job's round; static ones have none
+
     def _regroup(self) -> str | None:
-        regroup = getattr(self.peers, "regroup", None)  # static peers have none
+        regroup = self._regroup_of()
         return regroup() if regroup is not None else None
 
     def _tell_peers_succeeded(self, attempt: int) -> None:
