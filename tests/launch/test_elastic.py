@@ -21,6 +21,7 @@ import pytest
 from conveyor.cli.main import main
 from conveyor.launch import free_ports
 from conveyor.launch.elastic import NodeSpan, parse_nnodes, round_decision
+from conveyor.train.checkpoint import CheckpointManager
 
 SECRET_HEX = bytes(range(64, 96)).hex()
 
@@ -233,3 +234,134 @@ def test_a_joiner_with_another_strategy_is_refused_naming_the_flag_and_the_job_g
     assert "refused a node" in j.err("a")
     j.procs["a"].send_signal(signal.SIGINT)  # node 0 never stopped for it: its round 0 still runs
     assert j.wait("a") == 130
+
+
+# -- node 0's coordinator, tick by tick over an in-memory store ------------------------------------------------
+
+
+class DictStore:
+    """The TCPStore calls the coordinator makes, in memory."""
+
+    def __init__(self):
+        self.data: dict[str, bytes] = {}
+
+    def set(self, key, value):
+        self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key):
+        return self.data[key]
+
+    def check(self, keys):
+        return all(k in self.data for k in keys)
+
+    def add(self, key, amount):
+        self.data[key] = str(int(self.data.get(key, b"0")) + amount).encode()
+        return int(self.data[key])
+
+    def compare_set(self, key, expected, desired):
+        if self.data.get(key, b"") == expected.encode():
+            self.data[key] = desired.encode()
+        return self.data[key]
+
+
+SETTINGS = {"nnodes": "2:3", "strategy": None, "script": "train.py"}
+
+
+def coordinator(tmp_path, store: DictStore, span=NodeSpan(2, 3)):
+    from conveyor.launch.elastic import Coordinator
+    from conveyor.launch.rendezvous import StorePeers
+
+    def peers(node):
+        p = StorePeers(store, nnodes=2, node_rank=node, endpoint="10.0.0.1:29400", timeout=5.0,
+                       secret=bytes(range(32)))
+        p.run = "run1"
+        return p
+
+    c = Coordinator(peers(0), span=span, endpoint="10.0.0.1:29400", settings=SETTINGS, timeout=30.0, last_call=5.0,
+                    node_timeout=3.0, checkpoint_dir=str(tmp_path / "checkpoints"))
+    c._put("conveyor/open", {"round": 0})
+    c.opened = c.last_change = 0.0  # the ticks below give the time
+    return c, peers
+
+
+def want(peers, node, rnd, attempt=0, **settings):
+    p = peers(node)
+    key = f"conveyor/want/{rnd}/{node}"
+    record = {"host": f"10.0.0.{node + 1}", "workers": 1, "ps": 0, "ports": [2000 + node],
+              "hostname": f"host{node}", "settings": {**SETTINGS, **settings}, "attempt": attempt}
+    p._store.set(key, p._sealed(key, record))
+    if node:
+        p._store.add("conveyor/joins", 0)
+        p._store.data["conveyor/joins"] = str(max(node, int(p._store.data["conveyor/joins"]))).encode()
+
+
+def beat(peers, node, count):
+    p = peers(node)
+    p.beat_key = f"conveyor/alive/m{node}"
+    p.beat(count)
+
+
+def record(peers, key):
+    return peers(0)._read(key)
+
+
+def test_the_coordinator_closes_re_forms_and_refuses(tmp_path):
+    store = DictStore()
+    c, peers = coordinator(tmp_path, store)
+    want(peers, 0, 0)
+    want(peers, 1, 0)
+    want(peers, 2, 0, strategy="ps-sync")  # refused at once, naming the flag
+    beat(peers, 1, 0)
+    c.tick(0.0)
+    refused = record(peers, "conveyor/refused/2")["description"]
+    assert "has --strategy = 'ps-sync' but node 0 has None; start every node with the same --strategy" in refused
+    beat(peers, 1, 1)
+    c.tick(4.0)
+    assert record(peers, "conveyor/round/0") is None  # MIN, but the last call is not over
+    beat(peers, 1, 2)
+    c.tick(5.5)
+    assert record(peers, "conveyor/round/0")["members"] == [0, 1]
+
+    # a node asks while round 0 runs: it waits for the next checkpoint (none is there yet)
+    want(peers, 3, 1)
+    beat(peers, 3, 1)
+    c.tick(6.0)
+    assert record(peers, "conveyor/regroup/0") is None
+    CheckpointManager(tmp_path / "checkpoints", fsync=False).save(10, {})
+    beat(peers, 1, 3)
+    c.tick(7.5)
+    reason = record(peers, "conveyor/regroup/0")["description"]
+    assert "1 node(s) wait to join (host3 at 10.0.0.4); the job is re-formed at checkpoint step 10" in reason
+    assert record(peers, "conveyor/open") == {"round": 1}
+
+    # round 1: node 0, the survivor 1, the newcomer 3, ranks in that order, attempts going on counting
+    want(peers, 0, 1, attempt=1)
+    want(peers, 1, 1)
+    beat(peers, 1, 4)
+    beat(peers, 3, 2)
+    c.tick(8.0)
+    assert record(peers, "conveyor/round/1") == {
+        "members": [0, 1, 3], "attempt": 1,
+        "nodes": [{"host": f"10.0.0.{n + 1}", "workers": 1, "ps": 0, "ports": [2000 + n], "hostname": f"host{n}"}
+                  for n in (0, 1, 3)]}
+
+    # node 3 falls silent: lost after --node-timeout 3, and the job goes on with 2
+    beat(peers, 1, 5)
+    c.tick(10.0)
+    beat(peers, 1, 6)
+    c.tick(11.5)
+    reason = record(peers, "conveyor/regroup/1")["description"]
+    assert "lost node(s) 2 of round 1: no heartbeat from the launcher for 3 s; the job goes on without it" in reason
+    want(peers, 3, 2)  # it speaks again: refused, it was declared lost
+    c.tick(11.6)
+    assert "was declared lost" in record(peers, "conveyor/refused/3")["description"]
+
+
+def test_a_round_under_min_fails_after_the_timeout_naming_the_counts(tmp_path):
+    store = DictStore()
+    c, peers = coordinator(tmp_path, store)
+    want(peers, 0, 0)
+    c.tick(29.0)
+    assert peers(0).aborted() is None
+    c.tick(31.0)
+    assert "round 0 has 1 node(s), but --nnodes 2:3 needs at least 2; no more joined within 30 s" in peers(0).aborted()

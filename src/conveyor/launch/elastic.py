@@ -378,7 +378,7 @@ class Coordinator:
                                    f"(no heartbeat for {self.node_timeout:g} s) and the job went on without it; "
                                    f"start its launcher again to join the next round")
                 continue
-            why = settings_difference(self.endpoint, f"a node joining the running job ({_name(record)})",
+            why = settings_difference(self.endpoint, f"a joining node ({_name(record)})",
                                       self._settings, record.get("settings", {}))
             if node and why is not None:
                 self._refuse(node, why)
