@@ -88,6 +88,16 @@ def test_bad_elastic_arguments_are_one_line_and_exit_2(tmp_path, capsys, monkeyp
     assert len(err.splitlines()) == 1 or err.startswith("usage:"), err
 
 
+def test_elastic_nnodes_inside_an_srun_step_is_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("print('never')\n")
+    for name, value in {"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0", "SLURM_NODEID": "1",
+                        "SLURM_STEP_NODELIST": "n[1-2]"}.items():
+        monkeypatch.setenv(name, value)
+    assert main(["run", "--nnodes", "1:2", "train.py"]) == 2
+    assert "--nnodes 1:2 inside an srun step: Slurm gives a step a fixed set of nodes" in capsys.readouterr().err
+
+
 # -- launchers on 127.0.0.1 ----------------------------------------------------------------------------
 
 TASK = """

@@ -49,7 +49,7 @@ from conveyor.launch.binding import BIND_MODES
 from conveyor.launch.elastic import JobEnded, Membership, NodeSpan, parse_nnodes
 from conveyor.launch.restarts import DELAY_CAP as RESTART_DELAY_CAP
 from conveyor.launch.restarts import RestartPolicy
-from conveyor.launch.slurm import allocation_note, slurm_node
+from conveyor.launch.slurm import allocation_note, in_step, slurm_node
 
 MAKE_SECRET = (f"make one with `openssl rand -hex 32 > job.secret && chmod 600 job.secret`, copy the same file to "
                f"every node and pass --job-secret-file job.secret (or set {JOB_SECRET_FILE_VAR} to its path, or "
@@ -320,6 +320,10 @@ def _from_slurm(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
     elastic --nnodes MIN:MAX is not read from Slurm: a step's nodes are fixed (docs/launcher.md)."""
     span = args.span = args.nnodes
     if span is not None and span.elastic:
+        if in_step(environ) and not args.dry_run:
+            raise CommandError(f"--nnodes {span} inside an srun step: Slurm gives a step a fixed set of nodes and ends "
+                               f"it when one fails (srun --kill-on-bad-exit); drop --nnodes (conveyor run reads the "
+                               f"step's nodes from Slurm). A job requeued on fewer nodes resumes on those")
         args.nnodes = span.max
         return
     args.nnodes = span.min if span is not None else None
