@@ -107,13 +107,14 @@ TASK = """
     seen = {k: os.environ.get(k) for k in keys}
     rnd, rank, restart = seen["CONVEYOR_ROUND"], seen["RANK"], seen["CONVEYOR_RESTART_COUNT"]
     pathlib.Path(f"seen-{rnd}-{rank}-{restart}.json").write_text(json.dumps(seen))
-    if rnd == "0":  # round 0 waits: the test kills a node, or starts one and makes a task fail
+    if rnd == "0":  # round 0 waits: the test kills a node, starts one and makes a task fail, or says go
         deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
+        while not pathlib.Path("go").exists():
             if pathlib.Path("fail").exists() and rank == "1" and restart == "0":
                 sys.exit(3)
+            if time.monotonic() > deadline:
+                sys.exit(4)  # nothing re-formed the job
             time.sleep(0.05)
-        sys.exit(4)  # nothing re-formed the job
     print(f"round {rnd}: rank {rank} of {seen['WORLD_SIZE']} done")
 """
 
@@ -221,6 +222,22 @@ def test_a_late_node_waits_and_joins_at_the_next_restart(job):
     assert sorted(s["RANK"] for s in round1) == ["0", "1", "2"], round1
     assert {(s["WORLD_SIZE"], s["CONVEYOR_ROUND"]) for s in round1} == {("3", "1")}
     assert "wait to join" in j.err("a") and "re-formed at the restart after a failure" in j.err("a"), j.err("a")
+
+
+@pytest.mark.multiprocess
+def test_a_node_waiting_at_a_full_round_is_told_when_the_job_ends(job):
+    j = job(span="1:2")
+    j.start("a", host=True)
+    j.start("b")
+    j.wait_for(lambda: len(list(j.tmp.glob("seen-0-*"))) == 2)  # MAX: round 0 closed at once
+    j.start("c")
+    j.wait_for(lambda: "this node waits to join the next" in j.err("c"))
+    (j.tmp / "go").touch()  # round 0 ends well: MAX nodes took nobody else, and nothing failed
+    for name in "ab":
+        assert j.wait(name) == 0, j.err(name)
+    assert j.wait("c") == 0
+    assert "the job ended before this node was needed" in j.err("c")
+    assert not list(j.tmp.glob("seen-1-*"))
 
 
 @pytest.mark.multiprocess

@@ -20,6 +20,7 @@ membership".
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import socket
 import sys
@@ -40,6 +41,8 @@ from conveyor.launch.rendezvous import (
     _check_not_loopback,
     _client,
     _connect,
+    _seal,
+    _unseal,
     local_address,
     settings_difference,
 )
@@ -165,7 +168,7 @@ class Membership:
         self.id = 0
         if host:
             job = {"master_port": ports[-1], "run": secrets.token_hex(16)}
-            _call(self._store.set, endpoint, f"{_P}job", _seal_job(secret, job), timeout=timeout)
+            _call(self._store.set, endpoint, f"{_P}job", _seal(secret, f"{_P}job", job), timeout=timeout)
             self._io.run = job["run"]
             self._coordinator = Coordinator(self._peers(self._connect_twin(), 0), span=span, endpoint=endpoint,
                                             settings=self._mine["settings"], timeout=timeout, last_call=last_call,
@@ -184,8 +187,6 @@ class Membership:
         return peers
 
     def _read_job(self) -> dict:
-        from conveyor.launch.rendezvous import _unseal
-
         key = f"{_P}job"
         self._wait(lambda: _call(self._store.check, self.endpoint, [key], timeout=self.timeout),
                    f"node 0 did not publish the job at the rendezvous {self.endpoint} within {self.timeout:g} s; "
@@ -247,6 +248,7 @@ class Membership:
             raise RendezvousError(str(refused.get("description")))
         ended = self._io._read(f"{_P}ended")
         if ended is not None:
+            self._put(f"{_P}left/m{self.id}", {"node": self.id})  # node 0 keeps the store until it is read
             raise JobEnded(bool(ended.get("ok")), str(ended.get("description")))
         if node0.silent(self._io.beat_at(f"{_P}alive/m0")):
             raise PeerError(f"node 0's launcher at {self.endpoint} stopped coordinating (no beat for "
@@ -272,20 +274,17 @@ class Membership:
         if self._coordinator is not None:
             self._coordinator.stop()
             if ok is not None:
-                try:
+                with contextlib.suppress(PeerError):
                     self._put(f"{_P}ended", {"ok": ok, "description": message})
-                except PeerError:
-                    pass
+                    waiting = [n for n in self._coordinator.wants if n not in self._coordinator.members]
+                    left = [f"{_P}left/m{n}" for n in waiting]
+                    with contextlib.suppress(RendezvousError):  # a joiner gone meanwhile: not for ever
+                        self._wait(lambda: all(self._io._read(key) is not None for key in left), "",
+                                   min(5.0, self.timeout))
         if self._heart is not None:
             self._heart.stop()
         if self._last is not None:
             self._last.close()
-
-
-def _seal_job(secret: bytes, job: Mapping[str, Any]) -> str:
-    from conveyor.launch.rendezvous import _seal
-
-    return _seal(secret, f"{_P}job", job)
 
 
 class _Silence:
