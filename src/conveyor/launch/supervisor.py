@@ -362,9 +362,6 @@ class Supervisor:
             reason = self.peers.aborted()
             if reason:
                 return Failed(s.attempt, s.start_step, "final", message=reason)
-            regroup = self._regroup()
-            if regroup:  # once the job has succeeded, a node lost no longer matters
-                return Regroup(s.attempt, regroup) if isinstance(s, Running) else Done(s.attempt)
             message = self.peers.failure(s.attempt)
             if message:
                 return Failed(s.attempt, s.start_step, "peer", message=message)
@@ -372,6 +369,9 @@ class Supervisor:
                 return Lingering(s.attempt, s.tasks, s.start_step, since=time.monotonic())
             if isinstance(s, Lingering) and s.reported and self.peers.all_done(s.attempt):
                 return Done(s.attempt)
+            regroup = self._regroup()
+            if regroup:  # once the job has succeeded, a node lost or waiting no longer matters
+                return Regroup(s.attempt, regroup) if isinstance(s, Running) else Done(s.attempt)
         except PeerError as e:
             return Failed(s.attempt, s.start_step, "final", message=str(e))
         return s
