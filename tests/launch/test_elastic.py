@@ -188,10 +188,11 @@ def test_a_lost_node_leaves_the_survivors_to_finish_without_a_replacement(job):
     victim = "c"  # not node 0, whichever rank the round gave it
     started = time.monotonic()
     j.procs[victim].send_signal(signal.SIGKILL)  # its task dies with it (PR_SET_PDEATHSIG)
-    survivors = [n for n in "abc" if n != victim]
-    for name in survivors:
+    j.wait_for(lambda: len(list(j.tmp.glob("seen-1-*"))) == 2)
+    # --node-timeout 3, --rdzv-last-call 1: waiting for a replacement would have taken --timeout (60 s)
+    assert time.monotonic() - started < 60
+    for name in "ab":
         assert j.wait(name) == 0, j.err(name)
-    assert time.monotonic() - started < 60  # --node-timeout 3: nobody waited for a replacement (--timeout 60)
     round1 = j.seen("seen-1-*")
     assert len(round1) == 2, round1
     assert sorted(s["RANK"] for s in round1) == ["0", "1"]
@@ -392,3 +393,19 @@ def test_a_round_under_min_fails_after_the_timeout_naming_the_counts(tmp_path):
     assert peers(0).aborted() is None
     c.tick(31.0)
     assert "round 0 has 1 node(s), but --nnodes 2:3 needs at least 2; no more joined within 30 s" in peers(0).aborted()
+
+
+@pytest.mark.parametrize("theirs, needle", [
+    ({"script": "other.py"}, "runs the training script 'other.py' but node 0 runs 'train.py'; start every node with "
+                             "the same script and arguments"),
+    ({"script_args": "0123abcd"}, "runs the script's arguments (sha256) '0123abcd'"),
+    ({"split": ["blocks.2"]}, "has --split = ['blocks.2'] but node 0 has None; start every node with the same --split"),
+    ({"nnodes": "2:4"}, "has --nnodes = '2:4' but node 0 has '2:3'"),
+])
+def test_a_joiner_that_differs_is_refused_naming_what(tmp_path, theirs, needle):
+    c, peers = coordinator(tmp_path, DictStore())
+    want(peers, 0, 0)
+    want(peers, 1, 0, **theirs)
+    c.tick(0.0)
+    refused = record(peers, "conveyor/refused/1")["description"]
+    assert refused.startswith("rendezvous at 10.0.0.1:29400: a joining node (host1 at 10.0.0.2) ") and needle in refused
