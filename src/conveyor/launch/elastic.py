@@ -115,6 +115,7 @@ class RoundPeers(StorePeers):
     def __init__(self, store: Any, *, round_number: int, **kwargs: Any) -> None:
         super().__init__(store, **kwargs)
         self.round = round_number
+        self.left_prefix = f"{_P}left/r{round_number}"  # ranks are the round's: another round's must not count
 
     def regroup(self) -> str | None:
         return self._description(f"{_P}regroup/{self.round}")

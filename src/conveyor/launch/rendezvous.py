@@ -381,6 +381,7 @@ class StorePeers:
         self._closed = False
         self._heart: Heartbeat | None = None
         self.beat_key = f"{_P}alive/{node_rank}"  # an elastic member beats under its member id instead
+        self.left_prefix = f"{_P}left"  # an elastic round's ranks leave under the round's own prefix
         self.joined = False  # claimed its node rank: only then does it say when it leaves
 
     @property
@@ -482,7 +483,7 @@ class StorePeers:
         return beat if isinstance(beat, int) and not isinstance(beat, bool) else None
 
     def has_left(self, node: int) -> bool:
-        return self._read(f"{_P}left/{node}") is not None
+        return self._read(f"{self.left_prefix}/{node}") is not None
 
     def release(self) -> None:
         """Drop the connection (the heartbeat's twin, once its thread is done with it)."""
@@ -509,10 +510,11 @@ class StorePeers:
         try:
             if self.node_rank != 0:
                 if self.joined:  # a launcher refused its rank must not speak for the node that holds it
-                    self._mark(f"{_P}left/{self.node_rank}")  # first: node 0 must not count a node that left as lost
+                    # first: node 0 must not count a node that left as lost
+                    self._mark(f"{self.left_prefix}/{self.node_rank}")
             elif wait:
                 deadline = time.monotonic() + linger
-                while not self._everyone(f"{_P}left", [r for r in range(1, self.nnodes) if r not in lost]):
+                while not self._everyone(self.left_prefix, [r for r in range(1, self.nnodes) if r not in lost]):
                     if time.monotonic() > deadline:
                         break
                     time.sleep(_POLL)
