@@ -77,7 +77,8 @@ def test_a_round_closes_at_max_or_at_min_after_a_quiet_last_call():
     (["--nnodes", "2:3", "--rdzv", "127.0.0.1:1", "--rdzv-last-call", "-1"], "--rdzv-last-call -1.0"),
     (["--nnodes", "2:3", "--rdzv", "127.0.0.1:1", "--node-timeout", "0"], "--node-timeout 0.0"),
     (["--nnodes", "1:2", "--rdzv", "127.0.0.1:1", "--dry-run"], "--dry-run shows one machine's plan"),
-    (["--nnodes", "1:2", "--rdzv", "127.0.0.1:1", "--data-workers", "2"], "an elastic job does not run the data"),
+    (["--nnodes", "1:2", "--rdzv", "127.0.0.1:1", "--data-workers", "2", "--data-pipeline", "pipe:make"],
+     "an elastic job does not run the data"),
 ])
 def test_bad_elastic_arguments_are_one_line_and_exit_2(tmp_path, capsys, monkeypatch, argv, needle):
     monkeypatch.chdir(tmp_path)

@@ -179,10 +179,10 @@ def run(args: argparse.Namespace) -> int:
         restart_delay=args.restart_delay, python=args.python, linger=args.linger, bind=args.bind,
         data_workers=args.data_workers, data_pipeline=args.data_pipeline, **given_settings(args, "run"),
     )
-    _check_data_pipeline(options)
     environ = dict(os.environ)  # before anything here touches os.environ: this is what the tasks inherit
     _from_slurm(args, environ)
     _check_node_flags(args)
+    _check_data_pipeline(options)
     secret = _job_secret(args.job_secret_file, environ, args.nnodes)
     if args.dry_run:
         plan = local_plan(options, free_ports(options.tasks_per_node), master_port=free_ports(1)[0],
