@@ -33,6 +33,7 @@ __all__ = [
     "PIPELINE_VARS",
     "RESTART_COUNT_VAR",
     "RESUME_VAR",
+    "ROUND_VAR",
     "SHARE_GPUS_VAR",
     "STRATEGY_VAR",
     "TASK_INDEX_VAR",
@@ -52,6 +53,7 @@ JOB_SECRET_VAR = "CONVEYOR_JOB_SECRET"
 JOB_SECRET_FILE_VAR = "CONVEYOR_JOB_SECRET_FILE"
 RESTART_COUNT_VAR = "CONVEYOR_RESTART_COUNT"
 RESUME_VAR = "CONVEYOR_RESUME"
+ROUND_VAR = "CONVEYOR_ROUND"
 TIMEOUT_VAR = "CONVEYOR_TIMEOUT"
 TTY_VAR = "CONVEYOR_TTY"
 OMP_DEFAULT_VAR = "CONVEYOR_OMP_DEFAULT"
@@ -101,6 +103,8 @@ VARIABLES: tuple[Variable, ...] = (
              _RUN),
     Variable(RESTART_COUNT_VAR, "how many times the job was restarted (0 the first time)",
              f"{_RUN}'s supervisor, per attempt", f"{_INIT} (job.restart_count)"),
+    Variable(ROUND_VAR, "an elastic job's membership round (--nnodes MIN:MAX): 0, then + 1 each time the machines "
+             "change; unset in a job of fixed size", f"{_RUN}, per round (launch/elastic.py)", "the user's script"),
     Variable(RESUME_VAR, "0: start over, ignoring the checkpoints already there", f"{_RUN} (--no-resume)",
              f"{_INIT} (job.resume)"),
     Variable(TIMEOUT_VAR, "seconds that bound the rendezvous and every collective (default 300)",
