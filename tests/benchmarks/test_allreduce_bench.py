@@ -129,8 +129,9 @@ def test_derive_report_and_json_from_known_samples(bench, tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timeout(480)  # three pairs of processes (bare, conveyor, paired): ~40 s quiet, 4.5 min at load 22
 def test_two_worker_cli_smoke(bench, tmp_path, capsys):
-    """The CLI starts bare DDP and conveyor with 2 processes each, tiny model, a few steps."""
+    """The CLI starts bare DDP and conveyor with 2 processes each, then the paired run; tiny model, a few steps."""
     out = tmp_path / "results"
     assert bench.main([*TINY, "--contenders", "bare_ddp_2,conveyor_2", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
