@@ -583,9 +583,11 @@ def derive(res: dict[str, Any]) -> dict[str, Any]:
 
 def format_table(res: dict[str, Any], d: dict[str, Any], config: dict[str, Any]) -> str:
     s = {c: res["samples"].get(c, []) for c in CONTENDERS}
+    rounds = max(len(v) for v in s.values())
+    timed = f"{config['steps']} timed steps x {rounds} round(s)" if rounds else \
+        f"{config.get('paired_steps')} pairs per paired run"
     head = (f"allreduce benchmark: {config['model']} CNN ({config['params']:,} params), batch {config['batch']}/"
-            f"worker, {config['steps']} timed steps after {config['warmup']} warm-up, "
-            f"{max(len(v) for v in s.values())} round(s), 1 thread/worker, gloo on loopback")
+            f"worker, {config['warmup']} warm-up steps, {timed}, 1 thread/worker, gloo on loopback")
     rows = [("contender", "workers", "samples/s", "min", "max", "step ms", "fwd ms", "bwd ms", "opt ms", "cpu ms",
              "comm %", "per round")]
     for c in ("bare_ddp_1", "bare_ddp_2", "conveyor_1", "conveyor_2"):
@@ -602,8 +604,10 @@ def format_table(res: dict[str, Any], d: dict[str, Any], config: dict[str, Any])
                      " ".join(h.fmt(x, ".1f") for x in hook["per_round"])))
     lines = [head, ""]
     if "paired" in d:
-        lines += [*format_paired(d["paired"], config["batch"]), "", "separate processes (secondary: each contender "
-                  "a fresh set of processes, rounds interleaved):", ""]
+        lines += [*format_paired(d["paired"], config["batch"]), ""]
+        if not rounds:
+            return "\n".join([*lines, "separate-process rounds: not run (--paired-only)"])
+        lines += ["separate processes (secondary: each contender a fresh set of processes, rounds interleaved):", ""]
     lines += [h.format_rows(rows, left=(0, len(rows[0]) - 1))]
     cs = d["comm_share"]
     lines += [
