@@ -7,6 +7,7 @@ and `policy` fill, read back and schedule one step folder.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import shutil
@@ -36,7 +37,13 @@ from conveyor.train.checkpoint.read import (
     step_numbers,
 )
 
-__all__ = ["CheckpointManager", "CheckpointReader"]
+__all__ = ["LEFTOVER_AGE", "CheckpointManager", "CheckpointReader"]
+
+log = logging.getLogger("conveyor.train.checkpoint")
+
+#: Seconds a crashed save's `.tmp-*` / `.parts-*` leftovers must be untouched before they are deleted: far longer
+#: than one save takes, so that no live writer (another task of this job, possibly on another machine) loses them.
+LEFTOVER_AGE = 30 * 60
 
 
 class CheckpointReader:
@@ -171,6 +178,7 @@ class CheckpointManager(CheckpointReader):
         super().__init__(root)
         self.keep = None if keep is None else int(keep)
         self.fsync = bool(fsync)
+        self._writing: set[str] = set()  # names of the `.tmp-*` folders this manager is filling now
 
     # -- names -----------------------------------------------------------------------------------------------
 
@@ -242,6 +250,7 @@ class CheckpointManager(CheckpointReader):
         tmp = self.root / f".tmp-{step_folder_name(step)}-{secrets.token_hex(4)}"
         tmp.mkdir()
         staging, collected = self._parts_dir(step), []
+        self._writing.add(tmp.name)
         try:
             files = list(write_own(tmp))
             clash = sorted(set(files) & set(parts))
@@ -257,8 +266,12 @@ class CheckpointManager(CheckpointReader):
             write.return_parts(staging, tmp, collected)  # other tasks' work survives for a retry
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        finally:
+            self._writing.discard(tmp.name)
         shutil.rmtree(staging, ignore_errors=True)  # stragglers for a finished step
         self._rotate(step)
+        # Later steps' staging folders may be filling now (other tasks of this job): spared whatever their age.
+        self.remove_leftovers(spare_from=step + 1)
         return final
 
     def _publish(self, step: int, tmp: Path) -> Path:
@@ -326,18 +339,23 @@ class CheckpointManager(CheckpointReader):
             return
         shutil.rmtree(trash, ignore_errors=True)
 
-    def cleanup(self, older_than: float = 30 * 60) -> list[Path]:
-        """Delete what crashed writers left behind: `.tmp-*` folders and files and `.parts-*` folders
-        untouched for `older_than` seconds, and every `.trash-*` folder. Returns what was removed.
+    def cleanup(self, older_than: float = LEFTOVER_AGE, spare_from: int | None = None) -> list[Path]:
+        """Delete what crashed writers left behind and return it: `.tmp-*` folders and files and `.parts-*`
+        folders untouched for `older_than` seconds (the folder's mtime and its newest file's), and every
+        `.trash-*` folder. Never a `.tmp-*` this manager is filling, nor (`spare_from`) the staging folder of
+        step `spare_from` or a later one: other tasks of the running job may be contributing to it.
 
-        The age limit protects a writer that is still busy (possibly on another machine): keep it
-        well above the time one checkpoint takes to write.
+        The age limit protects a writer that is still busy (possibly on another machine): keep it well above
+        the time one checkpoint takes to write. A `.trash-*` folder is removed at any age: only a rename by
+        rotation or a re-save makes one, and nothing reads it after that rename.
         """
         removed = []
         if not self.root.is_dir():
             return removed
         now = time.time()
         for p in self.root.iterdir():
+            if p.name in self._writing or _staged_from(p.name, spare_from):
+                continue
             # ".latest-*": the pointer's temporary file as conveyor before fileio.atomic_write named it
             stale = p.name.startswith((".tmp-", ".parts-", ".latest-")) and now - _newest_mtime(p) >= older_than
             if stale or p.name.startswith(".trash-"):
@@ -347,6 +365,22 @@ class CheckpointManager(CheckpointReader):
                     p.unlink(missing_ok=True)
                 removed.append(p)
         return removed
+
+    def remove_leftovers(self, spare_from: int | None = None) -> list[Path]:
+        """`cleanup()` at the default age, saying what it removed (a warning: each is a save that crashed). The
+        chief calls it when it starts (before any task trains) and after every save."""
+        removed = self.cleanup(spare_from=spare_from)
+        if removed:
+            log.warning("removed %d leftover(s) of interrupted checkpoint saves under %s (untouched for %.0f min "
+                        "or more, or already renamed for deletion): %s", len(removed), self.root,
+                        LEFTOVER_AGE / 60, ", ".join(sorted(p.name for p in removed)))
+        return removed
+
+
+def _staged_from(name: str, step: int | None) -> bool:
+    """Whether `name` is the staging folder (`.parts-step-N`) of step `step` or a later one."""
+    m = STEP_RE.fullmatch(name[len(".parts-"):]) if name.startswith(".parts-") else None
+    return m is not None and step is not None and int(m.group(1)) >= step
 
 
 def _newest_mtime(path: Path) -> float:
