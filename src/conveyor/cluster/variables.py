@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
+    "CHECKPOINT_SYNC_VAR",
     "DATA_DIR_VAR",
     "FAULT_VAR",
     "FSDP_BLOCKS_VAR",
@@ -63,6 +64,7 @@ OUTPUT_LOCK_VAR = "CONVEYOR_OUTPUT_LOCK"
 FAULT_VAR = "CONVEYOR_FAULT"
 FSDP_BLOCKS_VAR = "CONVEYOR_FSDP_BLOCKS"
 FSDP_RESHARD_VAR = "CONVEYOR_FSDP_RESHARD"
+CHECKPOINT_SYNC_VAR = "CONVEYOR_CHECKPOINT_SYNC"
 #: ``conveyor run --stages/--microbatches/--schedule/--split``, by flag (read by the pipeline strategy)
 PIPELINE_VARS = {"stages": PIPELINE_STAGES_VAR, "microbatches": PIPELINE_MICROBATCHES_VAR,
                  "schedule": PIPELINE_SCHEDULE_VAR, "split": PIPELINE_SPLIT_VAR}
@@ -126,6 +128,9 @@ VARIABLES: tuple[Variable, ...] = (
              f"{_RUN} (--fsdp-blocks), or the user", f"{_INIT} (job.settings), for the fsdp strategy"),
     Variable(FSDP_RESHARD_VAR, "0: keep the gathered parameters from forward to backward (ZeRO-2-like)",
              f"{_RUN} (--no-reshard-after-forward), or the user", f"{_INIT} (job.settings), for the fsdp strategy"),
+    Variable(CHECKPOINT_SYNC_VAR, "1: the Trainer writes each checkpoint before training goes on (default: in the "
+             "background, training blocked only while the state is copied)", f"{_RUN} (--checkpoint-sync), or the user",
+             f"{_INIT} (job.settings), for the Trainer"),
 )
 
 #: The names alone, in the table's order.

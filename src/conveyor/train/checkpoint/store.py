@@ -12,6 +12,7 @@ import secrets
 import shutil
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -35,8 +36,22 @@ from conveyor.train.checkpoint.read import (
     step_folder_name,
     step_numbers,
 )
+from conveyor.train.checkpoint.staging import StagedTree, stage_tree
 
-__all__ = ["CheckpointManager", "CheckpointReader"]
+__all__ = ["CheckpointManager", "CheckpointReader", "StagedStep"]
+
+
+@dataclass(frozen=True)
+class StagedStep:
+    """A save staged by `CheckpointManager.stage`: copies of everything the chief writes, checked, not yet written."""
+
+    step: int
+    tree_names: list[str]
+    trees: dict[str, StagedTree]
+    docs: dict[str, bytes]
+    extra: Any  # `write.extra_meta(extra)`
+    parts: list[str]
+    parts_timeout: float
 
 
 class CheckpointReader:
@@ -196,13 +211,37 @@ class CheckpointManager(CheckpointReader):
         `docs` maps `<group>/<name>` ("data/worker-0") to JSON, read back as `Checkpoint.docs`; `extra`
         is JSON-able run information stored in state.json. `parts` names files other tasks contribute
         with `save_part`, awaited for `parts_timeout` seconds. Saving a step that already exists
-        replaces it.
+        replaces it. `stage` then `write_staged` is the same save in two halves.
         """
+        return self.write_staged(self.stage(step, trees, docs=docs, extra=extra, parts=parts,
+                                            parts_timeout=parts_timeout))
+
+    def stage(
+        self,
+        step: int,
+        trees: Mapping[str, Any] | None = None,
+        *,
+        docs: Mapping[str, Any] | None = None,
+        extra: Mapping[str, Any] | None = None,
+        parts: Iterable[str] = (),
+        parts_timeout: float = 0.0,
+    ) -> StagedStep:
+        """The first half of `save` (same arguments): everything checked and copied (tensors to the host,
+        documents to bytes), nothing written; the caller may change the state as soon as it returns.
+        `write_staged` (in another thread, say) writes it."""
         step = check_step(step)
         trees = dict(trees or {})
         names, doc_files = write.tree_names(trees), write.doc_files(docs)
-        own = partial(write.write_own, trees=trees, docs=doc_files, fsync=self.fsync)
-        return self._build(step, own, parts, parts_timeout, extra, names)
+        parts = list(dict.fromkeys(parts))
+        for name in parts:
+            check_part_name(name)
+        return StagedStep(step, names, {name: stage_tree(name, tree) for name, tree in trees.items()},
+                          write.doc_bytes(doc_files), write.extra_meta(extra), parts, float(parts_timeout))
+
+    def write_staged(self, staged: StagedStep) -> Path:
+        """The second half of `save`: write, seal, publish and rotate what `stage` copied; returns the folder."""
+        own = partial(write.write_own, trees=staged.trees, docs=staged.docs, fsync=self.fsync)
+        return self._build(staged.step, own, staged.parts, staged.parts_timeout, staged.extra, staged.tree_names)
 
     def save_part(self, step: int, name: str, data: bytes) -> Path:
         """Contribute one file to step `step` from another task (a parameter-server shard, an iterator state).
@@ -227,17 +266,17 @@ class CheckpointManager(CheckpointReader):
         timeout: float = 0.0,
     ) -> Path:
         """Make step `step` from contributed parts alone (waiting up to `timeout` s for them) and return it."""
-        return self._build(check_step(step), lambda tmp: [], expected_parts, timeout, extra, [])
-
-    def _build(
-        self, step: int, write_own: Callable[[Path], list[str]], parts: Iterable[str], timeout: float,
-        extra: Mapping[str, Any] | None, trees: list[str],
-    ) -> Path:
-        """Fill a `.tmp-*` folder (own files, state.json, the parts), seal it, rename it into place, rotate."""
-        parts = list(dict.fromkeys(parts))
+        parts = list(dict.fromkeys(expected_parts))
         for name in parts:
             check_part_name(name)
-        meta = write.extra_meta(extra)
+        return self._build(check_step(step), lambda tmp: [], parts, timeout, write.extra_meta(extra), [])
+
+    def _build(
+        self, step: int, write_own: Callable[[Path], list[str]], parts: list[str], timeout: float, meta: Any,
+        trees: list[str],
+    ) -> Path:
+        """Fill a `.tmp-*` folder (own files, state.json, the parts), seal it, rename it into place, rotate.
+        `parts` are checked names; `meta` is `write.extra_meta(extra)`."""
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".tmp-{step_folder_name(step)}-{secrets.token_hex(4)}"
         tmp.mkdir()
