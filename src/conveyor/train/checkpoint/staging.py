@@ -34,13 +34,15 @@ class StagedTree:
     ready: Callable[[], None] = field(default=lambda: None)
 
 
-def stage_tree(name: str, tree: Any) -> StagedTree:
+def stage_tree(name: str, tree: Any, copy: bool = True) -> StagedTree:
     """`tree` split by `flatten_state` (`TypeError` naming tree `name` if it holds what cannot be stored), every
-    tensor copied to the host."""
+    tensor copied to the host (`copy=False`: the tensors as they are, for a write that follows at once)."""
     try:
         tensors, meta = flatten_state(tree)
     except TypeError as e:
         raise TypeError(f"{name} state: {e}") from e
+    if not copy:
+        return StagedTree(tensors, meta)
     copies, ready = host_copies(tensors)
     return StagedTree(copies, meta, ready)
 

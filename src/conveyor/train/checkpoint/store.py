@@ -214,7 +214,7 @@ class CheckpointManager(CheckpointReader):
         replaces it. `stage` then `write_staged` is the same save in two halves.
         """
         return self.write_staged(self.stage(step, trees, docs=docs, extra=extra, parts=parts,
-                                            parts_timeout=parts_timeout))
+                                            parts_timeout=parts_timeout, copy=False))
 
     def stage(
         self,
@@ -225,17 +225,19 @@ class CheckpointManager(CheckpointReader):
         extra: Mapping[str, Any] | None = None,
         parts: Iterable[str] = (),
         parts_timeout: float = 0.0,
+        copy: bool = True,
     ) -> StagedStep:
         """The first half of `save` (same arguments): everything checked and copied (tensors to the host,
         documents to bytes), nothing written; the caller may change the state as soon as it returns.
-        `write_staged` (in another thread, say) writes it."""
+        `write_staged` (in another thread, say) writes it. `copy=False` (a write that follows at once, as in
+        `save`) keeps the tensors as they are."""
         step = check_step(step)
         trees = dict(trees or {})
         names, doc_files = write.tree_names(trees), write.doc_files(docs)
         parts = list(dict.fromkeys(parts))
         for name in parts:
             check_part_name(name)
-        return StagedStep(step, names, {name: stage_tree(name, tree) for name, tree in trees.items()},
+        return StagedStep(step, names, {name: stage_tree(name, tree, copy) for name, tree in trees.items()},
                           write.doc_bytes(doc_files), write.extra_meta(extra), parts, float(parts_timeout))
 
     def write_staged(self, staged: StagedStep) -> Path:
