@@ -73,26 +73,27 @@ def measure_saves(folder: Path, width: int, layers: int, repeats: int, log: Call
     model, opt = make_mlp(width, layers)
     items = {"model": Model(model), "optimizer": Stateful(opt)}
     checkpoints = CheckpointManager(folder, keep=2)
+    savers = {c.name: BackgroundSaves(enabled=c.name == "async", timeout=600) for c in SAVE_CONTENDERS}  # as a run
     step = 0
 
     def measure(name: str, rnd: int) -> tuple[float, dict[str, float]]:
         nonlocal step
         train_step(model, opt, width)
         step += 1
-        saves = BackgroundSaves(enabled=name == "async", timeout=600)
+        saves = savers[name]  # stage_commit below is called as the Trainer calls it
 
         def stage() -> Callable[[], Any]:
             out = StepWrite(step, is_chief=True, root=checkpoints.root)
             for item_name, item in items.items():
                 item.save(item_name, out)
-            return stage_commit(checkpoints, out, timeout=0, copy=saves.enabled)  # as the Trainer does
+            return stage_commit(checkpoints, out, timeout=0, copy=saves.enabled, buffers=saves.buffers)
 
         try:
             saves.save(step, stage)
             saves.finish()
         except Exception as e:
             raise h.ContenderFailed(f"{type(e).__name__}: {e}") from e
-        record = saves.records[-1]
+        record = saves.records[-1]  # (the first async save allocates the host buffers the later ones reuse)
         return record["blocked_seconds"], {"blocked_s": record["blocked_seconds"], "total_s": record["total_seconds"]}
 
     res = h.interleaved_rounds([c.name for c in SAVE_CONTENDERS], repeats, measure, log=log,

@@ -18,7 +18,7 @@ from torch import nn
 from conveyor.cluster.settings import JobSettings
 from conveyor.train import trainer as trainer_module
 from conveyor.train.checkpoint import BackgroundSaves, CheckpointError, CheckpointManager
-from conveyor.train.checkpoint.staging import stage_tree
+from conveyor.train.checkpoint.staging import HostBuffers, stage_tree
 from conveyor.train.trainer import TrainConfig, Trainer
 from train.test_trainer import data, make_job, make_model
 
@@ -177,3 +177,15 @@ def test_staging_copies_so_later_changes_are_not_written():
     weight.add_(1)
     staged.ready()
     assert torch.equal(staged.tensors["w"], torch.ones(3)) and staged.meta["tree"]
+
+
+def test_host_buffers_are_reused_from_one_save_to_the_next():
+    buffers, weight = HostBuffers(), torch.ones(4)
+    first = CheckpointManager("unused").stage(1, {"model": {"w": weight}}, buffers=buffers).trees["model"]
+    weight.add_(1)
+    assert torch.equal(first.tensors["w"], torch.ones(4))
+    pointer = first.tensors["w"].data_ptr()
+    second = CheckpointManager("unused").stage(2, {"model": {"w": weight}}, buffers=buffers).trees["model"]
+    assert second.tensors["w"].data_ptr() == pointer and torch.equal(second.tensors["w"], weight)
+    third = CheckpointManager("unused").stage(3, {"model": {"w": torch.ones(2, 3)}}, buffers=buffers).trees["model"]
+    assert third.tensors["w"].shape == (2, 3)  # another shape: another buffer

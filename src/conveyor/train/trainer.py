@@ -504,7 +504,8 @@ class _Checkpointer:
         if out.is_chief:  # rotation never deletes the newest finite step (conveyor.train.nonfinite)
             out.extra["finite"] = params_finite(self.t.module)
         # A synchronous save writes at once: nothing changes the state meanwhile, so nothing is copied.
-        return stage_commit(self.t.checkpoints, out, timeout=float(self.job.timeout), copy=self.saves.enabled)
+        return stage_commit(self.t.checkpoints, out, timeout=float(self.job.timeout), copy=self.saves.enabled,
+                            buffers=self.saves.buffers)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from conveyor.train.checkpoint.read import CheckpointError
+from conveyor.train.checkpoint.staging import HostBuffers
 
 __all__ = ["BackgroundSaves"]
 
@@ -44,6 +45,7 @@ class BackgroundSaves:
         self._thread: threading.Thread | None = None
         self._failed: tuple[int, BaseException] | None = None
         self.end_wait_seconds = 0.0
+        self.buffers = HostBuffers()  # reused by one save after another: never two writes at once
 
     @property
     def in_flight(self) -> bool:

@@ -68,16 +68,18 @@ def commit(checkpoints: Any, out: StepWrite, timeout: float) -> Path | None:
     return stage_commit(checkpoints, out, timeout, copy=False)()
 
 
-def stage_commit(checkpoints: Any, out: StepWrite, timeout: float, copy: bool = True) -> Callable[[], Path | None]:
+def stage_commit(checkpoints: Any, out: StepWrite, timeout: float, copy: bool = True, buffers: Any = None
+                 ) -> Callable[[], Path | None]:
     """`commit` in two halves: copy what `out` holds now (the chief's trees to the host: `CheckpointManager.stage`;
     parts are bytes already) and return the write, which may run in another thread while training goes on
     (`conveyor.train.checkpoint.background`). Parts first, then the step: the chief's write waits for the
-    others' parts as before. `copy=False`: the trees are not copied (the write is to follow at once)."""
+    others' parts as before. `copy=False`: the trees are not copied (the write is to follow at once); `buffers`:
+    host memory to copy them into (`BackgroundSaves.buffers`)."""
     parts = dict(out.parts)
     staged = None
     if out.is_chief:
         staged = checkpoints.stage(out.step, out.trees, docs=out.docs, extra=out.extra, parts=out.expected,
-                                   parts_timeout=timeout, copy=copy)
+                                   parts_timeout=timeout, copy=copy, buffers=buffers)
 
     def write() -> Path | None:
         for name, data in parts.items():

@@ -36,7 +36,7 @@ from conveyor.train.checkpoint.read import (
     step_folder_name,
     step_numbers,
 )
-from conveyor.train.checkpoint.staging import StagedTree, stage_tree
+from conveyor.train.checkpoint.staging import HostBuffers, StagedTree, stage_tree
 
 __all__ = ["CheckpointManager", "CheckpointReader", "StagedStep"]
 
@@ -226,19 +226,25 @@ class CheckpointManager(CheckpointReader):
         parts: Iterable[str] = (),
         parts_timeout: float = 0.0,
         copy: bool = True,
+        buffers: HostBuffers | None = None,
     ) -> StagedStep:
         """The first half of `save` (same arguments): everything checked and copied (tensors to the host,
         documents to bytes), nothing written; the caller may change the state as soon as it returns.
         `write_staged` (in another thread, say) writes it. `copy=False` (a write that follows at once, as in
-        `save`) keeps the tensors as they are."""
+        `save`) keeps the tensors as they are; `buffers` is host memory to copy into (`staging.HostBuffers`)."""
         step = check_step(step)
         trees = dict(trees or {})
         names, doc_files = write.tree_names(trees), write.doc_files(docs)
         parts = list(dict.fromkeys(parts))
         for name in parts:
             check_part_name(name)
-        return StagedStep(step, names, {name: stage_tree(name, tree, copy) for name, tree in trees.items()},
-                          write.doc_bytes(doc_files), write.extra_meta(extra), parts, float(parts_timeout))
+        if buffers is not None:
+            buffers.start()
+        staged = {name: stage_tree(name, tree, copy, buffers) for name, tree in trees.items()}
+        if buffers is not None:
+            buffers.done()
+        return StagedStep(step, names, staged, write.doc_bytes(doc_files), write.extra_meta(extra), parts,
+                          float(parts_timeout))
 
     def write_staged(self, staged: StagedStep) -> Path:
         """The second half of `save`: write, seal, publish and rotate what `stage` copied; returns the folder."""
