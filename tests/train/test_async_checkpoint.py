@@ -189,3 +189,18 @@ def test_host_buffers_are_reused_from_one_save_to_the_next():
     assert second.tensors["w"].data_ptr() == pointer and torch.equal(second.tensors["w"], weight)
     third = CheckpointManager("unused").stage(3, {"model": {"w": torch.ones(2, 3)}}, buffers=buffers).trees["model"]
     assert third.tensors["w"].shape == (2, 3)  # another shape: another buffer
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_state_is_copied_to_pinned_memory_without_blocking_and_later_kernels_do_not_change_it():
+    weight = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+    want = weight.cpu()
+    buffers = HostBuffers()
+    for _ in range(2):  # the second save reuses the pinned buffer
+        buffers.start()
+        staged = stage_tree("model", {"w": weight}, buffers=buffers)
+        weight.mul_(3)  # queued after the copy on the same stream
+        staged.ready()
+        assert staged.tensors["w"].is_pinned() and torch.equal(staged.tensors["w"], want)
+        want = weight.cpu()
