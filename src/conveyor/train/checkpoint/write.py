@@ -2,7 +2,8 @@
 
 `CheckpointManager` makes the temporary folder, calls these, and renames it into place: the files
 here need no atomicity of their own (nobody reads a `.tmp-*` folder), only durability — each one
-fsynced (`fsync`), then every folder, deepest first, so the rename publishes finished bytes.
+fsynced (`fsync`), then every folder, deepest first, so the rename publishes finished bytes. The trees
+and documents come staged (`staging`: host copies and bytes), so this may run beside training.
 """
 
 from __future__ import annotations
