@@ -194,27 +194,11 @@ class CheckpointManager(CheckpointReader):
 
     # -- writing -----------------------------------------------------------------------------------------------
 
-    def save(
-        self,
-        step: int,
-        trees: Mapping[str, Any] | None = None,
-        *,
-        docs: Mapping[str, Any] | None = None,
-        extra: Mapping[str, Any] | None = None,
-        parts: Iterable[str] = (),
-        parts_timeout: float = 0.0,
-    ) -> Path:
-        """Write step `step` and return its folder; on any error nothing becomes visible.
-
-        `trees` maps a name to a state tree (a `state_dict()`: tensors, numbers, strings, lists, dicts),
-        each written as `<name>.safetensors` + `<name>.json` and read back as `Checkpoint.trees[name]`;
-        `docs` maps `<group>/<name>` ("data/worker-0") to JSON, read back as `Checkpoint.docs`; `extra`
-        is JSON-able run information stored in state.json. `parts` names files other tasks contribute
-        with `save_part`, awaited for `parts_timeout` seconds. Saving a step that already exists
-        replaces it. `stage` then `write_staged` is the same save in two halves.
-        """
-        return self.write_staged(self.stage(step, trees, docs=docs, extra=extra, parts=parts,
-                                            parts_timeout=parts_timeout, copy=False))
+    def save(self, step: int, trees: Mapping[str, Any] | None = None, **options: Any) -> Path:
+        """Write step `step` and return its folder; on any error nothing becomes visible. `trees` and the
+        keywords (`docs`, `extra`, `parts`, `parts_timeout`) are `stage`'s: `save` is `stage` then
+        `write_staged`, with nothing copied (the write follows at once). Saving a step that exists replaces it."""
+        return self.write_staged(self.stage(step, trees, copy=False, **options))
 
     def stage(
         self,
@@ -228,10 +212,17 @@ class CheckpointManager(CheckpointReader):
         copy: bool = True,
         buffers: HostBuffers | None = None,
     ) -> StagedStep:
-        """The first half of `save` (same arguments): everything checked and copied (tensors to the host,
-        documents to bytes), nothing written; the caller may change the state as soon as it returns.
-        `write_staged` (in another thread, say) writes it. `copy=False` (a write that follows at once, as in
-        `save`) keeps the tensors as they are; `buffers` is host memory to copy into (`staging.HostBuffers`)."""
+        """The first half of `save`: everything checked and copied, nothing written; the caller may change the
+        state as soon as it returns, and `write_staged` (in another thread, say) writes it.
+
+        `trees` maps a name to a state tree (a `state_dict()`: tensors, numbers, strings, lists, dicts),
+        each written as `<name>.safetensors` + `<name>.json` and read back as `Checkpoint.trees[name]`;
+        `docs` maps `<group>/<name>` ("data/worker-0") to JSON, read back as `Checkpoint.docs`; `extra`
+        is JSON-able run information stored in state.json. `parts` names files other tasks contribute
+        with `save_part`, awaited for `parts_timeout` seconds. The trees' tensors are copied to the host
+        (into `buffers`, `staging.HostBuffers`, where given; `copy=False` keeps them as they are) and the
+        documents serialized.
+        """
         step = check_step(step)
         trees = dict(trees or {})
         names, doc_files = write.tree_names(trees), write.doc_files(docs)
