@@ -117,6 +117,29 @@ def test_ps_nodes_of_their_own_are_the_last_ones_and_run_no_worker(tmp_path):
     assert tasks == [["-n", "2"], ["-n", "2"], ["-n", "0", "--ps", "2"], ["-n", "0", "--ps", "1"]]
 
 
+def test_data_nodes_are_the_last_ones_and_run_data_workers_only(tmp_path):
+    spec = job(tmp_path, nodes=4, workers=2, ps=1, ps_nodes=1, strategy="ps-sync", data_nodes=2, data_workers=3,
+               data_pipeline="job.input:train")
+    assert node_layout(spec) == [(2, 0), (0, 1), (0, 0), (0, 0)]
+    text = sbatch_script(spec)
+    assert "node 0: 2 workers; node 1: 1 ps; nodes 2-3: 3 data workers" in text
+    records = run_script(tmp_path, text, nodes=4)
+    tasks = [r["args"][3:r["args"].index("--strategy")] for r in records]
+    data = ["-n", "0", "--data-workers", "3", "--data-pipeline", "job.input:train"]
+    assert tasks == [["-n", "2"], ["-n", "0", "--ps", "1"], data, data]
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    (dict(data_nodes=1), "--data-nodes D, --data-workers K and --data-pipeline MODULE:FUNCTION go together"),
+    (dict(data_nodes=2, data_workers=1, data_pipeline="a:b"), "leave at least one node for the workers"),
+    (dict(data_nodes=1, data_workers=1, data_pipeline="a b:c"), "expected MODULE:FUNCTION"),
+    (dict(data_nodes=1, data_workers=1, data_pipeline="a:b", gpus_per_node=1), "the same GPUs"),
+])
+def test_bad_data_node_settings_are_refused(tmp_path, changes, message):
+    with pytest.raises(ValueError, match=message):
+        job(tmp_path, nodes=2, **changes)
+
+
 def test_gpus_set_the_workers_per_node(tmp_path, capsys):
     assert main(["slurm", "--nodes", "2", "--gpus-per-node", "4", "--python", sys.executable, "train.py"]) == 0
     text = capsys.readouterr().out

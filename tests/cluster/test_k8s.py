@@ -66,6 +66,8 @@ VARIANTS = {
     "chief-gpus": dict(workers=3, ps=2, chief=True, strategy="ps-async", gpus=1, namespace="ml", output_size="20Gi",
                        storage_class="nfs-client", secret_name="shared-secret", tf_flags=False, resume=False),
     "allreduce": dict(workers=4, data_claim="digits-data", timeout=60, max_restarts=0, network_policy=False),
+    "data-service": dict(workers=2, gpus=1, data_claim="digits-data", data_workers=3,
+                         data_pipeline="digits.input:train"),
 }
 
 
@@ -227,10 +229,45 @@ def test_a_pod_waits_for_every_name_and_gives_up_naming_those_missing():
     (dict(namespace="a.b"), "--namespace 'a.b'"),
     (dict(gpus=-1), "--gpus -1"),
     (dict(gpus=2), "--gpus 2: a pod runs one training process"),
+    (dict(data_workers=-1), "--data-workers -1"),
+    (dict(data_workers=2), "--data-workers K and --data-pipeline MODULE:FUNCTION go together"),
 ])
 def test_bad_options_name_the_flag(changes, message):
     with pytest.raises(ValueError, match=message):
         options(**changes)
+
+
+@pytest.mark.parametrize("kind", ["jobset", "jobs"])
+def test_data_workers_are_pods_of_their_own_without_gpus_and_every_pod_finds_the_dispatcher(tmp_path, kind):
+    docs = generated(tmp_path, "--name", "digits", "--image", IMAGE, "--output-claim", "out", "--kind", kind,
+                     "-n", "2", "--gpus", "1", "--data-workers", "3", "--data-pipeline", "digits.input:train",
+                     "/app/train.py")
+    if kind == "jobset":
+        [jobset] = [d for d in docs if d["kind"] == "JobSet"]
+        jobs = {r["name"]: r["template"]["spec"] for r in jobset["spec"]["replicatedJobs"]}
+        assert jobset["spec"]["successPolicy"]["targetReplicatedJobs"] == ["worker"]  # not the serving pods
+        host = "digits-dispatcher-0-0.digits:2222"
+    else:
+        jobs = {d["metadata"]["name"].removeprefix("digits-"): d["spec"] for d in docs if d["kind"] == "Job"}
+        host = "digits-dispatcher-0.digits:2222"
+    assert sorted(jobs) == ["data-worker", "dispatcher", "worker"]
+    containers = {name: job["template"]["spec"]["containers"][0] for name, job in jobs.items()}
+    for name, container in containers.items():
+        assert {"name": "CONVEYOR_DATA_SERVICE", "value": host} in container["env"]
+        assert ("resources" in container) == (name == "worker")  # only the trainers ask for a GPU
+    data = jobs["data-worker"]
+    assert data["completions"] == 3 and data["backoffLimit"] == 9 and "podFailurePolicy" not in data
+    assert data["template"]["spec"]["restartPolicy"] == "OnFailure"  # restarted in place: not the job's failure
+    assert jobs["dispatcher"]["backoffLimit"] == 0 and jobs["dispatcher"]["template"]["spec"]["restartPolicy"] == \
+        "Never"  # its failure is the job's: the set restarts from the checkpoint
+    worker = containers["data-worker"]
+    assert worker["command"] == ["conveyor", "data"] and worker["args"] == [
+        "worker", "--dispatcher", host, "--host", "0.0.0.0", "--port", "2222", "--advertise", "$(POD_IP):2222",
+        "--pipeline", "digits.input:train"]
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in worker["env"]
+    assert containers["dispatcher"]["args"][:5] == ["serve", "--host", "0.0.0.0", "--port", "2222"]
+    spec = json.loads(containers["worker"]["args"][3])
+    assert spec["dispatcher"] == [host] and len(spec["data_worker"]) == 3
 
 
 def test_the_file_holds_the_secret_so_only_its_owner_reads_it(tmp_path, capsys):

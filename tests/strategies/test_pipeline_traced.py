@@ -219,3 +219,24 @@ def test_a_checkpoint_of_another_split_is_refused_naming_both_splits() -> None:
     with pytest.raises(ValueError, match=r"written with the split \[input.. \| blocks.1.. \| head..\] \(3 stages\).*"
                                          r"\(--split blocks.1,head\)"):
         restore({"split_points": ["blocks.1", "head"]})
+    with pytest.raises(ValueError, match=r"Why: each stage's part holds the parameters and optimizer state of that "
+                                         r"stage's layers only.*the number of replicas may change, the split may not"):
+        restore([["0"], ["1"]])
+
+
+def test_a_checkpoint_of_other_replicas_with_the_same_split_is_loaded_by_every_replica(capsys) -> None:
+    strategy = PipelineStrategy(stages=2, schedule="1f1b")
+    strategy.plan, strategy.module = TracedPlan(("blocks.2",)), TracedStage(Net())
+    strategy._job = SimpleNamespace(is_chief=True)
+    strategy.replicas, strategy.replica, strategy.stage = 3, 2, 1  # the last replica's second stage, of 3
+    loaded = []
+    strategy._load_part = lambda state, optimizer: loaded.append(state)
+    part = {"stage": 1, "model": {"blocks.2.weight": torch.ones(2)}, "optimizer": {"state": {}}}
+    header = {"format": "conveyor.pipeline.stages", "split": {"split_points": ["blocks.2"]},
+              "stages": ["stage-0", "stage-1"], "replicas": 2}  # written by 2 replicas
+    saved = SimpleNamespace(step=40, tree=lambda name: header,
+                            part_tree=lambda name: part if name == "stage-1" else pytest.fail("read " + name))
+    strategy.checkpoint_items(strategy.module, None)["optimizer"].restore("optimizer", saved)
+    assert loaded == [part]
+    assert "resumed step 40, written by 2 pipeline replica(s), on 3: every replica loads its stage's part (split " \
+           "[input.. | blocks.2..] unchanged)" in capsys.readouterr().err

@@ -367,6 +367,47 @@ def test_a_checkpoint_from_another_world_size_is_refused(tmp_path, monkeypatch):
     assert summary["steps"] == 10
 
 
+def sharded(world: int, rank: int) -> Dataset:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(N, 4)).astype(np.float32)
+    x[:, 0] = np.arange(N, dtype=np.float32) / N
+    return Dataset.from_tensor_slices((x, (x[:, 1] > 0).astype(np.int64))).shard(world, rank).shuffle(6, seed=7) \
+        .batch(BATCH)
+
+
+def test_a_checkpoint_of_two_workers_resumes_on_one_with_every_sample_once(tmp_path, monkeypatch, capsys):
+    """Two workers took one batch each and checkpointed (step 1); one worker finishes the epoch with the rest
+    of both shards, every sample once, and the chief says so."""
+    taken, states = [], []
+    for rank in range(2):
+        it = sharded(2, rank).iterator(root_seed=5, iteration=0)
+        taken += [round(float(v) * N) for v in next(it)[0][:, 0]]
+        states.append(it.state_dict())
+        it.close()
+    model, opt = make_model()
+    docs = {f"data/worker-{r}": {"format": "conveyor.trainer.data", "version": 1, "epoch": 0, "batches": 1,
+                                 "root_seed": 5, "iterator": states[r], "rng": None} for r in range(2)}
+    CheckpointManager(tmp_path / "checkpoints", fsync=False).save(
+        1, {"model": model.state_dict(), "optimizer": opt.state_dict()}, extra={"epoch": 0, "world_size": 2},
+        docs=docs)
+    summary, seen, _ = run(tmp_path, monkeypatch, ds=sharded(1, 0), epochs=2, checkpoint_every_steps=2)
+    assert "resumed step 1, written by 2 workers, on 1 workers: data redistributed" in capsys.readouterr().err
+    first_epoch = [i for step in sorted(seen) if step <= 1 + 3 for i in seen[step]]  # 24 left: 3 batches of 8
+    assert sorted(taken + first_epoch) == list(range(N))
+    assert sorted(i for step in seen if step > 4 for i in seen[step]) == list(range(N))  # then whole epochs
+    assert summary["steps"] == 1 + 3 + 5
+
+
+def test_a_generator_pipeline_is_not_redistributed_and_the_refusal_names_the_op_and_the_way_out(tmp_path,
+                                                                                                 monkeypatch):
+    fake_checkpoint(tmp_path, world_size=2, workers=[0, 1])
+    x, y = np.zeros((N, 4), np.float32), np.zeros(N, np.int64)
+    generated = Dataset.from_generator(lambda: zip(x, y, strict=True)).shard(1, 0).batch(BATCH)
+    with pytest.raises(ResumeError, match=r"2 worker\(s\); this job has 1.*the from_generator op cannot be "
+                                          r"redistributed.*-n 2.*--no-resume"):
+        run(tmp_path, monkeypatch, ds=generated)
+
+
 def test_a_checkpoint_of_another_model_is_refused_naming_what_differs(tmp_path, monkeypatch):
     run(tmp_path, monkeypatch)
     job = make_job(tmp_path, monkeypatch)

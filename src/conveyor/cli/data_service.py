@@ -5,7 +5,8 @@
     conveyor data status --dispatcher 10.0.0.5:5050 --secret-file job.secret      # workers and jobs, as JSON
 
 Only argument parsing; the roles are `conveyor.data.service.dispatcher` and `.worker`. Both run until
-interrupted (Ctrl-C, SIGTERM).
+interrupted (Ctrl-C, SIGTERM). The secret: --secret-file, $CONVEYOR_JOB_SECRET_FILE or $CONVEYOR_JOB_SECRET
+(how `conveyor run --data-workers K` starts them as tasks of the job).
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ import sys
 import threading
 
 from conveyor.cli import CommandError
-from conveyor.cluster.variables import JOB_SECRET_FILE_VAR
+from conveyor.cluster.variables import JOB_SECRET_FILE_VAR, JOB_SECRET_VAR
 from conveyor.comm.transport import Client, TransportError
 from conveyor.data.service.dispatcher import Dispatcher
-from conveyor.data.service.protocol import DISPATCHER, DataServiceError, read_secret_file
+from conveyor.data.service.protocol import DISPATCHER, DataServiceError, read_secret_file, read_secret_text
 from conveyor.data.service.worker import DataWorker
 
 
@@ -34,6 +35,9 @@ def add_parsers(actions: argparse._SubParsersAction) -> None:
     _listen_arguments(p)
     p.add_argument("--worker-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="a worker silent this long is dead: its unacknowledged splits go to others (default 10)")
+    p.add_argument("--report", default=None, metavar="FILE",
+                   help="write the service's figures there as JSON every 2 s and at exit: per worker throughput and "
+                   "queues, the trainers' input wait, whether they are input-bound and how many workers are needed")
     _secret_argument(p)
     p.set_defaults(action_run=run_serve)
     p = actions.add_parser("worker", help="run a data worker: the named pipeline, served to trainers",
@@ -68,7 +72,13 @@ def _secret_argument(p: argparse.ArgumentParser) -> None:
 
 
 def _secret(args: argparse.Namespace) -> bytes:
+    """--secret-file, else $CONVEYOR_JOB_SECRET_FILE, else $CONVEYOR_JOB_SECRET (what `conveyor run` gives tasks)."""
     path = args.secret_file or os.environ.get(JOB_SECRET_FILE_VAR)
+    if not path and os.environ.get(JOB_SECRET_VAR):
+        try:
+            return read_secret_text(os.environ[JOB_SECRET_VAR], JOB_SECRET_VAR)
+        except DataServiceError as e:
+            raise CommandError(str(e)) from None
     if not path:
         raise CommandError(f"give --secret-file FILE (or set {JOB_SECRET_FILE_VAR}): every role of the data "
                            f"service signs its messages with the same job secret")
@@ -99,7 +109,8 @@ def _run_until_stopped(role: Dispatcher | DataWorker, started: str) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     _log_as("data-dispatcher")
-    dispatcher = Dispatcher(f"{args.host}:{args.port}", _secret(args), worker_timeout=args.worker_timeout).start()
+    dispatcher = Dispatcher(f"{args.host}:{args.port}", _secret(args), worker_timeout=args.worker_timeout,
+                            report_path=args.report).start()
     return _run_until_stopped(dispatcher, f"data service dispatcher listening on {args.host}:{args.port}")
 
 

@@ -55,6 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     job.add_argument("--ps", type=int, default=0, metavar="M", help="parameter-server pods (default 0)")
     job.add_argument("--gpus", type=int, default=0, metavar="G",
                      help="1: each training pod asks for a GPU (nvidia.com/gpu) and trains on it (default 0)")
+    job.add_argument("--data-workers", type=int, default=0, metavar="K",
+                     help="data-service worker pods (no GPU) and a dispatcher pod; the trainers find it in "
+                     "$CONVEYOR_DATA_SERVICE (default 0; docs/data-service.md)")
+    job.add_argument("--data-pipeline", default=None, metavar="MODULE:FUNCTION",
+                     help="the function (importable in the image) returning the Dataset the data workers run")
     pipe = parser.add_argument_group("pipeline parallelism (--strategy pipeline)")
     add_settings(dict(job=job, pipeline=pipe), "k8s")  # --strategy, --timeout, --max-restarts, --stages, ...
     cluster = parser.add_argument_group("Kubernetes")
@@ -90,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         output_claim=args.output_claim, output_dir=args.output_dir, output_size=args.output_size,
         storage_class=args.storage_class, secret_name=args.secret_name, namespace=args.namespace, kind=args.kind,
         port=args.port, master_port=args.master_port, network_policy=args.network_policy,
-        **given_settings(args, "k8s"),
+        data_workers=args.data_workers, data_pipeline=args.data_pipeline, **given_settings(args, "k8s"),
     )
     secret = None if options.secret_name else secrets.token_hex(32)
     try:

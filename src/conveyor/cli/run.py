@@ -5,6 +5,7 @@
     conveyor run -n 4 --strategy pipeline --stages 2 train.py # 2 pipeline replicas of 2 stages
     conveyor run --dry-run -n 2 train.py --epochs 1           # print what would start, start nothing
     conveyor run -n 4 --bind socket train.py                  # each task on one socket's cores
+    conveyor run -n 2 --data-workers 4 --data-pipeline job.input:train train.py   # + the data service
     conveyor run -n 2 --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29400 --job-secret-file s train.py  # 10.0.0.1
     conveyor run -n 2 --nnodes 2 --node-rank 1 --rdzv 10.0.0.1:29400 --job-secret-file s train.py  # the other
 
@@ -22,6 +23,7 @@ import os
 import secrets
 import sys
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 
 from conveyor.cli import Command, CommandError
 from conveyor.cluster.output_lock import OutputDirBusyError, OutputLock, lock_path
@@ -30,6 +32,9 @@ from conveyor.cluster.settings import add_arguments as add_settings
 from conveyor.cluster.settings import agreed_flags
 from conveyor.cluster.settings import given as given_settings
 from conveyor.cluster.variables import JOB_SECRET_FILE_VAR, JOB_SECRET_VAR, OUTPUT_LOCK_VAR
+from conveyor.data.service.pipelines import load_pipeline
+from conveyor.data.service.protocol import DataServiceError
+from conveyor.fileio import atomic_write
 from conveyor.launch import (
     OMP_DEFAULT_VAR,
     PeerError,
@@ -42,6 +47,7 @@ from conveyor.launch import (
     local_plan,
 )
 from conveyor.launch.binding import BIND_MODES
+from conveyor.launch.plan import DATA_REPORT
 from conveyor.launch.restarts import DELAY_CAP as RESTART_DELAY_CAP
 from conveyor.launch.restarts import RestartPolicy
 from conveyor.launch.slurm import allocation_note, slurm_node
@@ -57,6 +63,7 @@ examples:
   conveyor run -n 4 --strategy pipeline --stages 2 --microbatches 8 train.py   # 2 replicas x 2 stages
   conveyor run -n 2 --strategy pipeline --split blocks.2 train.py    # a model with its own forward: traced
   conveyor run --dry-run -n 2 train.py --epochs 1
+  conveyor run -n 2 --data-workers 2 --data-pipeline myjob.input:train train.py   # the input on 2 data workers
   conveyor run -n 8 --bind socket train.py       # one task per GPU, each on one socket's cores
   conveyor run --chief -n 3 --ps 1 --linger 5 tf2_ps_train.py     # TF2 parameter-server tutorial pattern
   conveyor run -n 2 --ps 1 --tf-flags trainer.py                  # TF1: --ps_hosts ... --task_index
@@ -102,6 +109,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "only, not node 0)")
     job.add_argument("--ps", type=int, default=0, metavar="M",
                      help="parameter servers on this machine (default 0)")
+    job.add_argument("--data-workers", type=int, default=0, metavar="K",
+                     help="data-service workers on this machine (default 0), each running --data-pipeline; the "
+                     "job's dispatcher runs on node 0, and every task finds it in $CONVEYOR_DATA_SERVICE "
+                     "(dataset.distribute(conveyor.data.service.from_env()); docs/data-service.md)")
+    job.add_argument("--data-pipeline", default=None, metavar="MODULE:FUNCTION",
+                     help="the function (no arguments) returning the conveyor.data.Dataset the data workers run, "
+                     "imported from the current folder, the script's folder or PYTHONPATH")
     job.add_argument("--linger", type=float, default=30.0, metavar="SECONDS",
                      help="once the job has succeeded (see below), how long tasks still running may take to exit "
                      "by themselves before they are stopped (default 30)")
@@ -139,8 +153,9 @@ def run(args: argparse.Namespace) -> int:
         script=args.script, script_args=tuple(args.script_args), workers=args.workers, ps=args.ps,
         data_dir=os.path.abspath(args.data_dir), output_dir=os.path.abspath(args.output_dir),
         restart_delay=args.restart_delay, python=args.python, linger=args.linger, bind=args.bind,
-        **given_settings(args, "run"),
+        data_workers=args.data_workers, data_pipeline=args.data_pipeline, **given_settings(args, "run"),
     )
+    _check_data_pipeline(options)
     environ = dict(os.environ)  # before anything here touches os.environ: this is what the tasks inherit
     _from_slurm(args, environ)
     _check_node_flags(args)
@@ -161,7 +176,10 @@ def run(args: argparse.Namespace) -> int:
         environ[OUTPUT_LOCK_VAR] = str(lock_path(options.output_dir))
         plan = local_plan(options, ports[:-1], master_port=ports[-1], secret=secret, environ=environ)
         with _locked_output(options.output_dir, environ):
-            return _report(_supervisor(plan, options).run(), options.output_dir)
+            supervisor = _supervisor(plan, options)
+            result = supervisor.run()
+            data_service_summary(plan, supervisor.data_worker_exits, options.output_dir)
+            return _report(result, options.output_dir)
     with _locked_output(options.output_dir, environ) if args.node_rank == 0 else contextlib.nullcontext():
         return _run_node(args, options, environ, secret)
 
@@ -226,22 +244,70 @@ def _run_node(args: argparse.Namespace, options: RunOptions, environ: dict[str, 
     settings = node_settings(options)
     try:
         rdzv = join(args.rdzv, nnodes=args.nnodes, node_rank=args.node_rank, workers=options.workers, ps=options.ps,
-                    settings=settings, secret=secret, timeout=options.timeout)
+                    settings=settings, secret=secret, timeout=options.timeout, data_workers=options.data_workers)
     except PeerError as e:
         raise CommandError(str(e), exit_code=1) from None
     try:
         try:
             plan = build_plan(options, rdzv.nodes, rdzv.node_rank, master_addr=rdzv.master_addr,
-                              master_port=rdzv.master_port, secret=rdzv.secret, environ=environ)
+                              master_port=rdzv.master_port, secret=rdzv.secret, environ=environ,
+                              dispatcher_port=rdzv.dispatcher_port)
         except Exception as e:  # the others would wait for this node's tasks until --timeout: tell them now
             with contextlib.suppress(PeerError):
                 rdzv.peers.abort(f"node {rdzv.node_rank}'s launcher cannot start its tasks: {e}")
             raise
         print(f"[conveyor] node {rdzv.node_rank} of {args.nnodes}: cluster {plan.spec.as_dict()}", file=sys.stderr)
-        result = _supervisor(plan, options, peers=rdzv.peers).run()
+        supervisor = _supervisor(plan, options, peers=rdzv.peers)
+        result = supervisor.run()
+        data_service_summary(plan, supervisor.data_worker_exits, options.output_dir)
     finally:
         rdzv.peers.close()
     return _report(result, options.output_dir)
+
+
+def _check_data_pipeline(options: RunOptions) -> None:
+    """Build --data-pipeline here first, as the data workers will (from the current folder, the script's folder or
+    PYTHONPATH), so that a name that does not resolve is refused before anything starts."""
+    if options.data_pipeline is None:
+        return
+    if not options.data_workers:
+        raise CommandError(f"--data-pipeline {options.data_pipeline} is what data workers run: add --data-workers K "
+                           f"(K data workers on this machine), or drop it")
+    saved = list(sys.path)
+    sys.path[:0] = [os.getcwd(), os.path.dirname(os.path.abspath(options.script))]
+    try:
+        load_pipeline(options.data_pipeline, flag="--data-pipeline")
+    except DataServiceError as e:
+        raise CommandError(str(e)) from None
+    except Exception as e:  # the user's function failed: every data worker would fail the same way
+        raise CommandError(f"--data-pipeline {options.data_pipeline}: building it here failed ({type(e).__name__}: "
+                           f"{e}); every data worker would fail alike: fix the function or what it reads") from None
+    finally:
+        sys.path[:] = saved
+
+
+def data_service_summary(plan, exits: list[dict], output_dir: str) -> None:
+    """On the dispatcher's node: the dispatcher's last figures (logs/data_service.json) and the data workers that
+    exited, as the ``data_service`` block of summary.json (the Trainer's, or one of this block alone)."""
+    if not any(t.task.type == "dispatcher" for t in plan.tasks):
+        return
+    path = os.path.join(plan.log_dir, DATA_REPORT)
+    try:
+        with open(path, encoding="utf-8") as f:
+            block = json.load(f)
+    except (OSError, ValueError) as e:
+        print(f"[conveyor] data service: no figures ({path}: {e})", file=sys.stderr)
+        return
+    block["data_worker_exits"] = exits
+    atomic_write(Path(path), json.dumps(block, indent=1).encode())
+    summary = Path(output_dir) / "summary.json"
+    try:
+        doc = json.loads(summary.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        doc = {}  # a script without the Trainer writes no summary: this block is all of it
+    doc = {**doc, "data_service": block} if isinstance(doc, dict) else {"data_service": block}
+    atomic_write(summary, json.dumps(doc, indent=1).encode())
+    print(f"[conveyor] data service: {block.get('advice')} (summary.json's data_service)", file=sys.stderr)
 
 
 def _from_slurm(args: argparse.Namespace, environ: Mapping[str, str]) -> None:

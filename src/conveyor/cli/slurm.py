@@ -54,6 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "from node 0, or on --ps-nodes of their own")
     job.add_argument("--ps-nodes", type=int, default=0, metavar="P",
                      help="run the ps tasks alone on the last P of the --nodes (conveyor run -n 0 there)")
+    job.add_argument("--data-nodes", type=int, default=0, metavar="D",
+                     help="run data-service workers alone on the last D of the --nodes (conveyor run -n 0 "
+                     "--data-workers K there; CPU jobs only: one allocation gives every node the same GPUs)")
+    job.add_argument("--data-workers", type=int, default=0, metavar="K", help="data workers on each data node")
+    job.add_argument("--data-pipeline", default=None, metavar="MODULE:FUNCTION",
+                     help="the function returning the Dataset the data workers run (docs/data-service.md)")
     job.add_argument("--data-dir", default="data", metavar="D", help="the job's input folder, shared (default ./data)")
     job.add_argument("--output-dir", default="output", metavar="O",
                      help="checkpoints, logs, metrics, shared (default ./output)")
@@ -83,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
     workers = args.workers if args.workers is not None else (args.gpus_per_node or 1)
     job = SbatchJob(
         script=args.script, script_args=tuple(args.script_args), nodes=args.nodes, workers=workers,
-        gpus_per_node=args.gpus_per_node, ps=args.ps, ps_nodes=args.ps_nodes,
+        gpus_per_node=args.gpus_per_node, ps=args.ps, ps_nodes=args.ps_nodes, data_nodes=args.data_nodes,
+        data_workers=args.data_workers, data_pipeline=args.data_pipeline,
         data_dir=os.path.abspath(args.data_dir), output_dir=os.path.abspath(args.output_dir), workdir=os.getcwd(),
         python=os.path.abspath(args.python), job_name=args.job_name, time=args.time, partition=args.partition,
         account=args.account, cpus_per_node=args.cpus_per_node, run_args=tuple(args.run_option),

@@ -1,6 +1,7 @@
 """The cluster description: which task runs where, and TensorFlow's TF_CONFIG for it.
 
-A cluster has four jobs, as in TensorFlow: ``chief``, ``worker``, ``ps`` and ``evaluator``. Each is an
+A cluster has TensorFlow's four jobs, ``chief``, ``worker``, ``ps`` and ``evaluator``, and the data service's
+``dispatcher`` and ``data_worker`` (``conveyor run --data-workers K``). Each is an
 ordered tuple of ``"host:port"`` addresses; a task is a job name plus an index into that tuple::
 
     >>> spec = ClusterSpec.from_hosts(ps_hosts="h9:2222", worker_hosts="h1:2222,h2:2222")
@@ -31,6 +32,7 @@ from typing import Any
 from conveyor.errors import ConveyorError
 
 __all__ = [
+    "DATA_JOBS",
     "JOBS",
     "TRAINING_JOBS",
     "ClusterConfigError",
@@ -42,7 +44,9 @@ __all__ = [
 ]
 
 #: Job names in the order TF_CONFIG lists them and ranks are counted.
-JOBS: tuple[str, ...] = ("chief", "worker", "ps", "evaluator")
+JOBS: tuple[str, ...] = ("chief", "worker", "ps", "evaluator", "dispatcher", "data_worker")
+#: The data service's jobs (docs/data-service.md): they serve the input pipeline and never train.
+DATA_JOBS: tuple[str, ...] = ("dispatcher", "data_worker")
 #: Jobs whose tasks train (hold a rank in the torch process group). ps serves variables; the evaluator
 #: watches checkpoints from outside the training group, as in TensorFlow.
 TRAINING_JOBS: tuple[str, ...] = ("chief", "worker")
@@ -278,12 +282,13 @@ def _validated_jobs(jobs: Mapping[str, Any], name_of: Callable[[str], str]) -> d
             split_address(address, f"{name_of(job)}[{i}]")
         out[job] = tuple(a.strip() for a in addresses)
     _check_no_duplicates(out, name_of)
-    for job in ("chief", "evaluator"):
+    roles = {"chief": "it is rank 0", "evaluator": "it evaluates checkpoints outside the training group",
+             "dispatcher": "it hands the data service's splits out"}
+    for job, role in roles.items():
         if len(out.get(job, ())) > 1:
-            role = "it is rank 0" if job == "chief" else "it evaluates checkpoints outside the training group"
             raise ClusterConfigError(f"{name_of(job)} has {len(out[job])} addresses; there is at most one {job} "
-                                     f'({role}). Keep one, e.g. "{job}": ["{out[job][0]}"], and move the others '
-                                     f'to "worker"')
+                                     f'({role}). Keep one, e.g. "{job}": ["{out[job][0]}"], and '
+                                     + ("drop the others" if job == "dispatcher" else 'move the others to "worker"'))
     return out
 
 
@@ -322,6 +327,8 @@ class ClusterSpec:
     worker: tuple[str, ...] = ()
     ps: tuple[str, ...] = ()
     evaluator: tuple[str, ...] = ()
+    dispatcher: tuple[str, ...] = ()
+    data_worker: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         jobs = _validated_jobs({job: getattr(self, job) for job in JOBS}, lambda job: f"ClusterSpec.{job}")

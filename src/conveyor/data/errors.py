@@ -49,3 +49,8 @@ class StateError(ValueError):
 class StateMismatchError(StateError):
     """An iterator state was saved from a different pipeline (or format version), or a file it
     points into changed since it was saved."""
+
+
+class RedistributeError(StateError):
+    """The saved position of an interrupted epoch cannot be dealt over another number of workers
+    (`conveyor.data.redistribute`); the message names the op that holds it back."""

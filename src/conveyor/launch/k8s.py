@@ -22,6 +22,7 @@ Kubernetes gives it (``JOB_COMPLETION_INDEX``; :mod:`conveyor.launch.pod`). Two 
 Every pod mounts the data claim read-only at the data folder and the output claim (ReadWriteMany: the
 chief's checkpoints and the ps tasks' shards meet there) at the output folder, and gets the job secret
 from a Secret. A NetworkPolicy admits only the job's own pods (``network_policy=False``: none).
+``data_workers`` K adds a dispatcher pod and K data-worker pods (no GPU, restarted in place; docs/data-service.md).
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from dataclasses import dataclass
 
 from conveyor.cluster import ClusterSpec, join_address, validate
 from conveyor.cluster.settings import JobSettings
-from conveyor.cluster.variables import JOB_SECRET_VAR, RESTART_COUNT_VAR
-from conveyor.launch.plan import job_strategy
+from conveyor.cluster.spec import DATA_JOBS
+from conveyor.cluster.variables import DATA_SERVICE_VAR, JOB_SECRET_VAR, RESTART_COUNT_VAR
+from conveyor.launch.plan import DATA_WORKER_RESTARTS, job_strategy
 
 __all__ = ["JOBSET_API", "KINDS", "SECRET_KEY", "K8sOptions", "cluster_of", "manifests", "pod_host", "roles",
            "to_yaml"]
@@ -74,14 +76,20 @@ class K8sOptions(JobSettings):
     port: int = 2222
     master_port: int = 29500
     network_policy: bool = True
+    data_workers: int = 0  # data-service worker pods (no GPU), and then a dispatcher pod (docs/data-service.md)
+    data_pipeline: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         object.__setattr__(self, "script_args", tuple(self.script_args))
         if self.kind not in KINDS:
             raise ValueError(f"--kind {self.kind!r}: expected {' or '.join(KINDS)}")
-        for flag, value, low in (("--workers", self.workers, 1), ("--ps", self.ps, 0), ("--gpus", self.gpus, 0)):
+        for flag, value, low in (("--workers", self.workers, 1), ("--ps", self.ps, 0), ("--gpus", self.gpus, 0),
+                                 ("--data-workers", self.data_workers, 0)):
             validate.count(value, flag, low)
+        if bool(self.data_workers) != bool(self.data_pipeline):
+            raise ValueError("--data-workers K and --data-pipeline MODULE:FUNCTION go together: K data-worker pods "
+                             "each build the pipeline that function (importable in the image) returns")
         if self.gpus > 1:
             raise ValueError(f"--gpus {self.gpus}: a pod runs one training process, which trains on one GPU "
                              f"(conveyor.init() takes the GPU of its local rank); for more GPUs run more pods "
@@ -127,16 +135,22 @@ class K8sOptions(JobSettings):
 
 
 def roles(options: K8sOptions) -> list[tuple[str, int]]:
-    """``[(role, pods)]`` in rank order, roles without pods left out: chief, worker, ps."""
+    """``[(role, pods)]`` in rank order, roles without pods left out: chief, worker, ps, dispatcher, data_worker."""
     chief = 1 if options.chief else 0
-    counts = [("chief", chief), ("worker", options.workers - chief), ("ps", options.ps)]
+    counts = [("chief", chief), ("worker", options.workers - chief), ("ps", options.ps),
+              ("dispatcher", 1 if options.data_workers else 0), ("data_worker", options.data_workers)]
     return [(role, count) for role, count in counts if count]
+
+
+def k8s_name(role: str) -> str:
+    """A role as Kubernetes names may spell it (DNS labels have no '_'): ``data_worker`` → ``data-worker``."""
+    return role.replace("_", "-")
 
 
 def pod_host(options: K8sOptions, role: str, index: int) -> str:
     """The hostname Kubernetes gives pod ``index`` of ``role``'s Indexed Job: ``<job name>-<index>``, where a
     JobSet names its Jobs ``<set>-<replicated job>-<job index>`` (one Job per role here, index 0)."""
-    job = f"{options.name}-{role}-0" if options.kind == "jobset" else f"{options.name}-{role}"
+    job = f"{options.name}-{k8s_name(role)}-0" if options.kind == "jobset" else f"{options.name}-{k8s_name(role)}"
     return f"{job}-{index}"
 
 
@@ -171,7 +185,7 @@ def manifests(options: K8sOptions, secret: str | None) -> list[dict]:
     docs.append(_object("v1", "Service", options.name, options, {"spec": {
         "clusterIP": "None", "selector": _labels(options), "publishNotReadyAddresses": True}}))
     for role, count in roles(options):
-        docs.append(_object("batch/v1", "Job", f"{options.name}-{role}", options,
+        docs.append(_object("batch/v1", "Job", f"{options.name}-{k8s_name(role)}", options,
                             {"spec": _job_spec(options, role, count)}, role))
     return docs
 
@@ -205,7 +219,7 @@ def _object(api: str, kind: str, name: str, options: K8sOptions, body: dict, rol
 
 def _jobset(options: K8sOptions) -> dict:
     training = ["chief"] if options.chief else ["worker"]
-    replicated = [{"name": role, "replicas": 1, "template": {"metadata": {"labels": _labels(options, role)},
+    replicated = [{"name": k8s_name(role), "replicas": 1, "template": {"metadata": {"labels": _labels(options, role)},
                                                             "spec": _job_spec(options, role, count)}}
                   for role, count in roles(options)]
     return _object(JOBSET_API, "JobSet", options.name, options, {"spec": {
@@ -221,11 +235,33 @@ def _jobset(options: K8sOptions) -> dict:
 
 def _job_spec(options: K8sOptions, role: str, count: int) -> dict:
     spec: dict = {"completionMode": "Indexed", "completions": count, "parallelism": count, "backoffLimit": 0}
-    if options.kind == "jobset":  # eviction, preemption, node drain: the failure rule above, not a lost restart
+    if role == "data_worker":  # its death is not the job's: the kubelet restarts it in place (same pod, same IP)
+        spec["backoffLimit"] = DATA_WORKER_RESTARTS * count
+    elif options.kind == "jobset":  # eviction, preemption, node drain: the failure rule above, not a lost restart
         spec["podFailurePolicy"] = {"rules": [{"action": "FailJob", "onPodConditions": [
             {"type": "DisruptionTarget", "status": "True"}]}]}
     spec["template"] = {"metadata": {"labels": _labels(options, role)}, "spec": _pod_spec(options, role)}
     return spec
+
+
+def _data_container(options: K8sOptions, role: str) -> dict:
+    """A data-service pod's container: `conveyor data serve|worker` on ``options.port``, no GPU, so that the
+    scheduler may place data workers on CPU nodes; a worker advertises its pod's IP to the trainers."""
+    listen = ["--host", "0.0.0.0", "--port", str(options.port)]
+    if role == "dispatcher":
+        args = ["serve", *listen, "--report", f"{options.output_dir.rstrip('/')}/logs/data_service.json"]
+    else:
+        args = ["worker", "--dispatcher", _dispatcher(options), *listen, "--advertise",
+                f"$(POD_IP):{options.port}", "--pipeline", str(options.data_pipeline)]
+    env = _env(options, "ps")  # what every pod is told, as a task that does not train
+    if role == "data_worker":
+        env.append({"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+    return {"name": k8s_name(role), "image": options.image, "command": ["conveyor", "data"], "args": args,
+            "env": env, "ports": [{"name": "task", "containerPort": options.port}]}
+
+
+def _dispatcher(options: K8sOptions) -> str:
+    return join_address(f"{pod_host(options, 'dispatcher', 0)}.{options.name}", options.port)
 
 
 def _pod_spec(options: K8sOptions, role: str) -> dict:
@@ -235,6 +271,11 @@ def _pod_spec(options: K8sOptions, role: str) -> dict:
         mounts.insert(0, {"name": "data", "mountPath": options.data_dir, "readOnly": True})
         volumes.insert(0, {"name": "data", "persistentVolumeClaim": {"claimName": options.data_claim,
                                                                      "readOnly": True}})
+    if role in DATA_JOBS:
+        container = {**_data_container(options, role), "volumeMounts": mounts}
+        return {"subdomain": options.name, "restartPolicy": "OnFailure" if role == "data_worker" else "Never",
+                "automountServiceAccountToken": False, "enableServiceLinks": False, "containers": [container],
+                "volumes": volumes}
     args = ["--role", role, "--cluster", json.dumps(cluster_of(options).as_dict(), separators=(",", ":")),
             "--master-port", str(options.master_port), *(["--tf-flags"] if options.tf_flags else []),
             options.script, *options.script_args]
@@ -259,4 +300,6 @@ def _env(options: K8sOptions, role: str) -> list[dict]:
         env = [{"name": RESTART_COUNT_VAR, **restarts} if e["name"] == RESTART_COUNT_VAR else e for e in env]
     env.append({"name": JOB_SECRET_VAR, "valueFrom": {"secretKeyRef": {"name": options.secret, "key": SECRET_KEY}}})
     env.append({"name": "PYTHONUNBUFFERED", "value": "1"})  # kubectl logs shows lines as they are printed
+    if options.data_workers:
+        env.append({"name": DATA_SERVICE_VAR, "value": _dispatcher(options)})
     return env

@@ -26,11 +26,13 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from conveyor.cluster import ClusterSpec, TaskId, join_address, task_environment, validate
+from conveyor.cluster import ClusterSpec, TaskId, join_address, split_address, task_environment, validate
 from conveyor.cluster.settings import JobSettings, owned_variables
+from conveyor.cluster.spec import DATA_JOBS
 from conveyor.cluster.strategy_name import NAMES as STRATEGY_NAMES
 from conveyor.cluster.strategy_name import StrategyName, default_strategy, parse_strategy
 from conveyor.cluster.variables import (  # re-exported: conveyor.launch.*_VAR and the supervisor use them
+    DATA_SERVICE_VAR,
     JOB_SECRET_VAR,
     OMP_DEFAULT_VAR,
     RESTART_COUNT_VAR,
@@ -77,6 +79,11 @@ TORCHRUN_VARS: tuple[str, ...] = (
 #: The strategy names `--strategy` accepts (``ps-ssp:K`` with a staleness bound K >= 0).
 STRATEGIES: tuple[str, ...] = STRATEGY_NAMES
 
+#: The dispatcher's figures (per data worker rates, queues, the trainers' input wait), in the job's logs folder
+DATA_REPORT = "data_service.json"
+#: How many times a data worker that exits is started again (per attempt of the job; k8s: per pod)
+DATA_WORKER_RESTARTS = 3
+
 #: Open files the launcher holds per task: the task's output pipe and its log for the whole job, and a
 #: socket for a moment while free ports are picked (all at once, so the kernel hands out distinct ones).
 FILES_PER_TASK = 3
@@ -88,7 +95,7 @@ _FILES_RESERVED = 64
 #: TORCH_NCCL_ASYNC_ERROR_HANDLING is not among them: the caller's value is passed on, as torchrun does.
 OWNED_VARS: tuple[str, ...] = (
     "TF_CONFIG", *(v for v in TORCHRUN_VARS if v != "TORCH_NCCL_ASYNC_ERROR_HANDLING"),
-    TASK_TYPE_VAR, TASK_INDEX_VAR, JOB_SECRET_VAR, OMP_DEFAULT_VAR, *owned_variables(),
+    TASK_TYPE_VAR, TASK_INDEX_VAR, JOB_SECRET_VAR, OMP_DEFAULT_VAR, DATA_SERVICE_VAR, *owned_variables(),
 )
 
 
@@ -113,6 +120,8 @@ class RunOptions(JobSettings):
     python: str = sys.executable
     linger: float = 30.0
     bind: str = "none"  # --bind none|core|socket: each task's CPU affinity (launch/binding.py)
+    data_workers: int = 0  # --data-workers K: data-service workers on this machine (docs/data-service.md)
+    data_pipeline: str | None = None  # --data-pipeline MODULE:FUNCTION, what they run
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -122,13 +131,20 @@ class RunOptions(JobSettings):
         validate.count(self.ps, "--ps", 0, "parameter servers on this machine")
         # -n 0 is a machine of parameter servers only, one node of a job on several machines (cli/run.py
         # checks that); with no --ps it would start nothing at all.
-        validate.count(self.workers, "--workers", 0 if self.ps else 1,
-                       "training processes on this machine; -n 0 only with --ps M, for a node of parameter servers")
+        validate.count(self.workers, "--workers", 0 if self.ps or self.data_workers else 1,
+                       "training processes on this machine; -n 0 only with --ps M or --data-workers K, for a node "
+                       "of parameter servers or data workers")
         validate.seconds(self.restart_delay, "--restart-delay", zero_ok=True, most=3600.0,
                          example="e.g. --restart-delay 1, or 0: none")
         validate.seconds(self.linger, "--linger", zero_ok=True, most=3600.0,
                          example="e.g. --linger 30, or 0: stop them at once")
-        _check_task_files(self.workers, self.ps)
+        validate.count(self.data_workers, "--data-workers", 0,
+                       "data-service workers on this machine (0: none), each running --data-pipeline")
+        if self.data_workers and not self.data_pipeline:
+            raise ValueError(f"--data-workers {self.data_workers} needs --data-pipeline MODULE:FUNCTION: the function "
+                             f"(no arguments) that returns the job's conveyor.data.Dataset, which every data worker "
+                             f"imports and builds, e.g. --data-pipeline myjob.input:train_pipeline")
+        _check_task_files(self.workers, self.ps + self.data_workers + (1 if self.data_workers else 0))
         self.check_job(self.workers)
         if self.bind not in BIND_MODES:
             raise ValueError(f"--bind {self.bind!r}: expected one of {', '.join(BIND_MODES)}")
@@ -141,26 +157,29 @@ class RunOptions(JobSettings):
 
     @property
     def tasks_per_node(self) -> int:
-        return self.workers + self.ps
+        """This machine's tasks on one machine: training, ps, data workers and (with data workers) the dispatcher."""
+        return self.workers + self.ps + self.data_workers + (1 if self.data_workers else 0)
 
 
 @dataclass(frozen=True)
 class NodeInfo:
     """One machine of the job as the rendezvous publishes it: its address and its tasks' ports.
 
-    ``ports`` has one port per task, the ``workers`` training tasks first, then the ``ps`` servers.
+    ``ports`` has one port per task, the ``workers`` training tasks first, then the ``ps`` servers, then the
+    ``data_workers`` (the dispatcher's port is the job's: :func:`build_plan`'s ``dispatcher_port``).
     """
 
     host: str
     workers: int
     ps: int
     ports: tuple[int, ...]
+    data_workers: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ports", tuple(self.ports))
-        if len(self.ports) != self.workers + self.ps:
+        if len(self.ports) != self.workers + self.ps + self.data_workers:
             raise ValueError(f"node {self.host} has {len(self.ports)} ports for {self.workers} workers + {self.ps} "
-                             f"ps; expected one per task")
+                             f"ps + {self.data_workers} data workers; expected one per task")
 
 
 @dataclass(frozen=True)
@@ -234,15 +253,22 @@ def job_strategy(strategy: StrategyName | str | None, world_size: int, num_ps: i
     return parsed
 
 
-def cluster_from_nodes(nodes: Sequence[NodeInfo], chief: bool = False) -> ClusterSpec:
-    """The job's cluster: every node's training tasks in node-rank order, then every node's ps.
+def cluster_from_nodes(nodes: Sequence[NodeInfo], chief: bool = False,
+                       dispatcher_port: int | None = None) -> ClusterSpec:
+    """The job's cluster: every node's training tasks in node-rank order, then every node's ps; with data workers
+    on any node, the dispatcher on node 0 (at ``dispatcher_port``) and the data workers in node-rank order.
 
     One node gives what ``conveyor.cluster.local_cluster`` gives for the same ports.
     """
     training = [join_address(n.host, p) for n in nodes for p in n.ports[:n.workers]]
-    ps = [join_address(n.host, p) for n in nodes for p in n.ports[n.workers:]]
+    ps = [join_address(n.host, p) for n in nodes for p in n.ports[n.workers:n.workers + n.ps]]
+    data = [join_address(n.host, p) for n in nodes for p in n.ports[n.workers + n.ps:]]
+    if data and dispatcher_port is None:
+        raise ValueError("data workers need a dispatcher: give cluster_from_nodes the dispatcher's port")
+    dispatcher = (join_address(nodes[0].host, dispatcher_port),) if data else ()
     n_chief = 1 if chief else 0
-    return ClusterSpec(chief=tuple(training[:n_chief]), worker=tuple(training[n_chief:]), ps=tuple(ps))
+    return ClusterSpec(chief=tuple(training[:n_chief]), worker=tuple(training[n_chief:]), ps=tuple(ps),
+                       dispatcher=dispatcher, data_worker=tuple(data))
 
 
 def build_plan(
@@ -255,33 +281,26 @@ def build_plan(
     secret: bytes,
     environ: Mapping[str, str],
     topology: CpuTopology | None = None,
+    dispatcher_port: int | None = None,
 ) -> LaunchPlan:
     """The plan for node ``node_rank`` of ``nodes`` (all of them, in node-rank order).
 
     ``master_addr:master_port`` is where rank 0 (node 0's first training task) hosts torch's store;
     ``environ`` is the caller's environment, which every task inherits. ``topology``: this machine's CPUs
-    for ``options.bind`` (read from sysfs and the launcher's affinity when not given).
+    for ``options.bind`` (read from sysfs and the launcher's affinity when not given). ``dispatcher_port``:
+    where node 0 runs the data service's dispatcher when any node has data workers (:func:`data_task_argv`).
     """
-    if not nodes:
-        raise ValueError("nodes is empty; a job has at least this machine")
-    if not 0 <= node_rank < len(nodes):
-        raise ValueError(f"--node-rank {node_rank} is out of range for --nnodes {len(nodes)} (0..{len(nodes) - 1})")
-    if not nodes[0].workers:
-        raise ValueError("node 0 runs rank 0, the chief, which hosts the process group's store and writes the "
-                         "checkpoints: give node 0 -n 1 or more, and the parameter-server-only node (-n 0) another "
-                         "--node-rank")
-    spec = cluster_from_nodes(nodes, options.chief)
+    _check_nodes(nodes, node_rank)
+    spec = cluster_from_nodes(nodes, options.chief, dispatcher_port)
     settings = options.replace(strategy=job_strategy(options.strategy, spec.world_size, len(spec.ps)))
     strategy = settings.strategy.name  # what every task is told, the strategy resolved
     base = {k: v for k, v in environ.items() if k not in OWNED_VARS}
     node = nodes[node_rank]
     extra, torchrun = _node_env(options, node, node_rank, len(nodes), secret, environ)
+    if spec.dispatcher:
+        extra[DATA_SERVICE_VAR] = spec.dispatcher[0]  # every task may `distribute(from_env())`
     log_dir = os.path.join(options.output_dir, "logs")
-    training = spec.training_tasks
-    first_rank = sum(n.workers for n in nodes[:node_rank])
-    first_ps = sum(n.ps for n in nodes[:node_rank])
-    mine = [(training[first_rank + i], i) for i in range(node.workers)]
-    mine += [(TaskId("ps", first_ps + i), 0) for i in range(node.ps)]
+    mine = _node_tasks(spec, nodes, node_rank)
     places = _placements(options, len(mine), topology)
     launches = []
     for (task, local_rank), place in zip(mine, places, strict=True):
@@ -297,13 +316,58 @@ def build_plan(
         if place is not None and not environ.get("OMP_NUM_THREADS"):
             own["OMP_NUM_THREADS"] = str(place.threads)  # the user's own value wins, as without --bind
         flags = tf_flags(spec, task) if options.tf_flags else ()
+        argv = (options.python, options.script, *flags, *options.script_args)
+        if task.type in DATA_JOBS:
+            argv = data_task_argv(options, spec, task, log_dir)
+            own["PYTHONPATH"] = os.pathsep.join(p for p in (_script_dir(options), environ.get("PYTHONPATH")) if p)
         launches.append(TaskLaunch(
-            task=task, argv=(options.python, options.script, *flags, *options.script_args), env={**base, **own},
+            task=task, argv=argv, env={**base, **own},
             log_path=os.path.join(log_dir, f"{task.type}-{task.index}.log"), set_vars=tuple(own),
             cpus=place.cpus if place is not None else (),
         ))
     return LaunchPlan(spec=spec, strategy=strategy, tasks=tuple(launches), log_dir=log_dir, node_rank=node_rank,
                       nnodes=len(nodes), inherited=len(base))
+
+
+def _check_nodes(nodes: Sequence[NodeInfo], node_rank: int) -> None:
+    if not nodes:
+        raise ValueError("nodes is empty; a job has at least this machine")
+    if not 0 <= node_rank < len(nodes):
+        raise ValueError(f"--node-rank {node_rank} is out of range for --nnodes {len(nodes)} (0..{len(nodes) - 1})")
+    if not nodes[0].workers:
+        raise ValueError("node 0 runs rank 0, the chief, which hosts the process group's store and writes the "
+                         "checkpoints: give node 0 -n 1 or more, and the parameter-server-only node (-n 0) another "
+                         "--node-rank")
+
+
+def _node_tasks(spec: ClusterSpec, nodes: Sequence[NodeInfo], node_rank: int) -> list[tuple[TaskId, int]]:
+    """Node ``node_rank``'s tasks with their local ranks: its training tasks, its ps, the dispatcher (node 0, when
+    the job has data workers), its data workers."""
+    node, before = nodes[node_rank], nodes[:node_rank]
+    first_rank, first_ps = sum(n.workers for n in before), sum(n.ps for n in before)
+    mine = [(spec.training_tasks[first_rank + i], i) for i in range(node.workers)]
+    mine += [(TaskId("ps", first_ps + i), 0) for i in range(node.ps)]
+    if spec.dispatcher and node_rank == 0:
+        mine.append((TaskId("dispatcher", 0), 0))
+    first_data = sum(n.data_workers for n in before)
+    return mine + [(TaskId("data_worker", first_data + i), 0) for i in range(node.data_workers)]
+
+
+def data_task_argv(options: RunOptions, spec: ClusterSpec, task: TaskId, log_dir: str) -> tuple[str, ...]:
+    """A data-service task's command: `conveyor data serve|worker`, listening where the cluster says, signed with
+    the job secret its environment holds. The dispatcher writes its figures to ``logs/data_service.json``."""
+    host, port = split_address(spec.task_address(task.type, task.index))
+    where = ("--host", host, "--port", str(port))
+    if task.type == "dispatcher":
+        return (options.python, "-m", "conveyor", "data", "serve", *where, "--report",
+                os.path.join(log_dir, DATA_REPORT))
+    return (options.python, "-m", "conveyor", "data", "worker", "--dispatcher", spec.dispatcher[0], *where,
+            "--pipeline", str(options.data_pipeline))
+
+
+def _script_dir(options: RunOptions) -> str:
+    """The training script's folder: where a data worker looks for --data-pipeline's module (and the cwd)."""
+    return os.path.dirname(os.path.abspath(options.script))
 
 
 def _placements(options: RunOptions, tasks: int,
@@ -360,10 +424,12 @@ def local_plan(
     host: str = "127.0.0.1",
     topology: CpuTopology | None = None,
 ) -> LaunchPlan:
-    """The plan for a job on this machine only: one port per task (training tasks first, then ps)."""
-    node = NodeInfo(host, options.workers, options.ps, tuple(ports))
+    """The plan for a job on this machine only: one port per task (training tasks first, then ps, then the data
+    workers and, with data workers, the dispatcher's last)."""
+    data = options.data_workers
+    node = NodeInfo(host, options.workers, options.ps, tuple(ports[:len(ports) - (1 if data else 0)]), data)
     return build_plan(options, [node], 0, master_addr=host, master_port=master_port, secret=secret,
-                      environ=environ, topology=topology)
+                      environ=environ, topology=topology, dispatcher_port=ports[-1] if data else None)
 
 
 def describe_plan(plan: LaunchPlan) -> str:

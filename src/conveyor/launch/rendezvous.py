@@ -59,6 +59,7 @@ class Rendezvous:
     secret: bytes = field(repr=False)
     peers: StorePeers = field(repr=False)
     names: tuple[str, ...] = ()  # "<hostname> at <address>" of each node, for messages
+    dispatcher_port: int | None = None  # node 0's port for the data service's dispatcher (when a node has data workers)
 
 
 def _seal(secret: bytes, key: str, record: Mapping[str, Any]) -> str:
@@ -138,6 +139,7 @@ def join(
     settings: Mapping[str, Any],
     secret: bytes,
     timeout: float,
+    data_workers: int = 0,
 ) -> Rendezvous:
     """Join (node 0: host) the rendezvous at ``endpoint`` and return what all ``nnodes`` nodes agreed on.
 
@@ -155,12 +157,13 @@ def join(
     address = local_address(host, port)
     if node_rank == 0:
         _check_not_loopback(host, port, endpoint)
-    ports = free_ports(workers + ps + (1 if node_rank == 0 else 0), address)
+    # node 0 also picks torch's store port and the dispatcher's (used if any node has data workers)
+    ports = free_ports(workers + ps + data_workers + (2 if node_rank == 0 else 0), address)
     store = _connect(host, port, endpoint, node_rank, timeout)
     peers = StorePeers(store, nnodes=nnodes, node_rank=node_rank, endpoint=endpoint, timeout=timeout, secret=secret)
     try:
-        rdzv = _agree(store, peers, endpoint, nnodes, node_rank, address, workers, ps, ports, dict(settings),
-                      secret, timeout)
+        rdzv = _agree(store, peers, endpoint, nnodes, node_rank, address, (workers, ps, data_workers), ports,
+                      dict(settings), secret, timeout)
         twin = StorePeers(_client(host, port, endpoint, node_rank, timeout), nnodes=nnodes, node_rank=node_rank,
                           endpoint=endpoint, timeout=timeout, secret=secret)
         twin.run = peers.run
@@ -172,8 +175,9 @@ def join(
         raise
 
 
-def _agree(store: Any, peers: StorePeers, endpoint: str, nnodes: int, node_rank: int, address: str, workers: int,
-           ps: int, ports: list[int], settings: dict, secret: bytes, timeout: float) -> Rendezvous:
+def _agree(store: Any, peers: StorePeers, endpoint: str, nnodes: int, node_rank: int, address: str,
+           counts: tuple[int, int, int], ports: list[int], settings: dict, secret: bytes, timeout: float) -> Rendezvous:
+    workers, ps, data_workers = counts
     deadline = time.monotonic() + timeout
 
     def left() -> float:  # every store call ends by the rendezvous' deadline (a second's grace for the last one)
@@ -185,10 +189,11 @@ def _agree(store: Any, peers: StorePeers, endpoint: str, nnodes: int, node_rank:
                               f"(a job whose node was lost cannot take it back: start the job again on every node)")
     peers.joined = True
     settings = {"nnodes": nnodes, **settings}
-    mine = {"host": address, "workers": workers, "ps": ps, "ports": ports[:workers + ps], "settings": settings,
-            "hostname": socket.gethostname()}
+    tasks = workers + ps + data_workers
+    mine = {"host": address, "workers": workers, "ps": ps, "data_workers": data_workers, "ports": ports[:tasks],
+            "settings": settings, "hostname": socket.gethostname()}
     if node_rank == 0:
-        job = {"master_port": ports[-1], "run": secrets.token_hex(16)}
+        job = {"master_port": ports[tasks], "dispatcher_port": ports[tasks + 1], "run": secrets.token_hex(16)}
         _call(store.set, endpoint, f"{_P}job", _seal(secret, f"{_P}job", job), timeout=left())
     _call(store.set, endpoint, f"{_P}node/{node_rank}", _seal(secret, f"{_P}node/{node_rank}", mine), timeout=left())
     print(f"[conveyor] node {node_rank} of {nnodes} ({address}) joined the rendezvous at {endpoint}; waiting at most "
@@ -205,9 +210,10 @@ def _agree(store: Any, peers: StorePeers, endpoint: str, nnodes: int, node_rank:
         time.sleep(_POLL)
     job, *published = [_unseal(secret, key, _call(store.get, endpoint, key, timeout=left()), endpoint) for key in keys]
     try:
-        nodes = tuple(NodeInfo(str(n["host"]), int(n["workers"]), int(n["ps"]), tuple(int(p) for p in n["ports"]))
-                      for n in published)
+        nodes = tuple(NodeInfo(str(n["host"]), int(n["workers"]), int(n["ps"]), tuple(int(p) for p in n["ports"]),
+                               int(n.get("data_workers", 0))) for n in published)
         master_port = int(job["master_port"])
+        dispatcher_port = int(job["dispatcher_port"]) if any(n.data_workers for n in nodes) else None
         peers.run = str(job["run"])
         peers.training_nodes = tuple(r for r, n in enumerate(nodes) if n.workers)
         names = tuple(f"{n.get('hostname') or '?'} at {node.host}" for n, node in zip(published, nodes, strict=True))
@@ -216,7 +222,7 @@ def _agree(store: Any, peers: StorePeers, endpoint: str, nnodes: int, node_rank:
         raise RendezvousError(f"rendezvous at {endpoint}: a published record is malformed ({type(e).__name__}: {e}); "
                               f"is another conveyor version using this address?") from None
     return Rendezvous(nodes=nodes, node_rank=node_rank, master_addr=nodes[0].host, master_port=master_port,
-                      secret=secret, peers=peers, names=names)
+                      secret=secret, peers=peers, names=names, dispatcher_port=dispatcher_port)
 
 
 #: Agreed settings that are no flag, by what a refusal calls them.

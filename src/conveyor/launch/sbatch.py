@@ -12,6 +12,7 @@ the workers, one more per node from node 0 until all are placed, or on nodes of 
 (``ps_nodes``; ``conveyor run -n 0`` there); when nodes differ, a ``case`` on ``$SLURM_NODEID`` -
 single-quoted, so each node's own shell expands it - picks the node's ``-n``/``--ps``. Every value from
 the user is shell-quoted; values that go on ``#SBATCH`` lines are refused if they hold spaces or quotes.
+``data_nodes`` D: the last D nodes run ``data_workers`` data workers each (``-n 0 --data-workers K``).
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ class SbatchJob(JobSettings):
     gpus_per_node: int | None = None
     ps: int = 0
     ps_nodes: int = 0  # nodes of parameter servers only, the last ones; 0: the ps tasks go beside the workers
+    data_nodes: int = 0  # nodes of data-service workers only, the very last ones (`conveyor run -n 0 --data-workers`)
+    data_workers: int = 0  # data workers on each of them
+    data_pipeline: str | None = None  # what they run, MODULE:FUNCTION
     job_name: str | None = None
     time: str | None = None
     partition: str | None = None
@@ -61,11 +65,13 @@ class SbatchJob(JobSettings):
         object.__setattr__(self, "sbatch_args", tuple(self.sbatch_args))
         counts = (("--nodes", self.nodes, 1), ("-n", self.workers, 1), ("--ps", self.ps, 0),
                   ("--ps-nodes", self.ps_nodes, 0), ("--gpus-per-node", self.gpus_per_node, 1),
-                  ("--cpus-per-node", self.cpus_per_node, 1))
+                  ("--cpus-per-node", self.cpus_per_node, 1), ("--data-nodes", self.data_nodes, 0),
+                  ("--data-workers", self.data_workers, 0))
         for flag, value, low in counts:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
                 raise ValueError(f"{flag} {value!r}: expected a whole number >= {low}")
-        if self.ps_nodes and self.ps_nodes >= self.nodes:
+        self._check_data_nodes()
+        if self.ps_nodes and self.ps_nodes >= self.nodes - self.data_nodes:
             raise ValueError(f"--ps-nodes {self.ps_nodes} of --nodes {self.nodes}: node 0 runs rank 0, the chief; "
                              f"leave at least one node for the workers")
         if self.ps_nodes > self.ps:
@@ -84,6 +90,23 @@ class SbatchJob(JobSettings):
         if not self.script:
             raise ValueError("SCRIPT is missing: give the training script every node runs")
 
+    def _check_data_nodes(self) -> None:
+        if not (self.data_nodes or self.data_workers or self.data_pipeline):
+            return
+        if not (self.data_nodes and self.data_workers and self.data_pipeline):
+            raise ValueError("--data-nodes D, --data-workers K and --data-pipeline MODULE:FUNCTION go together: the "
+                             "last D nodes run K data workers each, building the pipeline that function returns")
+        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", self.data_pipeline):
+            raise ValueError(f"--data-pipeline {self.data_pipeline!r}: expected MODULE:FUNCTION, e.g. job.input:train")
+        if self.data_nodes >= self.nodes:
+            raise ValueError(f"--data-nodes {self.data_nodes} of --nodes {self.nodes}: node 0 runs rank 0, the chief; "
+                             f"leave at least one node for the workers")
+        if self.gpus_per_node is not None:
+            raise ValueError(f"--data-nodes with --gpus-per-node {self.gpus_per_node}: one Slurm allocation gives "
+                             f"every node the same GPUs, so the data nodes would hold GPUs they never use; start "
+                             f"the data workers on CPU nodes by hand (`conveyor data worker`, docs/data-service.md), "
+                             f"or use --data-nodes in a CPU job")
+
     @property
     def name(self) -> str:
         return self.job_name or re.sub(r"[^A-Za-z0-9_.-]", "_", os.path.splitext(os.path.basename(self.script))[0])
@@ -93,10 +116,12 @@ def node_layout(job: SbatchJob) -> list[tuple[int, int]]:
     """``(workers, ps)`` per node. Without ``ps_nodes`` every node runs ``job.workers`` and the ps tasks go one
     per node from node 0, round and round (the first nodes carry one more when they do not divide evenly);
     with it, the last ``ps_nodes`` nodes run the ps tasks alone (``-n 0``), spread the same way."""
-    workers = job.nodes - job.ps_nodes
+    nodes = job.nodes - job.data_nodes
+    data = [(0, 0)] * job.data_nodes  # the data nodes, last: data workers only (_tasks_flags)
+    workers = nodes - job.ps_nodes
     if not job.ps_nodes:
-        return [(job.workers, _share(job.ps, job.nodes, i)) for i in range(job.nodes)]
-    return [(job.workers, 0)] * workers + [(0, _share(job.ps, job.ps_nodes, i)) for i in range(job.ps_nodes)]
+        return [(job.workers, _share(job.ps, nodes, i)) for i in range(nodes)] + data
+    return [(job.workers, 0)] * workers + [(0, _share(job.ps, job.ps_nodes, i)) for i in range(job.ps_nodes)] + data
 
 
 def _share(total: int, parts: int, i: int) -> int:
@@ -114,13 +139,17 @@ def _groups(layout: list[tuple[int, int]]) -> list[tuple[int, int, tuple[int, in
     return groups
 
 
-def _tasks_flags(tasks: tuple[int, int]) -> str:
+def _tasks_flags(tasks: tuple[int, int], job: SbatchJob) -> str:
     workers, ps = tasks
+    if tasks == (0, 0):  # a data node (node_layout)
+        return f"-n 0 --data-workers {job.data_workers} --data-pipeline {job.data_pipeline}"
     return f"-n {workers}" + (f" --ps {ps}" if ps else "")
 
 
-def _describe(tasks: tuple[int, int]) -> str:
+def _describe(tasks: tuple[int, int], job: SbatchJob) -> str:
     workers, ps = tasks
+    if tasks == (0, 0):
+        return f"{job.data_workers} data worker{'s' if job.data_workers != 1 else ''}"
     text = [f"{workers} worker{'s' if workers != 1 else ''}"] if workers else []
     return " + ".join(text + ([f"{ps} ps"] if ps else []))
 
@@ -130,7 +159,7 @@ def _nodes_text(first: int, last: int) -> str:
 
 
 def _header(job: SbatchJob, groups: list) -> list[str]:
-    layout = "; ".join(f"{_nodes_text(a, b)}: {_describe(t)}" for a, b, t in groups)
+    layout = "; ".join(f"{_nodes_text(a, b)}: {_describe(t, job)}" for a, b, t in groups)
     lines = [
         "#!/bin/bash",
         f"# conveyor job {job.name}: {job.script} on {job.nodes} node{'s' if job.nodes != 1 else ''} ({layout}).",
@@ -166,13 +195,13 @@ def _srun(job: SbatchJob) -> list[str]:
     common.append(shlex.join([job.script, *job.script_args]))
     groups = _groups(node_layout(job))
     if len(groups) == 1:
-        head = [f'{srun} "$PYTHON" -m conveyor run {_tasks_flags(groups[0][2])}']
+        head = [f'{srun} "$PYTHON" -m conveyor run {_tasks_flags(groups[0][2], job)}']
     else:  # no backslash inside the single quotes: the inner shell would join the lines
         head = [f"{srun} bash -c '", '  case "$SLURM_NODEID" in']
         for first, last, tasks in groups[:-1]:
             pattern = "|".join(str(i) for i in range(first, last + 1))
-            head.append(f'    {pattern}) tasks="{_tasks_flags(tasks)}" ;;')
-        head.append(f'    *) tasks="{_tasks_flags(groups[-1][2])}" ;;')
+            head.append(f'    {pattern}) tasks="{_tasks_flags(tasks, job)}" ;;')
+        head.append(f'    *) tasks="{_tasks_flags(groups[-1][2], job)}" ;;')
         head += ["  esac", """  exec "$0" -m conveyor run $tasks "$@"' "$PYTHON\""""]
     head[-1] += " \\"
     return head + [f"  {part} \\" for part in common[:-1]] + [f"  {common[-1]}"]

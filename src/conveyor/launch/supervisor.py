@@ -10,6 +10,8 @@ prefixed ``[worker:1]``, to stdout. The job succeeds as Kubeflow's TFJob does (t
 without a chief every worker); a failure before that restarts the whole job as :func:`.restarts.decide`
 says: up to ``max_restarts`` times with a growing pause, never for a usage error, and not again when
 the same failure (by what failed, not which task: :mod:`.failures`) repeats without a new checkpoint.
+A data worker (``conveyor run --data-workers K``) that exits is no failure: it is started again, at most
+``DATA_WORKER_RESTARTS`` times per attempt, and listed in ``data_worker_exits`` (docs/data-service.md).
 The states it moves through: :mod:`.states`. Across machines the launchers coordinate through
 :class:`Peers` (``launch/rendezvous.py``). :meth:`Supervisor.run` must run on a thread that outlives the
 tasks (the main thread). The design: ``docs/launcher.md``, "The supervisor: success, failure, restarts".
@@ -29,9 +31,10 @@ from dataclasses import replace
 from typing import IO, Protocol
 
 from conveyor.cluster.failure_report import read_report, report_path
+from conveyor.cluster.spec import DATA_JOBS
 from conveyor.errors import PeerError  # re-exported: its old home
-from conveyor.launch.failures import peer_signature, signature, signature_line
-from conveyor.launch.plan import LaunchPlan
+from conveyor.launch.failures import exit_status, peer_signature, signature, signature_line
+from conveyor.launch.plan import DATA_WORKER_RESTARTS, LaunchPlan
 from conveyor.launch.restarts import Failure, RestartPolicy, Stop, decide, latest_step, resume_point, stop_message
 from conveyor.launch.states import (
     Done,
@@ -202,6 +205,8 @@ class Supervisor:
         self._tasks: list[RunningTask] = []  # the current attempt's, until they are stopped
         self._history: tuple[Failure, ...] = ()  # the failures restarted so far, oldest first
         self._next_peer_check = 0.0
+        #: every data worker that exited while the job ran: task, attempt, status, restarted, log (summary.json)
+        self.data_worker_exits: list[dict] = []
 
     # -- the job ----------------------------------------------------------------------------------
 
@@ -260,6 +265,8 @@ class Supervisor:
             s = replace(s, trained=True)
         for rt in s.tasks:
             code = rt.proc.poll()
+            if code is not None and rt.launch.task.type == "data_worker":  # not the job's failure: its splits
+                return self._data_worker_died(s, rt, code)  # go to the others (docs/data-service.md)
             if code is not None and code != 0:
                 failure = TaskExit(rt.name, code, rt.launch.log_path)
                 self._report_failure(s.attempt, rt, failure)
@@ -271,7 +278,8 @@ class Supervisor:
         if self._signals.received:
             return self._interrupt(s.attempt)
         if not s.reported:
-            rest = [rt for rt in s.tasks if rt.proc.poll() is None]
+            # the data service's tasks serve until stopped: nothing to wait for once the training is over
+            rest = [rt for rt in s.tasks if rt.proc.poll() is None and rt.launch.task.type not in DATA_JOBS]
             if rest and time.monotonic() - s.since > self.linger:
                 self._say(f"{', '.join(rt.name for rt in rest)} still running {self.linger:g} s after "
                           f"{_end_condition(self.plan)}; stopping {'it' if len(rest) == 1 else 'them'}")
@@ -305,6 +313,23 @@ class Supervisor:
         return Starting(s.attempt)
 
     # -- what the states share ------------------------------------------------------------------
+
+    def _data_worker_died(self, s: Running, rt: RunningTask, code: int) -> Running:
+        """A data worker exited: the dispatcher gives its unacknowledged splits to the others (exactly once), and
+        it is started again, at most ``DATA_WORKER_RESTARTS`` times per attempt; then the job goes on without it."""
+        restarts = sum(1 for e in self.data_worker_exits if e["task"] == rt.name and e["attempt"] == s.attempt)
+        again = restarts < DATA_WORKER_RESTARTS
+        self.data_worker_exits.append({"task": rt.name, "attempt": s.attempt, "status": exit_status(code),
+                                       "restarted": again, "log": rt.launch.log_path})
+        self._say(f"{rt.name} {exit_status(code)}; the dispatcher gives its splits to the other data workers; "
+                  + (f"starting it again ({restarts + 1} of {DATA_WORKER_RESTARTS})" if again else
+                     f"not started again ({DATA_WORKER_RESTARTS} restarts already): the job goes on without it"))
+        rt.pump.join(timeout=1.0)
+        new = RunningTask.start(rt.launch, s.attempt, self._console) if again else None
+        kept = [t if t is not rt else new for t in self._tasks]
+        self._tasks = [t for t in kept if t is not None]
+        tasks = tuple(new if t is rt else t for t in s.tasks)
+        return replace(s, tasks=tuple(t for t in tasks if t is not None))
 
     def _interrupt(self, attempt: int) -> Interrupted:
         signum = self._signals.received[0]

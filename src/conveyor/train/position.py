@@ -6,18 +6,23 @@
 
 `DataPosition` is one worker's place in its training data: the epoch, the batches taken in it, the
 pipeline's root seed, the iterator's state and the RNG states, as versioned JSON
-(`data/worker-<rank>.json` of a step). A checkpoint written by another number of workers is refused:
-its data positions describe other shards, so resuming would lose or repeat samples.
+(`data/worker-<rank>.json` of a step). A checkpoint written by another number of workers is resumed by
+redistributing the rest of the interrupted epoch over this job's workers (`conveyor.data.redistribute`:
+every record exactly once; `leftover` is this worker's share until the epoch ends), or refused naming the
+op that holds the data back and the way out.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
+from conveyor.data.errors import StateError
+from conveyor.data.redistribute import Saved, plan
 from conveyor.train.checkpoint import Checkpoint, Item, ResumeError, StepWrite
 from conveyor.train.state_io import rng_from_json, rng_state, rng_to_json, set_rng_state
 
@@ -26,7 +31,8 @@ __all__ = ["DataPosition", "TrainerPosition", "optimizer_name"]
 
 @dataclass(frozen=True)
 class DataPosition:
-    """One worker's place in its training data (module docstring); `rng` is `rng_to_json(rng_state())` or None."""
+    """One worker's place in its training data (module docstring); `rng` is `rng_to_json(rng_state())` or None;
+    `leftover` this worker's share of an epoch begun by another number of workers (None: the pipeline's own)."""
 
     FORMAT: ClassVar[str] = "conveyor.trainer.data"
     VERSION: ClassVar[int] = 1
@@ -36,11 +42,13 @@ class DataPosition:
     root_seed: int
     iterator: Any
     rng: dict[str, Any] | None = None
+    leftover: dict[str, Any] | None = None
 
     @classmethod
-    def now(cls, *, epoch: int, batches: int, root_seed: int, iterator: Any) -> DataPosition:
+    def now(cls, *, epoch: int, batches: int, root_seed: int, iterator: Any,
+            leftover: dict[str, Any] | None = None) -> DataPosition:
         """This worker's position, with the RNG states as they are now."""
-        return cls(epoch, batches, root_seed, iterator, rng_to_json(rng_state()))
+        return cls(epoch, batches, root_seed, iterator, rng_to_json(rng_state()), leftover)
 
     def to_bytes(self) -> bytes:
         """What a worker sends the chief (the coordinator gathers it) and the chief writes."""
@@ -61,14 +69,18 @@ class DataPosition:
         if doc.get("version") != cls.VERSION:
             raise ResumeError(f"{where}: Trainer data state version {doc.get('version')}, this conveyor reads "
                               f"{cls.VERSION}; resume with the conveyor version that wrote it")
-        return cls(int(doc["epoch"]), int(doc["batches"]), int(doc["root_seed"]), doc["iterator"], doc.get("rng"))
+        return cls(int(doc["epoch"]), int(doc["batches"]), int(doc["root_seed"]), doc["iterator"], doc.get("rng"),
+                   doc.get("leftover"))
 
     @classmethod
-    def for_rank(cls, ckpt: Checkpoint, rank: int, world: int, tolerates_missing: Callable[[Any], bool]
-                 ) -> DataPosition | None:
+    def for_rank(cls, ckpt: Checkpoint, rank: int, world: int, tolerates_missing: Callable[[Any], bool],
+                 train_data: Any = None) -> DataPosition | None:
         """Worker `rank`'s position in `ckpt`, after checking that `ckpt` holds one for each of `world` workers
-        (None: `tolerates_missing` let this worker start its data over)."""
+        (None: `tolerates_missing` let this worker start its data over). A checkpoint of another number of
+        workers is redistributed when `train_data` (this worker's pipeline) is given, else refused."""
         saved = ckpt.extra.get("world_size")
+        if saved != world and train_data is not None and isinstance(saved, int) and saved >= 1:
+            return cls.redistributed(ckpt, rank, world, saved, train_data)
         if saved != world:
             raise ResumeError(f"checkpoint {ckpt.path} was written by a job of {saved} worker(s); this job has "
                               f"{world}. Its data positions describe {saved} shards, so resuming would lose or repeat "
@@ -85,6 +97,30 @@ class DataPosition:
                           f"published none yet); its data starts over from the first epoch", stacklevel=3)
             return None
         return cls.from_doc(doc, f"{ckpt.path}/data/worker-{rank}.json")
+
+    @classmethod
+    def redistributed(cls, ckpt: Checkpoint, rank: int, world: int, saved: int, train_data: Any) -> DataPosition:
+        """Worker `rank`'s share of what the `saved` workers that wrote `ckpt` left of their epoch (every rank
+        computes the same deal from the same documents)."""
+        docs = ckpt.group("data")
+        missing = [f"worker-{r}" for r in range(saved) if f"worker-{r}" not in docs]
+        if missing:
+            raise ResumeError(f"checkpoint {ckpt.path} has no data position for {missing}, so what they had read "
+                              f"cannot be told and the rest of the epoch cannot be dealt over {world} workers: "
+                              + _fix(saved, ckpt))
+        old = [cls.from_doc(docs[f"worker-{r}"], f"{ckpt.path}/data/worker-{r}.json") for r in range(saved)]
+        if len({p.epoch for p in old}) > 1:
+            raise ResumeError(f"checkpoint {ckpt.path}: its {saved} workers were in different epochs "
+                              f"({sorted({p.epoch for p in old})}), so their data cannot be dealt over {world} "
+                              f"workers: " + _fix(saved, ckpt))
+        try:
+            shares = plan(train_data, [Saved(p.iterator, p.leftover) for p in old], world)
+        except (StateError, OSError) as e:
+            raise ResumeError(f"checkpoint {ckpt.path} was written by a job of {saved} worker(s); this job has "
+                              f"{world}, and the rest of its epoch cannot be redistributed over them: {e}. "
+                              + _fix(saved, ckpt)) from e
+        return cls(old[0].epoch, max(p.batches for p in old), old[0].root_seed, None,
+                   old[rank].rng if rank < saved else None, shares[rank])
 
 
 def _fix(world: Any, ckpt: Checkpoint) -> str:
@@ -103,9 +139,10 @@ class TrainerPosition(Item):
     job may continue the run and restores this worker's position and RNGs."""
 
     def __init__(self, job: Any, coordinator: Any, optimizer: Any, current: Callable[[], DataPosition],
-                 run_info: Callable[[], dict[str, Any]]):
+                 run_info: Callable[[], dict[str, Any]], train_data: Any = None):
         self.job, self.coord, self.optimizer = job, coordinator, optimizer
         self.current, self.run_info = current, run_info
+        self.train_data = train_data  # what a checkpoint of another worker count is redistributed over
         self.data: DataPosition | None = None  # this worker's, once restored
         self.steps_per_epoch: int | None = None
 
@@ -123,8 +160,12 @@ class TrainerPosition(Item):
         self.coord.positions(self.current().to_bytes(), final)
 
     def restore(self, name: str, ckpt: Checkpoint) -> None:
-        self.data = DataPosition.for_rank(ckpt, int(self.job.rank), int(self.job.world_size),
-                                          self.coord.tolerates_missing_positions)
+        rank, world = int(self.job.rank), int(self.job.world_size)
+        # Redistribution deals by worker: strategies whose processes share a shard (pipeline stages) keep the refusal.
+        by_worker = tuple(self.job.data_shard) == (world, rank)
+        self.data = DataPosition.for_rank(ckpt, rank, world, self.coord.tolerates_missing_positions,
+                                          self.train_data if by_worker else None)
+        saved_world = ckpt.extra.get("world_size")
         saved, mine = ckpt.extra.get("optimizer"), optimizer_name(self.optimizer)
         if saved is not None and saved != mine:  # torch would load it and fail on the first step, or not at all
             raise ResumeError(f"checkpoint {ckpt.path} holds the state of optimizer {saved}; this job trains with "
@@ -134,4 +175,7 @@ class TrainerPosition(Item):
         if rng is not None:
             set_rng_state(rng)
         spe = ckpt.extra.get("steps_per_epoch")
-        self.steps_per_epoch = int(spe) if spe else None
+        self.steps_per_epoch = int(spe) if spe and saved_world == world else None  # another world: other epochs
+        if saved_world != world and self.job.is_chief:
+            print(f"resumed step {ckpt.step}, written by {saved_world} workers, on {world} workers: data "
+                  f"redistributed", file=sys.stderr, flush=True)

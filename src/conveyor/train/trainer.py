@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from conveyor.comm.process_group import collective_guard
+from conveyor.data.redistribute import leftover_iterator
 from conveyor.data.torch_adapter import to_torch
 from conveyor.train.checkpoint import (
     BackgroundSaves,
@@ -240,7 +241,7 @@ class _Run:
         self.batches = _Batches(self)
         self.evaluator = Evaluator(trainer.eval_data, self.cfg.eval_every_steps, self.coord, self._evaluate)
         self.position = TrainerPosition(self.job, self.coord, trainer.optimizer, current=self.batches.position,
-                                        run_info=self._run_info)
+                                        run_info=self._run_info, train_data=trainer.train_data)
         self.items: dict[str, Item] = {"trainer": self.position,
                                        **self.strategy.checkpoint_items(trainer.module, trainer.optimizer)}
         if trainer.scheduler is not None:
@@ -375,6 +376,7 @@ class _Batches:
         self.epoch_length = run.cfg.steps_per_epoch  # None: an epoch is one pass over train_data
         self.steps_per_epoch: int | None = self.epoch_length
         self.resumed = False
+        self.leftover: dict | None = None  # this worker's share of an epoch begun by another worker count
         self.dropped_epochs = 0  # epochs in which this rank had batches left when another ran out
 
     @property
@@ -393,6 +395,7 @@ class _Batches:
             self.it = self._iterator(0)
             return
         self.root_seed, t.epoch, self.in_epoch = state.root_seed, state.epoch, state.batches
+        self.leftover = state.leftover
         if not self._done_epochs():  # (a finished run resumed with more epochs continues with the next one)
             self.it = self._iterator(t.epoch)
             if state.iterator is not None:
@@ -417,7 +420,7 @@ class _Batches:
 
     def position(self) -> DataPosition:
         return DataPosition.now(epoch=self.t.epoch, batches=self.in_epoch, root_seed=self.root_seed,
-                                iterator=None if self.it is None else self.it.state_dict())
+                                iterator=None if self.it is None else self.it.state_dict(), leftover=self.leftover)
 
     def close(self) -> None:
         if self.it is not None:
@@ -435,6 +438,7 @@ class _Batches:
                     self.run.reporter.progress.set_total(min(total, max_steps or total))
             t.epoch += 1
             self.in_epoch = 0
+            self.leftover = None  # later epochs run the pipeline, sharded over this world
             if self._done_epochs():
                 self.it = None
                 return False
@@ -447,8 +451,10 @@ class _Batches:
 
     def _iterator(self, epoch: int):
         device = torch.device(self.run.device)  # pinned host batches: the copy to a GPU overlaps the step
-        return to_torch(self.t.train_data.iterator(self.root_seed, iteration=epoch), device=device,
-                        pin_memory=device.type == "cuda")
+        data = self.t.train_data
+        source = (data.iterator(self.root_seed, iteration=epoch) if self.leftover is None
+                  else leftover_iterator(data, self.leftover, self.root_seed, epoch))
+        return to_torch(source, device=device, pin_memory=device.type == "cuda")
 
     def _warn_dropped(self) -> None:
         self.dropped_epochs += 1

@@ -149,7 +149,9 @@ def test_status_command_prints_the_dispatchers_workers_and_jobs(tmp_path, capsys
     try:
         assert main(["data", "status", "--dispatcher", dispatcher.server.address, "--secret-file",
                      str(secret_file)]) == 0
-        assert json.loads(capsys.readouterr().out) == {"workers": [], "jobs": {}}
+        status = json.loads(capsys.readouterr().out)
+        assert {k: status[k] for k in ("workers", "jobs")} == {"workers": [], "jobs": {}}
+        assert status["report"]["advice"] == "no trainer reported yet" and status["report"]["workers"] == []
     finally:
         dispatcher.close()
 

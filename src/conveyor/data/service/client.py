@@ -13,11 +13,14 @@ iterator ends when every worker has said ``end`` and no new worker came. Every w
 distributed_epoch is exactly once: elements come tagged ``(split, index)``; one whose index is not the
 next expected for its split (the split was given again after its worker died) is dropped, and a split is
 acknowledged to the dispatcher once all of it was returned. ``state_dict`` holds exactly that position.
+With each look for workers, and at the end, the iterator reports its input wait to the dispatcher (report.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
+import secrets
 import threading
 import time
 from typing import Any
@@ -86,6 +89,12 @@ class ServiceIter(Iter):
         self._dispatcher: Client | None = None
         self._job_id: int | None = None
         self._last_refresh = 0.0
+        # the figures it reports to the dispatcher (data/service/report.py): elements and bytes returned, seconds
+        # blocked waiting for the next element (input wait), from the first request on
+        self._token = secrets.token_hex(4)
+        self._consumed = self._bytes = 0
+        self._wait = 0.0
+        self._first: float | None = None
 
     def _ask(self, kind: str, header: dict[str, Any]) -> dict[str, Any]:
         if self._dispatcher is None:
@@ -108,14 +117,36 @@ class ServiceIter(Iter):
                 "resume": self._resume})["job_id"]
             self._last_live = self._last_item = time.monotonic()
         self._last_refresh = time.monotonic()
-        for worker_id, address in self._ask("get_workers", {"job_id": self._job_id})["workers"]:
+        for worker_id, address in self._ask("get_workers", {"job_id": self._job_id,
+                                                            "trainer": self._figures()})["workers"]:
             if worker_id not in self._fetchers:
                 thread = threading.Thread(target=self._fetch, args=(worker_id, address), daemon=True,
                                           name=f"conveyor-data-fetch-{worker_id}")
                 self._fetchers[worker_id] = thread
                 thread.start()
 
+    def _figures(self) -> dict[str, Any]:
+        elapsed = 0.0 if self._first is None else time.monotonic() - self._first
+        return {"token": self._token, "consumed": self._consumed, "bytes": self._bytes, "wait_s": round(self._wait, 4),
+                "elapsed_s": round(elapsed, 4)}
+
     def _next(self) -> Any:
+        """The next element, timed: the time spent here is the trainer's input wait."""
+        t0 = time.monotonic()
+        if self._first is None:
+            self._first = t0
+        try:
+            element = self._take()
+        except StopIteration:
+            self._wait += time.monotonic() - t0
+            with contextlib.suppress(DataServiceError):  # the epoch's last figures; the figures are no reason to fail
+                self._ask("get_workers", {"job_id": self._job_id, "trainer": self._figures()})
+            raise
+        self._wait += time.monotonic() - t0
+        self._consumed += 1
+        return element
+
+    def _take(self) -> Any:
         while True:
             if self._job_id is None or time.monotonic() - self._last_refresh >= self.node.refresh:
                 self._refresh()
@@ -128,12 +159,14 @@ class ServiceIter(Iter):
                 continue
             self._last_item = time.monotonic()
             if item[0] is _ELEMENT:
-                split, k, element = item[1:]
+                split, k, element = item[1:4]
                 if split is None:
+                    self._bytes += item[4]
                     return element
                 expected = self._received.get(split, 0)
                 if k == expected:  # k < expected: a split given again, and this element was returned already
                     self._received[split] = k + 1
+                    self._bytes += item[4]
                     return element
                 if k > expected:  # an element skipped: returning this one would lose that one
                     raise DataServiceError(f"element {k} of split {split} arrived before element {expected}: the "
@@ -203,8 +236,8 @@ class ServiceIter(Iter):
 
     def _queue_reply(self, reply: Any) -> bool:
         tags = reply.header.get("tags", [])
-        for (split, k), element in zip(tags, elements_from_frames(reply.tensors), strict=True):
-            if not self._put((_ELEMENT, split, k, element)):
+        for (split, k), element, frame in zip(tags, elements_from_frames(reply.tensors), reply.tensors, strict=True):
+            if not self._put((_ELEMENT, split, k, element, frame.nbytes)):
                 return False
         return all(self._put((_SPLIT_END, split, n)) for split, n in reply.header.get("ends", []))
 

@@ -14,23 +14,30 @@ For ``distributed_epoch`` the job's file list is handed out one file per ``get_s
 asks, so each file of an epoch is read by one worker. A worker silent for ``worker_timeout`` seconds is
 left out of ``get_workers``, and the splits it held that the trainer has not acknowledged (``split_done``)
 go back to the front of the line for other workers; an epoch ends when every split is acknowledged.
+Heartbeats carry each worker's figures and ``get_workers`` each trainer's; :meth:`Dispatcher.report`
+(report.py) sums them up, and with ``report_path`` it is written there every 2 s and at close.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from conveyor.comm.framing import Message
 from conveyor.comm.transport import Server
 from conveyor.data.service.pipelines import first_difference
 from conveyor.data.service.protocol import DISPATCHER, DataServiceError, PipelineMismatchError, check_mode
+from conveyor.data.service.report import service_report, trainer_figures, worker_figures
+from conveyor.fileio import atomic_write
 
 log = logging.getLogger(__name__)
+REPORT_EVERY = 2.0  # seconds between writes of the report file (`conveyor data serve --report`)
 
 
 @dataclass
@@ -39,6 +46,7 @@ class _Worker:
     address: str
     pipeline: str
     last_seen: float
+    tasks: dict[str, Any] = field(default_factory=dict)  # per job: its heartbeat's figures (report.py)
 
 
 @dataclass
@@ -50,6 +58,7 @@ class _Job:
     pending: deque[int] = field(default_factory=deque)  # split (index into files) not handed out, or returned
     handed: dict[int, int] = field(default_factory=dict)  # split -> the worker producing it
     done: set[int] = field(default_factory=set)  # splits the trainer acknowledged, every element received
+    trainers: dict[str, dict[str, Any]] = field(default_factory=dict)  # per trainer iterator: its input figures
 
     def __post_init__(self) -> None:
         self.pending.extend(range(len(self.files or ())))
@@ -58,8 +67,12 @@ class _Job:
 class Dispatcher:
     """The dispatcher role: a transport :class:`Server` whose handler keeps the workers and jobs."""
 
-    def __init__(self, bind_address: str, secret: bytes, *, worker_timeout: float = 10.0) -> None:
+    def __init__(self, bind_address: str, secret: bytes, *, worker_timeout: float = 10.0,
+                 report_path: str | None = None) -> None:
         self.worker_timeout = worker_timeout
+        self.report_path = report_path  # where report() is written every REPORT_EVERY seconds and at close
+        self.lost: list[dict[str, Any]] = []  # the workers found dead, and the splits given to others
+        self._next_report = 0.0
         self.workers: dict[int, _Worker] = {}
         self.jobs: dict[int, _Job] = {}
         self._by_name: dict[tuple[str, int], int] = {}  # (job name, iteration of the dataset) -> job id
@@ -68,7 +81,8 @@ class Dispatcher:
         self._handlers = {"register_worker": self._register, "heartbeat": self._heartbeat,
                           "get_split": self._get_split, "split_done": self._split_done, "release_splits": self._release,
                           "get_or_create_job": self._job, "get_workers": self._list, "stats": self._stats}
-        self.server = Server(bind_address, secret, self._handle, name=DISPATCHER, max_frame_bytes=16 << 20)
+        self.server = Server(bind_address, secret, self._handle, name=DISPATCHER, max_frame_bytes=16 << 20,
+                             tick=self._tick)
 
     def start(self) -> Dispatcher:
         self.server.start()
@@ -79,6 +93,29 @@ class Dispatcher:
 
     def close(self) -> None:
         self.server.close()
+        self._write_report()  # the serving thread has stopped: the state is this thread's now
+
+    def report(self) -> dict[str, Any]:
+        """Per worker throughput and queues, each trainer's input wait, the lost workers, and the advice."""
+        now = time.monotonic()
+        workers = [worker_figures(w.worker_id, w.address, now - w.last_seen < self.worker_timeout, w.tasks)
+                   for w in self.workers.values()]
+        trainers = [trainer_figures(job.name, t) for job in self.jobs.values() for t in job.trainers.values()]
+        return service_report(workers, trainers, self.lost)
+
+    def _tick(self) -> None:
+        if self.report_path is not None and time.monotonic() >= self._next_report:
+            self._next_report = time.monotonic() + REPORT_EVERY
+            self._write_report()
+
+    def _write_report(self) -> None:
+        if self.report_path is None:
+            return
+        try:
+            Path(self.report_path).parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(Path(self.report_path), json.dumps(self.report(), indent=1).encode())
+        except OSError as e:
+            log.warning("cannot write the data service report %s: %s", self.report_path, e)
 
     def _handle(self, message: Message) -> Any:
         handler = self._handlers.get(message.kind)
@@ -105,7 +142,14 @@ class Dispatcher:
         who = f"data worker at {h['address']} (pipeline {h['pipeline']})"
         self._check_pipeline(who, h["fingerprint"], h.get("files"))
         worker = _Worker(next(self._ids), str(h["address"]), str(h["pipeline"]), time.monotonic())
+        now = time.monotonic()
+        for old in self.workers.values():  # a worker restarted where one was: that one is dead, not just silent
+            if old.address == worker.address and now - old.last_seen < self.worker_timeout:
+                log.warning("worker %d at %s registered again as %d: the old one is dead", old.worker_id, old.address,
+                            worker.worker_id)
+                old.last_seen = now - self.worker_timeout
         self.workers[worker.worker_id] = worker
+        self._reap()
         log.info("%s registered as worker %d", who, worker.worker_id)
         return {"worker_id": worker.worker_id}
 
@@ -118,7 +162,9 @@ class Dispatcher:
         return worker
 
     def _heartbeat(self, h: dict[str, Any]) -> dict[str, Any]:
-        self._worker(h)
+        worker = self._worker(h)
+        if isinstance(h.get("tasks"), dict):
+            worker.tasks = h["tasks"]
         return {}
 
     def _job_of(self, h: dict[str, Any]) -> _Job:
@@ -160,8 +206,14 @@ class Dispatcher:
         """Give the unacknowledged splits of workers silent for ``worker_timeout`` back, first in line."""
         now = time.monotonic()
         dead = {w.worker_id for w in self.workers.values() if now - w.last_seen >= self.worker_timeout}
+        noted = {e["id"] for e in self.lost}
+        for worker_id in sorted(dead - noted):
+            w = self.workers[worker_id]
+            self.lost.append({"id": worker_id, "address": w.address, "silent_s": round(now - w.last_seen, 1),
+                              "splits_given_to_others": []})
         for job in self.jobs.values():
-            _give_back(job, dead)
+            for worker_id, splits in _give_back(job, dead).items():
+                next(e for e in self.lost if e["id"] == worker_id)["splits_given_to_others"] += splits
 
     def _job(self, h: dict[str, Any]) -> dict[str, Any]:
         mode, name = check_mode(h["mode"]), h.get("job_name")
@@ -191,10 +243,13 @@ class Dispatcher:
         return {"workers": [{"id": w.worker_id, "address": w.address, "pipeline": w.pipeline,
                              "silent_s": round(now - w.last_seen, 1), "alive": now - w.last_seen < self.worker_timeout}
                             for w in self.workers.values()],
-                "jobs": {str(j.job_id): _job_stats(j) for j in self.jobs.values()}}
+                "jobs": {str(j.job_id): _job_stats(j) for j in self.jobs.values()}, "report": self.report()}
 
     def _list(self, h: dict[str, Any]) -> dict[str, Any]:
-        self._job_of(h)
+        job = self._job_of(h)
+        trainer = h.get("trainer")
+        if isinstance(trainer, dict):
+            job.trainers[str(trainer.get("token"))] = trainer
         now = time.monotonic()
         live = [w for w in self.workers.values() if now - w.last_seen < self.worker_timeout]
         return {"workers": [[w.worker_id, w.address] for w in live]}
@@ -211,14 +266,18 @@ def _resume(job: _Job, done: Any) -> None:
     job.pending = deque(i for i in range(count) if i not in job.done)
 
 
-def _give_back(job: _Job, workers: set[int]) -> None:
-    """The unacknowledged splits ``workers`` hold in ``job`` go back to the front of the line."""
+def _give_back(job: _Job, workers: set[int]) -> dict[int, list[int]]:
+    """The unacknowledged splits ``workers`` hold in ``job`` go back to the front of the line; which, by worker."""
     lost = sorted(split for split, w in job.handed.items() if w in workers and split not in job.done)
+    by_worker: dict[int, list[int]] = {}
+    for split in lost:
+        by_worker.setdefault(job.handed[split], []).append(split)
     for split in reversed(lost):
         del job.handed[split]
         job.pending.appendleft(split)
     if lost:
         log.warning("job %s: splits %s of worker(s) %s go to other workers", job.name, lost, sorted(workers))
+    return by_worker
 
 
 def _job_stats(job: _Job) -> dict[str, Any]:

@@ -24,23 +24,25 @@ from conveyor.data.service.protocol import DataServiceError, PipelineMismatchErr
 from conveyor.data.service.splits import SplitNode, file_lists
 
 
-def load_pipeline(spec: str) -> Dataset:
-    """Call ``module:function`` (no arguments) and return the `Dataset` it builds."""
+def load_pipeline(spec: str, flag: str = "--pipeline") -> Dataset:
+    """Call ``module:function`` (no arguments) and return the `Dataset` it builds; ``flag`` names it in errors."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise PipelineMismatchError(f"--pipeline {spec!r}: expected MODULE:FUNCTION, e.g. myjob.input:train_pipeline")
+        raise PipelineMismatchError(f"{flag} {spec!r}: expected MODULE:FUNCTION, e.g. myjob.input:train_pipeline")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise PipelineMismatchError(f"--pipeline {spec}: cannot import {module_name} ({e}); run the "
-                                    f"worker where the module is importable (PYTHONPATH, or pip install the "
-                                    f"job's package)") from None
+        raise PipelineMismatchError(f"{flag} {spec}: cannot import {module_name} ({e}); run the "
+                                    f"worker where the module is importable (the current folder, PYTHONPATH, or "
+                                    f"pip install the job's package)") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise PipelineMismatchError(f"--pipeline {spec}: {module_name} has no function {attr!r}")
+        raise PipelineMismatchError(f"{flag} {spec}: {module_name} ({getattr(module, '__file__', '?')}) has no "
+                                    f"function {attr!r}; define it there (no arguments, returning a "
+                                    f"conveyor.data.Dataset) or name the one that is")
     ds = fn()
     if not isinstance(ds, Dataset):
-        raise PipelineMismatchError(f"--pipeline {spec}: {attr}() returned {type(ds).__name__}, not a "
+        raise PipelineMismatchError(f"{flag} {spec}: {attr}() returned {type(ds).__name__}, not a "
                                     f"conveyor.data.Dataset")
     return ds
 

@@ -26,7 +26,7 @@ import numpy as np
 from conveyor.cluster.secret import parse_secret
 from conveyor.cluster.secret import read_secret_file as _read_file
 from conveyor.cluster.spec import split_address
-from conveyor.cluster.variables import JOB_SECRET_FILE_VAR, JOB_SECRET_VAR
+from conveyor.cluster.variables import DATA_SERVICE_VAR, JOB_SECRET_FILE_VAR, JOB_SECRET_VAR
 from conveyor.data.elements import pack, pack_into, packed_size, unpack
 from conveyor.errors import ConveyorError
 
@@ -84,6 +84,18 @@ def resolve_service(service: Service | str, environ: Any = None) -> Service:
         raise DataServiceError(f"the data service at {service} needs the job secret: pass Service({service!r}, "
                                f"secret) or set {JOB_SECRET_FILE_VAR}; {MAKE_SECRET}")
     return Service(service, secret)
+
+
+def from_env(environ: Any = None) -> Service:
+    """The job's data service as `conveyor run --data-workers K` tells every task: the dispatcher's address in
+    ``CONVEYOR_DATA_SERVICE`` and the job secret (``CONVEYOR_JOB_SECRET``, or ``CONVEYOR_JOB_SECRET_FILE``)."""
+    env = os.environ if environ is None else environ
+    address = env.get(DATA_SERVICE_VAR)
+    if not address:
+        raise DataServiceError(f"{DATA_SERVICE_VAR} is not set: start the job with `conveyor run --data-workers K "
+                               f"--data-pipeline MODULE:FUNCTION ...`, which starts the data service and sets it, or "
+                               f"pass distribute() the dispatcher's address (`conveyor data serve`)")
+    return resolve_service(address, env)
 
 
 def check_mode(mode: str) -> str:

@@ -12,6 +12,7 @@ yields the same elements; each element is tagged ``(split, index)`` and a split'
 ``get_elements`` takes up to ``max``; with none ready it is answered within ``wait`` seconds (``none``: ask
 again). ``end`` says the task is done (or failed: its header then carries the error). A task no trainer
 has asked anything for ``idle_timeout`` seconds is stopped and its unacknowledged splits released.
+Each heartbeat carries every task's figures (produced, bytes sent, queue depth, seconds run and blocked).
 """
 
 from __future__ import annotations
@@ -53,7 +54,10 @@ class _Task:
         self.items = items
         self.queue: queue.Queue = queue.Queue(maxsize=buffer)
         self.produced = 0
-        self.last_request = time.monotonic()
+        self.sent_bytes = 0  # element bytes sent to trainers
+        self.blocked = 0.0  # seconds the producer waited on a full queue (the trainer took slower) or for a split
+        self.started = self.last_request = time.monotonic()
+        self.ended: float | None = None  # when the producer stopped: its rates are over the time it ran
         self.error: str | None = None
         self.finished = False  # the queue's last item is _END
         self.stop_event = stop
@@ -70,9 +74,19 @@ class _Task:
             log.exception("data worker task failed")
             self.error = f"{type(e).__name__}: {e}"
         self._put(_END)
+        self.ended = time.monotonic()  # after the last put, so that its blocked time is inside the run
 
     def _put(self, item: Any) -> bool:
-        return put_until_stopped(self.queue, item, self.stop_event)
+        t0 = time.monotonic()
+        try:
+            return put_until_stopped(self.queue, item, self.stop_event)
+        finally:
+            self.blocked += time.monotonic() - t0
+
+    def figures(self, buffer: int) -> dict[str, Any]:
+        """What the heartbeat tells the dispatcher (data/service/report.py reads it)."""
+        return {"produced": self.produced, "bytes": self.sent_bytes, "queued": self.queue.qsize(), "buffer": buffer,
+                "run_s": round((self.ended or time.monotonic()) - self.started, 3), "blocked_s": round(self.blocked, 3)}
 
     def take(self, most: int) -> list[Any]:
         out: list[Any] = []
@@ -127,6 +141,7 @@ class DataWorker:
         self.tasks: dict[int, _Task] = {}
         self._pending: list[tuple[Deferred, _Task, int, float]] = []
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a heartbeat now: a task has sent its last element (final figures)
         self.worker_id: int | None = None
         self.server = Server(bind, secret, self._handle, name=WORKER, tick=self._tick, max_frame_bytes=1 << 20)
 
@@ -146,9 +161,12 @@ class DataWorker:
 
     def _beat(self) -> None:
         with self._dispatcher() as client:
-            while not self._stop.wait(self.heartbeat):
+            while not self._stop.is_set():
+                self._wake.wait(self.heartbeat)
+                self._wake.clear()
+                tasks = {str(j): t.figures(self.buffer) for j, t in self.tasks.copy().items()}
                 try:
-                    _ask(client, "heartbeat", {"worker_id": self.worker_id})
+                    _ask(client, "heartbeat", {"worker_id": self.worker_id, "tasks": tasks})
                 except DataServiceError as e:
                     log.warning("data worker %s: heartbeat failed: %s", self.address, e)
 
@@ -172,7 +190,11 @@ class DataWorker:
                 while not stop.is_set():
                     answer = _ask(client, "get_split", request)
                     if answer.get("wait"):  # every split is out, some not yet acknowledged: it may come back
+                        t0 = time.monotonic()
                         stop.wait(0.2)
+                        task = self.tasks.get(job_id)  # idle, not slow: its capacity leaves this time out
+                        if task is not None:
+                            task.blocked += time.monotonic() - t0
                     elif answer["split"] is None:
                         return
                     else:
@@ -184,8 +206,7 @@ class DataWorker:
     def _handle(self, message: Message) -> Any:
         h = message.header
         if message.kind == "stats":
-            return "ok", {str(j): {"produced": t.produced, "queued": t.queue.qsize(), "buffer": self.buffer}
-                          for j, t in self.tasks.items()}, []
+            return "ok", {str(j): t.figures(self.buffer) for j, t in self.tasks.items()}, []
         if message.kind != "get_elements":
             raise DataServiceError(f"a data worker does not know the request {message.kind!r}")
         task = self._task(int(h["job_id"]), str(h["mode"]), int(h.get("seed", 0)))
@@ -194,6 +215,7 @@ class DataWorker:
         # Requests are answered in the order they came, so a split's elements reach the trainer in order.
         reply = None if any(t is task for _, t, _, _ in self._pending) else _reply(task, most, final=False)
         if reply is not None:
+            self._ended(reply)
             return reply
         deferred = Deferred()
         self._pending.append((deferred, task, most, time.monotonic() + self.wait))
@@ -216,8 +238,13 @@ class DataWorker:
                 waiting.append((deferred, task, most, deadline))
                 blocked.add(id(task))
             else:
+                self._ended(reply)
                 self.server.reply(deferred, reply)
         self._pending = waiting
+
+    def _ended(self, reply: tuple[str, dict, list]) -> None:
+        if reply[0] == "end":
+            self._wake.set()
 
     def close(self) -> None:
         self._stop.set()
@@ -232,6 +259,7 @@ def _reply(task: _Task, most: int, *, final: bool) -> tuple[str, dict, list] | N
         elements = [(split, k) for split, k, e in items if e is not SPLIT_END]
         ends = [(split, n) for split, n, e in items if e is SPLIT_END]
         frames = element_frames([e for _, _, e in items if e is not SPLIT_END])
+        task.sent_bytes += sum(f.nbytes for f in frames)
         return "elements", {"tags": elements, "ends": ends}, frames
     if task.finished:
         return "end", {"error": task.error}, []

@@ -7,12 +7,17 @@ the buffers, under the model's own names, and its optimizer state (the state of 
 is sharded alike; its local shards are written). Nothing is gathered on one rank. The chief writes the
 header tree ``fsdp`` (format, world size, blocks, part names, each sharded tensor's whole shape). On
 resume every rank reads its own part back into its shards; :func:`full_model` joins every rank's
-shards into the whole model (``conveyor checkpoint export``). A checkpoint of another number of ranks,
-or of another strategy, is refused naming why: resharding comes with elastic resume.
+shards into the whole model in memory (``conveyor checkpoint export`` reads the same layout a tensor at a time:
+``conveyor.train.checkpoint.sources``). A checkpoint of another number of ranks
+is re-split on load: every rank joins each sharded tensor (parameters and their per-element optimizer
+state) from all saved parts and keeps its own dim-0 chunk, as FSDP2 cuts it for this world (a copy:
+bit-identical; docs/strategies.md, "FSDP: resuming on another number of ranks"). Another strategy's
+checkpoint is refused naming why.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -51,24 +56,65 @@ class ShardsItem(Item):
             out.expect(f"{n}.{ext}" for n in names for ext in ("safetensors", "json"))
 
     def check(self, name: str, ckpt: Checkpoint) -> None:
-        """Refuse a checkpoint of another strategy or another number of ranks, naming why."""
-        world = int(self.strategy.job.world_size)
+        """Refuse a checkpoint of another strategy, naming why (another number of ranks is re-split on restore)."""
         header = ckpt.trees.get(name)
         if not (isinstance(header, dict) and header.get("format") == CHECKPOINT_FORMAT):
             raise ResumeError(f"checkpoint {ckpt.path} was not written by the fsdp strategy (it has no {name!r} "
                               f"shards): resume it with the strategy that wrote it, or start over with --no-resume; "
                               f"reading another strategy's checkpoint into shards comes with elastic resume")
-        saved = int(header["world"])
-        if saved != world:
-            raise ResumeError(f"checkpoint {ckpt.path} holds fsdp shards of {saved} ranks and this job has {world}: "
-                              f"each rank reads back its own shards, so resume with -n {saved} (resharding onto "
-                              f"another number of ranks comes with elastic resume), or start over with --no-resume")
 
     def restore(self, name: str, ckpt: Checkpoint) -> None:
         self.check(name, ckpt)
-        state = ckpt.part_tree(_part(int(self.strategy.job.rank)))
+        job, header = self.strategy.job, ckpt.tree(name)
+        rank, world, saved = int(job.rank), int(job.world_size), int(header["world"])
+        if saved == world:
+            state = ckpt.part_tree(_part(rank))
+        else:
+            state = _resharded([ckpt.part_tree(p) for p in header["parts"]], header, self.module, self.optimizer,
+                               rank, world, ckpt)
+            if job.is_chief:
+                print(f"resumed step {ckpt.step}, written by {saved} fsdp ranks, on {world}: shards re-split",
+                      file=sys.stderr, flush=True)
         _load_model(self.module, state["model"], ckpt)
         self.optimizer.load_state_dict(_sharded_like(self.optimizer, state["optimizer"]))
+
+
+def _resharded(parts: list[Any], header: dict[str, Any], module: nn.Module, optimizer: Any, rank: int, world: int,
+               ckpt: Checkpoint) -> dict[str, Any]:
+    """This rank's part as a job of `world` ranks would have written it: each sharded tensor joined from every
+    saved rank's part (dim-0 chunks in rank order) and cut again into `world` chunks, of which rank keeps its own.
+    Buffers and per-parameter scalars (Adam's ``step``) are the same on every rank: saved rank 0's."""
+    mine = module.state_dict()
+    model = {k: (_my_rows(ckpt, k, [p["model"][k] for p in parts], mine.get(k), rank, world)
+                 if k in header["sharded"] else v) for k, v in parts[0]["model"].items()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {}
+    for index, entry in parts[0]["optimizer"].get("state", {}).items():
+        param = params[int(index)] if int(index) < len(params) else None
+        state[index] = {k: (_my_rows(ckpt, f"optimizer state {k!r} of parameter {index}",
+                                     [p["optimizer"]["state"][index][k] for p in parts], param, rank, world)
+                            if _sharded_state(v, param) else v) for k, v in entry.items()}
+    return {"model": model, "optimizer": {**parts[0]["optimizer"], "state": state}}
+
+
+def _sharded_state(value: Any, param: Any) -> bool:
+    """Whether an optimizer state entry is sharded like its parameter (per element) rather than one value."""
+    return (isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.dim() == param.dim() > 0
+            and tuple(value.shape[1:]) == tuple(param.shape[1:]))
+
+
+def _my_rows(ckpt: Checkpoint, what: str, shards: list[torch.Tensor], like: Any, rank: int, world: int) -> torch.Tensor:
+    """Rank `rank`'s chunk of the tensor the saved ranks' `shards` join to, checked against this rank's shard."""
+    whole = torch.cat(shards, dim=0)
+    chunks = torch.chunk(whole, world, dim=0)  # FSDP2's Shard(0): later ranks may hold nothing
+    rows = chunks[rank] if rank < len(chunks) else whole[:0]
+    local = like.to_local() if isinstance(like, DTensor) else like
+    if isinstance(local, torch.Tensor) and tuple(local.shape) != tuple(rows.shape):
+        raise ResumeError(f"checkpoint {ckpt.path}: {what} joins to {list(whole.shape)} from its {len(shards)} "
+                          f"saved shards, and this job's rank {rank} of {world} holds {list(local.shape)} of it, not "
+                          f"{list(rows.shape)}: another model, or a sharding other than FSDP2's dim-0 chunks; run the "
+                          f"model that wrote it, or start over with --no-resume")
+    return rows.clone()
 
 
 def _local(tree: Any) -> Any:

@@ -3,13 +3,16 @@
     items = strategy.checkpoint_items(model, optimizer)      # {"optimizer": StagesItem(strategy, optimizer)}
 
 Replica 0's process of stage i writes part `stage-<i>` (its parameters under whole-model names, and
-its optimizer state); the chief writes the header (format, split, part names) as the tree `optimizer`,
-the name it has had on disk since before items. On resume every process reads its own stage's part;
-a checkpoint of another split, or not written by this strategy, is refused naming both and the fix.
+its optimizer state); the chief writes the header (format, split, part names, replicas) as the tree
+`optimizer`, the name it has had on disk since before items. On resume every process reads its own
+stage's part, whatever its replica: every replica of a stage holds the same state, so a job with
+another number of replicas (the split unchanged) resumes, the chief saying so. A checkpoint of
+another split, or not written by this strategy, is refused naming both, why and the fix.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from conveyor.strategies.pipeline.split import plan_from_signature
@@ -37,7 +40,8 @@ class StagesItem(Item):
                                                "optimizer": self.optimizer.state_dict()})
         if out.is_chief:
             names = [f"stage-{i}" for i in range(plan.num_stages)]
-            out.tree(name, {"format": CHECKPOINT_FORMAT, "split": plan.signature(), "stages": names})
+            out.tree(name, {"format": CHECKPOINT_FORMAT, "split": plan.signature(), "stages": names,
+                            "replicas": int(s.replicas)})
             out.expect(f"{n}.{ext}" for n in names for ext in ("safetensors", "json"))
 
     def restore(self, name: str, ckpt: Checkpoint) -> None:
@@ -51,7 +55,13 @@ class StagesItem(Item):
         if saved != plan:
             raise ValueError(f"it was written with the split [{saved.short()}] ({saved.num_stages} stages) and this "
                              f"job splits [{plan.short()}] ({plan.num_stages} stages): resume with the split that "
-                             f"wrote it ({saved.resume_flags()})")
+                             f"wrote it ({saved.resume_flags()}). Why: each stage's part holds the parameters and "
+                             f"optimizer state of that stage's layers only, and a resume does not move layers "
+                             f"between stages; the number of replicas may change, the split may not")
+        replicas = header.get("replicas")
+        if s.job.is_chief and isinstance(replicas, int) and replicas != s.replicas:
+            print(f"resumed step {ckpt.step}, written by {replicas} pipeline replica(s), on {s.replicas}: every "
+                  f"replica loads its stage's part (split [{plan.short()}] unchanged)", file=sys.stderr, flush=True)
         state = ckpt.part_tree(f"stage-{s.stage}")
         if isinstance(s.runner, TracedRunner) and not s.runner.ready:
             s._restored = state  # loaded when the first batch has decided what this stage holds

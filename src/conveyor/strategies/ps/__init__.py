@@ -2,9 +2,9 @@
 
 ``sharding`` decides which ps task holds which elements of which parameter (balanced by bytes, large
 tensors split across all servers); ``optim`` describes the worker's optimizer so the servers can run
-torch's own implementation over their pieces, with the same numerics as one process. Both are plain
-torch and JSON: no sockets here, so every decision is tested exactly and the networked server and
-client stay thin.
+torch's own implementation over their pieces, with the same numerics as one process; ``reshard``
+re-cuts saved shards for another number of servers. All are plain torch and JSON: no sockets here, so
+every decision is tested exactly and the networked server and client stay thin.
 """
 
 from __future__ import annotations

@@ -122,6 +122,12 @@ class ShardFiles:
                              f"and number of ps tasks, or start over with --no-resume")
         return load_safetensors(store.read_part(step, self.tensors_name)), shard["optimizer"]
 
+    def read(self, store: ShardStore, step: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The tensors and optimizer meta of this task's shard in step ``step`` of ``store``, whatever its placement
+        (a worker re-splitting the shards over another number of ps tasks reads them all: ``.reshard``)."""
+        shard = self._read_meta(store, step)
+        return load_safetensors(store.read_part(step, self.tensors_name)), shard["optimizer"]
+
     def _read_meta(self, store: ShardStore, step: int) -> dict[str, Any]:
         """The JSON half of this server's shard in checkpoint step ``step``, checked to be this server's."""
         meta_name = self.meta_name

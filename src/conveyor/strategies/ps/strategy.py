@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import sys
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,8 +39,10 @@ from conveyor.fileio import atomic_write
 from conveyor.strategies.base import Step, Strategy, check_optimizer
 from conveyor.strategies.coordination import Coordinator, IndependentCoordinator, LockstepCoordinator
 from conveyor.strategies.ps.client import PSClient
+from conveyor.strategies.ps.reshard import ReshardError, reshard
+from conveyor.strategies.ps.server import ShardFiles
 from conveyor.train.checkpoint.items import Item, Model, StepWrite
-from conveyor.train.checkpoint.read import Checkpoint
+from conveyor.train.checkpoint.read import Checkpoint, ResumeError
 
 __all__ = ["PSOptimizer", "PSStrategy", "staleness_summary"]
 
@@ -275,7 +278,8 @@ class PSOptimizer(torch.optim.Optimizer):
         return {"format": _STATE_FORMAT, "servers": servers}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Send what :meth:`state_dict` returned back to the servers, then pull the restored parameters."""
+        """Send what :meth:`state_dict` returned back to the servers, then pull the restored parameters; a state
+        of another number of ps tasks is re-split over these first (:func:`.reshard.reshard`)."""
         client = self._strategy.client
         if client is None:
             raise RuntimeError("optimizer.load_state_dict() after the job was shut down")
@@ -283,10 +287,12 @@ class PSOptimizer(torch.optim.Optimizer):
             raise ValueError("this optimizer state names shards the ps tasks wrote into a checkpoint folder; "
                              "the item of job.strategy.checkpoint_items(model, optimizer) restores it "
                              "(the Trainer does this on resume)")
-        if state.get("format") != _STATE_FORMAT or len(state.get("servers", ())) != client.num_servers:
-            raise ValueError(f"not a parameter-server optimizer state for {client.num_servers} ps tasks (a "
-                             f"checkpoint of another strategy or another number of ps tasks?)")
-        client.load_state([(entry["meta"], entry["tensors"]) for entry in state["servers"]])
+        if state.get("format") != _STATE_FORMAT or not state.get("servers"):
+            raise ValueError("not a parameter-server optimizer state (a checkpoint of another strategy?)")
+        servers = [(entry["meta"], entry["tensors"]) for entry in state["servers"]]
+        if len(servers) != client.num_servers and client.placement is not None:  # another number of ps tasks
+            servers = [(meta, tensors) for tensors, meta in reshard([(t, m) for m, t in servers], client.placement)]
+        client.load_state(servers)
         client.pull()
 
     def __repr__(self) -> str:
@@ -314,11 +320,45 @@ class _ShardedOptimizer(Item):
         if not (isinstance(state, dict) and "shards" in state):
             self.optimizer.load_state_dict(state)  # a state fetched to the worker (PSOptimizer.state_dict)
             return
-        if state.get("format") != _STATE_FORMAT or state.get("num_ps") != client.num_servers:
-            raise ValueError(f"checkpoint step {ckpt.step} holds shards of {state.get('num_ps')} ps tasks; this job "
-                             f"has {client.num_servers}: resume with --ps {state.get('num_ps')} or start over "
-                             f"with --no-resume")
+        saved = state.get("num_ps")
+        if state.get("format") != _STATE_FORMAT or not isinstance(saved, int) or saved < 1:
+            raise ValueError(f"checkpoint step {ckpt.step} holds no parameter-server shards it names (format "
+                             f"{state.get('format')!r}, {saved!r} ps tasks): resume with the setup that wrote it or "
+                             f"start over with --no-resume")
         if self.strategy.job.rank == 0:
-            client.restore_shards(ckpt.step, Path(ckpt.root).resolve())
+            if saved == client.num_servers:
+                client.restore_shards(ckpt.step, Path(ckpt.root).resolve())  # each ps task reads its own shard
+            else:
+                self._reshard(ckpt, saved, client)
         self.strategy.job.barrier()  # no worker pulls before every shard is back
         client.pull()
+
+    def _reshard(self, ckpt: Checkpoint, saved: int, client: PSClient) -> None:
+        """Rank 0 reads the `saved` servers' shards, re-splits them as this job's placement cuts the parameters
+        and sends each server its share (`.reshard`; docs/ps.md, "Resuming on another number of ps tasks")."""
+        parts = _StepParts(ckpt)
+        shards = [ShardFiles(i, None).read(parts, ckpt.step) for i in range(saved)]
+        assert client.placement is not None  # prepare() placed the parameters before any resume
+        try:
+            states = reshard(shards, client.placement)
+        except ReshardError as e:
+            raise ResumeError(f"checkpoint {ckpt.path} was written with {saved} ps tasks and cannot be re-split "
+                              f"onto this job's {client.num_servers}: {e}") from e
+        client.load_state([(meta, tensors) for tensors, meta in states])
+        if self.strategy.job.is_chief:
+            print(f"resumed step {ckpt.step}, written with {saved} ps tasks, on {client.num_servers}: shards re-split "
+                  f"({len(client.placement.pieces)} pieces, parameters and optimizer state as saved)",
+                  file=sys.stderr, flush=True)
+
+
+class _StepParts:
+    """One checkpoint step's parts as the `ShardStore` that `ShardFiles.read` reads (read only, checked)."""
+
+    def __init__(self, ckpt: Checkpoint) -> None:
+        self.ckpt = ckpt
+
+    def read_part(self, step: int, name: str) -> bytes:
+        return self.ckpt.read_part(name)
+
+    def save_part(self, step: int, name: str, data: bytes) -> None:
+        raise RuntimeError(f"checkpoint step {step} is sealed: {name} cannot be written into it")
