@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
+    "CHECKPOINT_SYNC_VAR",
     "DATA_DIR_VAR",
     "DATA_SERVICE_VAR",
     "FAULT_VAR",
@@ -67,6 +68,7 @@ FAULT_VAR = "CONVEYOR_FAULT"
 FSDP_BLOCKS_VAR = "CONVEYOR_FSDP_BLOCKS"
 FSDP_RESHARD_VAR = "CONVEYOR_FSDP_RESHARD"
 DATA_SERVICE_VAR = "CONVEYOR_DATA_SERVICE"
+CHECKPOINT_SYNC_VAR = "CONVEYOR_CHECKPOINT_SYNC"
 #: ``conveyor run --stages/--microbatches/--schedule/--split``, by flag (read by the pipeline strategy)
 PIPELINE_VARS = {"stages": PIPELINE_STAGES_VAR, "microbatches": PIPELINE_MICROBATCHES_VAR,
                  "schedule": PIPELINE_SCHEDULE_VAR, "split": PIPELINE_SPLIT_VAR}
@@ -135,6 +137,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(DATA_SERVICE_VAR, "HOST:PORT of the job's data service dispatcher (docs/data-service.md)",
              f"{_RUN} (--data-workers K), on every task; or the user",
              "conveyor.data.service.from_env() (`dataset.distribute(from_env())`)"),
+    Variable(CHECKPOINT_SYNC_VAR, "1: the Trainer writes each checkpoint before training goes on (default: in the "
+             "background, training blocked only while the state is copied)", f"{_RUN} (--checkpoint-sync), or the user",
+             f"{_INIT} (job.settings), for the Trainer"),
 )
 
 #: The names alone, in the table's order.
