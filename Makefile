@@ -35,8 +35,16 @@ sysdeps: setup
 lint: setup
 	$(VENV)/bin/ruff check src tests $(wildcard benchmarks examples)
 
+# Two passes (docs/testing.md): every test that can share the machine on TEST_WORKERS pytest-xdist workers (each
+# with its own ports: tests/conftest.py; all tests of a file on one worker, so a module fixture is built once), then
+# the `serial` ones alone (exit status 5, no test marked serial, is no failure). The second pass runs even when the
+# first fails; the target fails if either does.
+TEST_WORKERS ?= auto
 test: setup sysdeps lint
-	$(VENV)/bin/pytest -q
+	status=0; \
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" || status=$$?; \
+	$(VENV)/bin/pytest -q -m serial || { rc=$$?; [ $$rc -eq 5 ] || status=$$rc; }; \
+	exit $$status
 
 # Two workers train on scikit-learn's bundled digits (written as TFRecord shards on first use).
 demo: setup

@@ -52,20 +52,3 @@ def make_hosts():
     for hosts in made:
         hosts.close()
 
-
-_SHARED_SCOPES = ("module", "package", "session")
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks
-def pytest_collection_modifyitems(config, items):
-    """Under ``--dist loadgroup``, keep on one worker the tests that share a fixture of this project wider than a
-    test (a module's reference run, the Slurm cluster): each worker would otherwise build it again. Tests that
-    share nothing are spread one by one; a test module may still name its own group (docs/testing.md)."""
-    for item in items:
-        if item.get_closest_marker("xdist_group"):
-            continue
-        infos = getattr(item, "_fixtureinfo", None)
-        shared = [name for name, defs in (infos.name2fixturedefs.items() if infos else ())
-                  if defs and defs[-1].scope in _SHARED_SCOPES and defs[-1].baseid]  # baseid "": a plugin's own
-        if shared:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))

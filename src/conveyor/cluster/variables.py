@@ -29,6 +29,7 @@ __all__ = [
     "PIPELINE_SCHEDULE_VAR",
     "PIPELINE_SPLIT_VAR",
     "PIPELINE_STAGES_VAR",
+    "PORT_RANGE_VAR",
     "PIPELINE_VARS",
     "RESTART_COUNT_VAR",
     "RESUME_VAR",
@@ -63,6 +64,7 @@ OUTPUT_LOCK_VAR = "CONVEYOR_OUTPUT_LOCK"
 FAULT_VAR = "CONVEYOR_FAULT"
 FSDP_BLOCKS_VAR = "CONVEYOR_FSDP_BLOCKS"
 FSDP_RESHARD_VAR = "CONVEYOR_FSDP_RESHARD"
+PORT_RANGE_VAR = "CONVEYOR_PORT_RANGE"
 #: ``conveyor run --stages/--microbatches/--schedule/--split``, by flag (read by the pipeline strategy)
 PIPELINE_VARS = {"stages": PIPELINE_STAGES_VAR, "microbatches": PIPELINE_MICROBATCHES_VAR,
                  "schedule": PIPELINE_SCHEDULE_VAR, "split": PIPELINE_SPLIT_VAR}
@@ -126,6 +128,9 @@ VARIABLES: tuple[Variable, ...] = (
              f"{_RUN} (--fsdp-blocks), or the user", f"{_INIT} (job.settings), for the fsdp strategy"),
     Variable(FSDP_RESHARD_VAR, "0: keep the gathered parameters from forward to backward (ZeRO-2-like)",
              f"{_RUN} (--no-reshard-after-forward), or the user", f"{_INIT} (job.settings), for the fsdp strategy"),
+    Variable(PORT_RANGE_VAR, "LOW-HIGH: take the tasks' free ports from this range, not the kernel's ephemeral one",
+             "the user; the parallel test suite, one range per worker (tests/conftest.py)",
+             f"{_RUN} and conveyor.launch.free_ports"),
 )
 
 #: The names alone, in the table's order.

@@ -20,11 +20,11 @@ import os
 import random
 import socket
 
+from conveyor.cluster.variables import PORT_RANGE_VAR
 from conveyor.errors import AddressInUseError
 
 __all__ = ["PORT_RANGE_VAR", "free_ports"]
 
-PORT_RANGE_VAR = "CONVEYOR_PORT_RANGE"
 _last: dict[tuple[int, int], int] = {}  # per range: the last port handed out by this process
 
 
