@@ -1,10 +1,37 @@
-"""Fixtures shared by every test folder."""
+"""Fixtures shared by every test folder, and each xdist worker's own port range (docs/testing.md)."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
+from conveyor.launch.ports import PORT_RANGE_VAR
 from conveyor.testing.hosts import Hosts, unavailable
+
+# The ports below the kernel's ephemeral range that the workers of a parallel run share out.
+_FIRST_PORT = 10000
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, give this worker (gw<i> of n) its own slice of the ports below the ephemeral range:
+    every free_ports() of its tests and of the launchers they start (the variable is inherited) comes from it,
+    so two workers never hand out one port, and no outgoing connection's source port takes one meanwhile."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not worker.startswith("gw") or not count.isdigit() or PORT_RANGE_VAR in os.environ:
+        return
+    size = (_ephemeral_low() - _FIRST_PORT) // max(int(count), 1)
+    if size >= 100:
+        low = _FIRST_PORT + int(worker[2:]) * size
+        os.environ[PORT_RANGE_VAR] = f"{low}-{low + size - 1}"
 
 
 @pytest.fixture
@@ -24,3 +51,4 @@ def make_hosts():
     yield make
     for hosts in made:
         hosts.close()
+

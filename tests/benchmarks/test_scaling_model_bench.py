@@ -124,6 +124,7 @@ def test_namespace_hosts_as_clusters_one_per_cap(bench, tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
+@pytest.mark.serial  # measures transfers over capped namespace links against its model, in a 120 s bound
 @pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 def test_quick_run_on_namespace_hosts_writes_the_hosts_block(bench, tmp_path):
     argv = ["--part", "measured", "--hosts", "2", "--quick", "--caps", "20", "--steps", "4", "--batch-size",

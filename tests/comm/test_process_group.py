@@ -14,12 +14,11 @@ import pytest
 import torch.distributed as dist
 
 from conveyor.comm.process_group import AddressInUseError, RendezvousError, init_process_group
+from conveyor.launch.ports import free_ports
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]  # from this xdist worker's range, if any (tests/conftest.py)
 
 
 def listening_on(port: int) -> set[str]:

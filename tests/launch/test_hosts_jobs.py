@@ -45,7 +45,8 @@ JOBS = {  # strategy: each node's task flags, and the same job on one machine
 # on its thread count, and a host with one task would otherwise give it every core (the one-machine run, 1).
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(300)]
+# serial: three namespace hosts of 1-2 tasks each, and how soon a lost host ends the job is asserted in wall time
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.serial]
 
 
 def conveyor_run(*args: str) -> list[str]:

@@ -10,6 +10,7 @@ import socket
 import pytest
 
 from conveyor.cluster import ClusterSpec, TaskId, discover, local_cluster
+from conveyor.errors import AddressInUseError
 from conveyor.launch import (
     NodeInfo,
     RunOptions,
@@ -272,6 +273,26 @@ def test_free_ports_are_distinct_and_bindable():
     assert free_ports(0) == []
     with pytest.raises(ValueError):
         free_ports(-1)
+
+
+def test_free_ports_come_from_the_range_in_the_environment_walking_on(monkeypatch):
+    with socket.socket() as sock:  # the range's first port is taken: it is skipped
+        sock.bind(("127.0.0.1", 0))
+        taken = sock.getsockname()[1]
+        monkeypatch.setenv("CONVEYOR_PORT_RANGE", f"{taken}-{taken + 40}")
+        first = free_ports(3)
+        assert len(set(first)) == 3 and all(taken < port <= taken + 40 for port in first)
+        second = free_ports(3)  # a later call walks on: no port of the first call comes back at once
+        assert not set(first) & set(second) and all(taken < port <= taken + 40 for port in second)
+        monkeypatch.setenv("CONVEYOR_PORT_RANGE", f"{taken}-{taken}")
+        with pytest.raises(AddressInUseError, match=f"no free port on 127.0.0.1 in CONVEYOR_PORT_RANGE={taken}-"):
+            free_ports(1)
+    for bad in ("20000", "2-1", "0-10", "a-b", "1-70000"):
+        monkeypatch.setenv("CONVEYOR_PORT_RANGE", bad)
+        with pytest.raises(ValueError, match="is not a port range; expected LOW-HIGH"):
+            free_ports(1)
+    monkeypatch.setenv("CONVEYOR_PORT_RANGE", "")
+    assert len(free_ports(2)) == 2
 
 
 def test_pipeline_flags_reach_every_task_and_stale_ones_do_not():

@@ -24,6 +24,7 @@ from conveyor.comm.process_group import (
     collective_guard,
     peer_error,
 )
+from conveyor.launch.ports import free_ports
 from conveyor.strategies import NAMES, AllReduceStrategy, LocalStrategy, get_strategy
 from conveyor.train import job as job_mod
 from conveyor.train.job import Job, init, threads_per_worker
@@ -40,9 +41,7 @@ def env(tmp_path: Path) -> dict[str, str]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]  # from this xdist worker's range, if any (tests/conftest.py)
 
 
 def torchrun_env(env: dict[str, str], rank: int, world: int, port: int) -> dict[str, str]:

@@ -641,11 +641,9 @@ job.shutdown()
 
 
 def _free_port() -> int:
-    import socket
+    from conveyor.launch.ports import free_ports
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]  # from this xdist worker's range, if any (tests/conftest.py)
 
 
 def _two_workers(script: Path, out: Path, kill_at: int = 0, every_seconds: float = 0.0):

@@ -31,6 +31,7 @@ __all__ = [
     "PIPELINE_SCHEDULE_VAR",
     "PIPELINE_SPLIT_VAR",
     "PIPELINE_STAGES_VAR",
+    "PORT_RANGE_VAR",
     "PIPELINE_VARS",
     "RESTART_COUNT_VAR",
     "RESUME_VAR",
@@ -69,6 +70,7 @@ FSDP_BLOCKS_VAR = "CONVEYOR_FSDP_BLOCKS"
 FSDP_RESHARD_VAR = "CONVEYOR_FSDP_RESHARD"
 DATA_SERVICE_VAR = "CONVEYOR_DATA_SERVICE"
 CHECKPOINT_SYNC_VAR = "CONVEYOR_CHECKPOINT_SYNC"
+PORT_RANGE_VAR = "CONVEYOR_PORT_RANGE"
 #: ``conveyor run --stages/--microbatches/--schedule/--split``, by flag (read by the pipeline strategy)
 PIPELINE_VARS = {"stages": PIPELINE_STAGES_VAR, "microbatches": PIPELINE_MICROBATCHES_VAR,
                  "schedule": PIPELINE_SCHEDULE_VAR, "split": PIPELINE_SPLIT_VAR}
@@ -140,6 +142,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(CHECKPOINT_SYNC_VAR, "1: the Trainer writes each checkpoint before training goes on (default: in the "
              "background, training blocked only while the state is copied)", f"{_RUN} (--checkpoint-sync), or the user",
              f"{_INIT} (job.settings), for the Trainer"),
+    Variable(PORT_RANGE_VAR, "LOW-HIGH: take the tasks' free ports from this range, not the kernel's ephemeral one",
+             "the user; the parallel test suite, one range per worker (tests/conftest.py)",
+             f"{_RUN} and conveyor.launch.free_ports"),
 )
 
 #: The names alone, in the table's order.

@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 from conveyor.data import Dataset, TFRecordDataset
+from conveyor.launch.ports import free_ports
 
 FILES, PER_FILE = 6, 10  # the test data: ids 0 .. FILES * PER_FILE - 1
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]  # from this xdist worker's range, if any (tests/conftest.py)
 
 
 def record_id(record: bytes) -> int:
