@@ -5,7 +5,7 @@
     outputs = step.eval_forward(model, x)                      # the outputs on the last stage, else None
 
 A step runs torch's schedule over the microbatches (:class:`~.runner.StageRunner`), averages each
-stage's gradients over its replicas, steps the optimizer and exchanges the loss, so that every stage
+stage's gradients over its replicas (with ``--shard-stages`` FSDP2 does, within the schedule), steps the optimizer and exchanges the loss, so that every stage
 returns it. Only the first stage counts a batch's samples (every stage of a replica sees the same
 batch); ``comm_seconds`` is the replicas' gradient all-reduce and the loss exchange (sends and
 receives are part of the schedule: see the strategy's ``report``). ``check`` refuses the model
@@ -34,8 +34,10 @@ class PipelineStep(Step):
 
     shares_batches = True  # the stages of a replica share each batch
 
-    def __init__(self, job: Any, *, name: str, stage: int, replicas: int, stage_group: Any) -> None:
+    def __init__(self, job: Any, *, name: str, stage: int, replicas: int, stage_group: Any,
+                 sharded: bool = False) -> None:
         self.job, self.name, self.stage, self.replicas, self.stage_group = job, name, stage, replicas, stage_group
+        self.sharded = sharded  # FSDP2 reduce-scatters the stage's gradients inside the schedule (sharded.py)
         self.runner: StageRunner | None = None
         self.module: Any = None  # a split.StageModule, or a traced.TracedStage
         self._comm = 0.0
@@ -53,7 +55,7 @@ class PipelineStep(Step):
         with collective_guard(self.job, "pipeline schedule (stage sends and receives)"):
             loss = runner.train(inputs, targets, loss_fn)
         mark("forward_backward")
-        if self.replicas > 1:
+        if self.replicas > 1 and not self.sharded:
             start = time.perf_counter()
             with collective_guard(self.job, "pipeline gradient all-reduce"):
                 params = [p for p in model.parameters() if p.requires_grad]
