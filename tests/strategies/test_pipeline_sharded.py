@@ -85,11 +85,11 @@ def logs(out: Path) -> str:
                      for r in range(WORLD) if (out / f"rank{r}.log").exists())
 
 
-def merged(results: list[dict | None], replica: int) -> dict[str, torch.Tensor]:
+def merged(results: list[dict | None], replica: int, key: str = "params") -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for r in results[replica * STAGES:(replica + 1) * STAGES]:
         assert r is not None
-        state |= {k: torch.tensor(v) for k, v in r["params"].items()}
+        state |= {k: torch.tensor(v) for k, v in r[key].items()}
     return state
 
 
@@ -103,7 +103,7 @@ def assert_equal_to(state: dict[str, torch.Tensor], expected: dict[str, torch.Te
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(300)
 def test_two_stages_by_two_shards_equal_one_process_with_adam(tmp_path: Path) -> None:
     results = launch("train", tmp_path)
     assert all(r is not None for r in results), logs(tmp_path)
@@ -118,13 +118,15 @@ def test_two_stages_by_two_shards_equal_one_process_with_adam(tmp_path: Path) ->
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(300)
 def test_resume_from_the_shard_parts_ends_where_the_uninterrupted_run_ends_and_evaluates(tmp_path: Path) -> None:
     results = launch("resume", tmp_path)
     assert all(r is not None for r in results), logs(tmp_path)
     expected, model = reference()
     for replica in range(REPLICAS):  # RESUME_AT steps, a restore into a fresh model and optimizer, the rest
         assert_equal_to(merged(results, replica), expected)
+        # the same from a part of unsharded stages (as without --shard-stages): re-split into this job's shards
+        assert_equal_to(merged(results, replica, "from_whole"), expected)
     parts = {r["part"] for r in results}
     assert parts == {"stage-0-shard-0", "stage-1-shard-0", "stage-0-shard-1", "stage-1-shard-1"}
     header = results[0]["header"]
@@ -178,36 +180,57 @@ def run_train(job, out: Path) -> dict:
     return {"params": params, "local": local, "losses": losses, "stage": job.strategy.stage}
 
 
-def run_resume(job, out: Path) -> dict:
-    """RESUME_AT steps, a checkpoint (the bytes of this process's part and the chief's header), a fresh model
-    and optimizer restored from it, the rest of the steps; then a forward-only pass (evaluation)."""
+def gathered(tree):
+    """``tree`` with every DTensor gathered whole (a collective over the stage's replicas)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tree, DTensor):
+        return tree.full_tensor()
+    if isinstance(tree, dict):
+        return {k: gathered(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [gathered(v) for v in tree]
+    return tree
+
+
+def resumed(job, out: Path, header: dict, name: str, part: dict) -> tuple[object, dict]:
+    """A fresh model and optimizer restored from part ``name`` under ``header``, trained for the rest of the steps."""
     from types import SimpleNamespace
 
+    model = make_model()
+    model, optimizer = job.prepare(model, make_optimizer(model))
+    saved = SimpleNamespace(tree=lambda _: header, step=RESUME_AT, path=out,
+                            part_tree=lambda asked: part if asked == name else pytest.fail("read " + asked))
+    job.strategy.checkpoint_items(model, optimizer)["optimizer"].restore("optimizer", saved)
+    for x, y in list(batches(job.data_shard[1]))[RESUME_AT:]:
+        job.train_step(model, optimizer, nn.functional.mse_loss, x, y)
+    return model, whole_params(model)[0]
+
+
+def run_resume(job, out: Path) -> dict:
+    """RESUME_AT steps, a checkpoint (the bytes of this process's part and the chief's header); a fresh model and
+    optimizer restored from it train the rest of the steps, and another from this stage's whole state as a job
+    without --shard-stages writes it; then a forward-only pass (evaluation)."""
     from conveyor.train.checkpoint import StepWrite
     from conveyor.train.state_io import state_from_bytes
 
     strategy, replica = job.strategy, job.data_shard[1]
-    steps = list(batches(replica))
     model = make_model()
     model, optimizer = job.prepare(model, make_optimizer(model))
-    for x, y in steps[:RESUME_AT]:
+    for x, y in list(batches(replica))[:RESUME_AT]:
         job.train_step(model, optimizer, nn.functional.mse_loss, x, y)
     step = StepWrite(RESUME_AT, is_chief=True, root=out)  # every process records the chief's header too
     strategy.checkpoint_items(model, optimizer)["optimizer"].save("optimizer", step)
     mine = f"stage-{strategy.stage}-shard-{replica}"
     part = state_from_bytes(step.parts[f"{mine}.safetensors"], step.parts[f"{mine}.json"])
     header = json.loads(json.dumps(step.trees["optimizer"]))  # as a checkpoint holds it
-    model = make_model()
-    model, optimizer = job.prepare(model, make_optimizer(model))
-    saved = SimpleNamespace(tree=lambda name: header, step=RESUME_AT, path=out,
-                            part_tree=lambda name: part if name == mine else pytest.fail("read " + name))
-    strategy.checkpoint_items(model, optimizer)["optimizer"].restore("optimizer", saved)
-    for x, y in steps[RESUME_AT:]:
-        job.train_step(model, optimizer, nn.functional.mse_loss, x, y)
-    params, _ = whole_params(model)
+    whole = {"model": gathered(model.model_state_dict()), "optimizer": gathered(optimizer.state_dict())}
+    unsharded = {k: v for k, v in header.items() if k not in ("shards", "sharded")}
+    _, from_whole = resumed(job, out, unsharded, f"stage-{strategy.stage}", whole)
+    model, params = resumed(job, out, header, mine, part)
     model.eval()
     outputs = strategy.step.eval_forward(model, make_data()[0][:6])
-    return {"params": params, "stage": strategy.stage, "part": mine, "header": header,
+    return {"params": params, "from_whole": from_whole, "stage": strategy.stage, "part": mine, "header": header,
             "outputs": None if outputs is None else outputs.tolist()}
 
 
