@@ -4,8 +4,9 @@
 
 One tiny known-gradient step: a ``Linear(1, W)`` with all weights 1, sharded one row per rank of the
 mesh (all ranks for ``--strategy fsdp``; a stage's replicas for ``--shard-stages``); mesh rank r feeds
-``r + 1``, so every weight's gradient is ``r + 1`` on rank r and the average over W ranks is ``(W + 1) / 2``. An older torch on gloo (2.8-era; pytorch#162338) summed instead, ``W (W + 1) / 2``:
-training would then run with a W-times learning rate, silently. With one process there is nothing to
+``r + 1``, so every weight's gradient is ``r + 1`` on rank r and the average over W ranks is ``(W + 1) / 2``.
+An older torch on gloo (2.8-era; pytorch#162338) summed instead, ``W (W + 1) / 2``: training would then
+run with a W-times learning rate, silently. With one process there is nothing to
 average and the check is skipped.
 """
 

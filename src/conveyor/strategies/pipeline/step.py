@@ -4,12 +4,12 @@
     loss = step.train(model, optimizer, loss_fn, x, y, mark)   # the last stage's loss, on every stage
     outputs = step.eval_forward(model, x)                      # the outputs on the last stage, else None
 
-A step runs torch's schedule over the microbatches (:class:`~.runner.StageRunner`), averages each
-stage's gradients over its replicas (with ``--shard-stages`` FSDP2 does, within the schedule), steps the optimizer and exchanges the loss, so that every stage
-returns it. Only the first stage counts a batch's samples (every stage of a replica sees the same
-batch); ``comm_seconds`` is the replicas' gradient all-reduce and the loss exchange (sends and
-receives are part of the schedule: see the strategy's ``report``). ``check`` refuses the model
-``prepare`` did not return and training data sharded per process instead of per replica.
+A step runs torch's schedule over the microbatches (:class:`~.runner.StageRunner`), averages each stage's
+gradients over its replicas (with ``--shard-stages`` FSDP2 does, within the schedule), steps the optimizer
+and exchanges the loss, so that every stage returns it. Only the first stage counts a batch's samples
+(every stage of a replica sees the same batch); ``comm_seconds`` is the replicas' gradient all-reduce and
+the loss exchange (sends and receives are part of the schedule: see the strategy's ``report``). ``check``
+refuses the model ``prepare`` did not return and training data sharded per process instead of per replica.
 """
 
 from __future__ import annotations

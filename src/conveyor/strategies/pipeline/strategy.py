@@ -12,7 +12,9 @@ Every stage of a replica reads the replica's shard (``job.data_shard``). ``prepa
 stage's layers (the others go to the meta device) and rebuilds the optimizer over them (a model that
 is not an nn.Sequential: at its first batch, when its split is traced, ``traced.py``); a step
 (``step.py``) runs torch's schedule over the microbatches, averages each stage's gradients over its
-replicas, and equals one process training the whole model on the replicas' combined batch. Settings
+replicas, and equals one process training the whole model on the replicas' combined batch. With
+``--shard-stages`` (``shard_stages=True``) each stage is sharded with FSDP2 across its replicas instead of
+replicated (``sharded.py``: pipeline × FSDP, torchtitan's order). Settings
 left None come from the job's (``job.settings``). Rank layout, data, splits and the numbers:
 ``docs/strategies.md``, "Pipeline parallelism".
 """
