@@ -66,11 +66,22 @@ class PipelineStep(Step):
             self._comm += time.perf_counter() - start
         optimizer.step()
         start = time.perf_counter()
+        if self.replicas > 1:
+            self._broadcast_buffers()
         with collective_guard(self.job, "pipeline loss exchange"):
             loss = runner.end_step(loss)
         self._comm += time.perf_counter() - start
         mark("optimizer")
         return loss
+
+    def _broadcast_buffers(self) -> None:
+        """Every replica keeps replica 0's buffers (BatchNorm's running statistics), as DDP broadcasts rank 0's:
+        each replica's own batches would move them apart, and a checkpoint holds replica 0's only."""
+        buffers = list(self._runner().module.buffers())
+        if buffers:
+            with collective_guard(self.job, "pipeline buffer broadcast from replica 0"):
+                for buffer in buffers:
+                    torch.distributed.broadcast(buffer.data, src=self.stage, group=self.stage_group)
 
     def eval_forward(self, module: nn.Module, inputs: Any) -> Any:
         """Forward only through every stage; the outputs on the last stage, None on the others."""
