@@ -141,6 +141,31 @@ def test_resume_from_the_shard_parts_ends_where_the_uninterrupted_run_ends_and_e
             assert torch.allclose(torch.tensor(r["outputs"]), want, rtol=0, atol=1e-5)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_a_trainer_run_resumes_its_shard_parts_from_disk_and_evaluates_alike(tmp_path: Path) -> None:
+    """tests/train/export_job.py (a Trainer with checkpoints and evaluation, a BatchNorm's buffers) under
+    `conveyor run -n 4 --strategy pipeline --stages 2 --shard-stages`, then again on the same output folder: the
+    second run restores every process's shard part from disk, trains nothing and evaluates as the first ended."""
+    job = Path(__file__).resolve().parents[1] / "train" / "export_job.py"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CONVEYOR_", "SLURM_", "TORCHELASTIC_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG")}
+    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    command = [sys.executable, "-m", "conveyor.cli.main", "run", "-n", "4", "--strategy", "pipeline", "--stages", "2",
+               "--shard-stages", "--output-dir", str(tmp_path / "out"), "--timeout", "120", str(job)]
+    found, said = [], []
+    for _ in range(2):
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        found.append(json.loads((tmp_path / "out" / "probe.json").read_text()))
+        said.append(proc.stdout + proc.stderr)
+    parts = sorted(p.name for p in (tmp_path / "out" / "checkpoints").glob("step-*/stage-*-shard-*.safetensors"))
+    assert {p[len("stage-0-shard-0"):] for p in parts} == {".safetensors"} and len(parts) % 4 == 0, parts
+    assert found[0]["eval_loss"] is not None
+    assert found[1] == pytest.approx(found[0], rel=1e-12)
+    assert "resumed from" not in said[0] and "resumed from" in said[1], said[1][-3000:]
+
+
 def test_shard_stages_needs_the_pipeline_strategy_and_two_replicas_per_stage() -> None:
     with pytest.raises(ValueError, match="--shard-stages belong"):
         JobSettings(strategy="allreduce", shard_stages=True).check_job(4)
