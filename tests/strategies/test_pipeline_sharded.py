@@ -99,18 +99,24 @@ def assert_equal_to(state: dict[str, torch.Tensor], expected: dict[str, torch.Te
         assert torch.allclose(state[key], value, rtol=0, atol=atol), (key, (state[key] - value).abs().max())
 
 
+def launched_equal_to_one_process(scenario: str, out: Path) -> tuple[list[dict], dict, nn.Module]:
+    """SCENARIO's results, checked: every replica's stages hold what one process trained on the whole batch."""
+    results = launch(scenario, out)
+    assert all(r is not None for r in results), logs(out)
+    expected, model = reference()
+    for replica in range(REPLICAS):
+        assert_equal_to(merged(results, replica), expected)
+    return results, expected, model
+
+
 # -- tests --------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_two_stages_by_two_shards_equal_one_process_with_adam(tmp_path: Path) -> None:
-    results = launch("train", tmp_path)
-    assert all(r is not None for r in results), logs(tmp_path)
-    expected, _ = reference()
+    results, expected, _ = launched_equal_to_one_process("train", tmp_path)
     assert not torch.allclose(expected["0.weight"], make_model().state_dict()["0.weight"]), "training must move it"
-    for replica in range(REPLICAS):
-        assert_equal_to(merged(results, replica), expected)
     # each process holds its dim-0 chunk only: 15 rows of layer 0 as 8 + 7, 16 rows of layer 2 as 8 + 8
     assert results[0]["local"]["0.weight"] == [8, 4] and results[2]["local"]["0.weight"] == [7, 4]
     assert results[1]["local"]["2.weight"] == [8, 15] and results[3]["local"]["2.weight"] == [8, 15]
@@ -120,11 +126,9 @@ def test_two_stages_by_two_shards_equal_one_process_with_adam(tmp_path: Path) ->
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_resume_from_the_shard_parts_ends_where_the_uninterrupted_run_ends_and_evaluates(tmp_path: Path) -> None:
-    results = launch("resume", tmp_path)
-    assert all(r is not None for r in results), logs(tmp_path)
-    expected, model = reference()
-    for replica in range(REPLICAS):  # RESUME_AT steps, a restore into a fresh model and optimizer, the rest
-        assert_equal_to(merged(results, replica), expected)
+    # RESUME_AT steps, a restore into a fresh model and optimizer, the rest: as the uninterrupted run
+    results, expected, model = launched_equal_to_one_process("resume", tmp_path)
+    for replica in range(REPLICAS):
         # the same from a part of unsharded stages (as without --shard-stages): re-split into this job's shards
         assert_equal_to(merged(results, replica, "from_whole"), expected)
     parts = {r["part"] for r in results}
@@ -260,10 +264,9 @@ def run_resume(job, out: Path) -> dict:
 
 
 def worker_main(scenario: str, out: Path) -> None:
-    rank = int(os.environ["RANK"])
-    with conveyor.init() as job:
-        result = run_resume(job, out) if scenario == "resume" else run_train(job, out)
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    run = run_resume if scenario == "resume" else run_train
+    with conveyor.init() as job:  # the JSON written inside: the job's rank is this process's
+        (out / f"rank{job.rank}.json").write_text(json.dumps(run(job, out)))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # skip interpreter teardown

@@ -28,10 +28,9 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from conveyor.strategies.fsdp.check import check_gradients_averaged
-from conveyor.strategies.fsdp.checkpoint import _local, _resharded, _sharded_like
+from conveyor.strategies.fsdp.checkpoint import _local, _resharded, _sharded_like, copy_into_shards
 from conveyor.strategies.fsdp.strategy import _rebind
 from conveyor.train.checkpoint.items import StepWrite
 from conveyor.train.checkpoint.read import Checkpoint, ResumeError
@@ -104,13 +103,8 @@ def restore_shard(strategy: Any, optimizer: Any, header: dict[str, Any], ckpt: C
 
 def _load_local(module: Any, saved: dict[str, Any], ckpt: Checkpoint) -> None:
     """Copy the saved shards (whole-model names) into this process's shards and buffers, in place."""
-    local = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in module.model_state_dict().items()}
-    differ = sorted(k for k in local.keys() | saved.keys()
-                    if k not in local or k not in saved or tuple(local[k].shape) != tuple(saved[k].shape))
+    differ = copy_into_shards(module.model_state_dict(), saved)
     if differ:
         raise ResumeError(f"checkpoint {ckpt.path} holds stage shards of another model than this stage's layers "
                           f"{module.layer_names} (differing: {', '.join(differ[:5])}): run the model and split that "
                           f"wrote it, or start over with --no-resume")
-    with torch.no_grad():
-        for k, tensor in local.items():
-            tensor.copy_(saved[k])
