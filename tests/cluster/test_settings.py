@@ -58,7 +58,7 @@ def test_yes_no_variables_change_only_when_spelt_as_the_other_value():
 def test_the_declarations_generate_the_agreed_flags_the_owned_variables_and_each_commands_flags():
     assert set(agreed_flags()) == {"strategy", "chief", "max_restarts", "tf_flags", "share_gpus", "resume",
                                    "timeout", "stages", "microbatches", "schedule", "split", "fsdp_blocks",
-                                   "reshard_after_forward"}
+                                   "reshard_after_forward", "shard_stages"}
     assert set(owned_variables()) <= set(NAMES) and "CONVEYOR_SHARE_GPUS" not in owned_variables()
     parser = build_parser()
     for command, absent in (("run", set()), ("k8s", {"share_gpus"}), ("slurm", set())):
@@ -75,7 +75,7 @@ def test_agreed_settings_are_json_values():
     assert options.agreed() == {"strategy": "pipeline", "chief": False, "tf_flags": False, "max_restarts": 3,
                                 "share_gpus": False, "resume": True, "timeout": 300.0, "stages": None,
                                 "microbatches": None, "schedule": None, "split": ["a", "b"], "fsdp_blocks": None,
-                                "reshard_after_forward": True}
+                                "reshard_after_forward": True, "shard_stages": False}
 
 
 def test_fsdp_flags_reach_the_task_and_need_the_fsdp_strategy():
@@ -93,6 +93,17 @@ def test_fsdp_flags_reach_the_task_and_need_the_fsdp_strategy():
     for argv in (["--fsdp-blocks", "a"], ["--no-reshard-after-forward"]):
         with pytest.raises(ValueError, match=f"{argv[0]} belong.* to sharded data parallelism: add --strategy fsdp"):
             local_plan(run_options("-n", "2", *argv), [7001, 7002], master_port=7000, secret=SECRET, environ={})
+
+
+def test_shard_stages_reaches_the_task_and_needs_the_pipeline_strategy_with_two_replicas():
+    options = run_options("-n", "4", "--strategy", "pipeline", "--stages", "2", "--shard-stages")
+    env = local_plan(options, [7001, 7002, 7003, 7004], master_port=7000, secret=SECRET, environ={}).tasks[0].env
+    assert env["CONVEYOR_PIPELINE_SHARD_STAGES"] == "1" and JobSettings.from_environ(env).shard_stages
+    with pytest.raises(ValueError, match="--shard-stages belong.* to pipeline parallelism: add --strategy pipeline"):
+        local_plan(run_options("-n", "2", "--shard-stages"), [7001, 7002], master_port=7000, secret=SECRET, environ={})
+    with pytest.raises(ValueError, match="each stage has 1 replica, so there is nothing to shard it across"):
+        local_plan(run_options("-n", "2", "--strategy", "pipeline", "--stages", "2", "--shard-stages"), [7001, 7002],
+                   master_port=7000, secret=SECRET, environ={})
 
 
 def test_sbatch_passes_the_settings_on_as_conveyor_run_flags():

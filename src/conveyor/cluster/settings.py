@@ -34,6 +34,7 @@ from conveyor.cluster.variables import (
     OUTPUT_DIR_VAR,
     PIPELINE_MICROBATCHES_VAR,
     PIPELINE_SCHEDULE_VAR,
+    PIPELINE_SHARD_VAR,
     PIPELINE_SPLIT_VAR,
     PIPELINE_STAGES_VAR,
     RESTART_COUNT_VAR,
@@ -162,6 +163,11 @@ class JobSettings:
     split: tuple[str, ...] | str | None = _setting(
         None, flag="--split", check=validate.layer_names, env=PIPELINE_SPLIT_VAR, agreed=True, metavar="NAME,NAME",
         group=_PIPELINE, help=_SPLIT_HELP)
+    shard_stages: bool = _setting(
+        False, flag="--shard-stages", check=validate.flag, env=PIPELINE_SHARD_VAR, agreed=True, kind=bool, omit=False,
+        switch="yes", group=_PIPELINE,
+        help="with --strategy pipeline and 2 or more replicas: shard each stage with FSDP2 across its replicas "
+             "(pipeline × FSDP; split first, then shard each stage, as torchtitan does)")
     fsdp_blocks: tuple[str, ...] | str | None = _setting(
         None, flag="--fsdp-blocks", check=validate.layer_names, env=FSDP_BLOCKS_VAR, agreed=True, metavar="NAME,NAME",
         group=_FSDP, help="with --strategy fsdp: the modules sharded one by one (named_modules names), then the root "
@@ -184,13 +190,14 @@ class JobSettings:
         return JobSettings(**{f.name: getattr(self, f.name) for f, _ in _declared()})
 
     def given_pipeline_flags(self) -> list[str]:
-        """The pipeline flags given (not ``None``), e.g. ``["--stages"]``."""
-        return [s.flag for f, s in _declared() if s.group == _PIPELINE and getattr(self, f.name) is not None]
+        """The pipeline flags given (not their defaults), e.g. ``["--stages"]``."""
+        return [s.flag for f, s in _declared() if s.group == _PIPELINE and getattr(self, f.name) != f.default]
 
     def check_job(self, workers: int) -> None:
         """The checks that relate settings to each other and to the job's ``workers`` (a launcher's)."""
         validate.tf_flags(self.tf_flags, self.chief)
-        validate.pipeline_shape(self.strategy, workers, self.stages, self.given_pipeline_flags(), self.split)
+        validate.pipeline_shape(self.strategy, workers, self.stages, self.given_pipeline_flags(), self.split,
+                                shard_stages=self.shard_stages)
         fsdp_given = [s.flag for f, s in _declared() if s.group == _FSDP and getattr(self, f.name) != f.default]
         validate.fsdp_flags(self.strategy, fsdp_given)
         if self.timeout > validate.MAX_TIMEOUT:  # inf would reach torch as a timedelta it cannot hold

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 from conveyor.cluster.strategy_name import StrategyName, parse_strategy
 
-__all__ = ["MAX_TIMEOUT", "count", "flag", "layer_names", "optional_count", "pipeline_shape", "seconds",
-           "strategy", "text", "tf_flags", "timeout"]
+__all__ = ["MAX_TIMEOUT", "count", "flag", "layer_names", "optional_count", "pipeline_shape", "replicas_for_shards",
+           "seconds", "strategy", "text", "tf_flags", "timeout"]
 
 #: The longest --timeout: one day. A longer collective or rendezvous timeout is a typo, or a hang unnoticed.
 MAX_TIMEOUT = 86400.0
@@ -124,9 +124,10 @@ def from_text(kind: type, text_value: str, where: str) -> object:
 
 
 def pipeline_shape(strategy_name: StrategyName | None, workers: int, stages: int | None,
-                   given: Sequence[str], split: Sequence[str] | None) -> None:
+                   given: Sequence[str], split: Sequence[str] | None, *, shard_stages: bool = False) -> None:
     """The pipeline flags against the job: they need ``--strategy pipeline``, which needs a split, and every
-    replica runs all stages (``workers`` a multiple of ``stages``). ``given``: the pipeline flags given."""
+    replica runs all stages (``workers`` a multiple of ``stages``); ``--shard-stages`` needs two replicas or more
+    (:func:`shard_stages`). ``given``: the pipeline flags given."""
     pipeline = strategy_name is not None and strategy_name.splits_model
     if given and not pipeline:
         raise ValueError(f"{', '.join(given)} belong(s) to pipeline parallelism: add --strategy pipeline, or drop "
@@ -137,6 +138,17 @@ def pipeline_shape(strategy_name: StrategyName | None, workers: int, stages: int
     if stages is not None and workers % stages:
         raise ValueError(f"-n {workers} --stages {stages}: each pipeline replica runs all {stages} "
                          f"stages, so -n must be a multiple of {stages} (e.g. -n {stages})")
+    if shard_stages and stages is not None:
+        replicas_for_shards(workers // stages, stages, workers)
+
+
+def replicas_for_shards(replicas: int, stages: int, workers: int) -> None:
+    """``--shard-stages`` shards each stage across its replicas: with one replica there is nothing to shard
+    across, and a silent no-op would hide the -n that was meant (the memory saving would not happen)."""
+    if replicas < 2:
+        raise ValueError(f"--shard-stages with -n {workers} --stages {stages}: each stage has {replicas} replica, "
+                         f"so there is nothing to shard it across; run -n {2 * stages} (2 shards per stage) or more, "
+                         f"or drop --shard-stages")
 
 
 def fsdp_flags(strategy_name: StrategyName | None, given: Sequence[str]) -> None:

@@ -29,6 +29,7 @@ __all__ = [
     "OUTPUT_LOCK_VAR",
     "PIPELINE_MICROBATCHES_VAR",
     "PIPELINE_SCHEDULE_VAR",
+    "PIPELINE_SHARD_VAR",
     "PIPELINE_SPLIT_VAR",
     "PIPELINE_STAGES_VAR",
     "PORT_RANGE_VAR",
@@ -64,6 +65,7 @@ PIPELINE_STAGES_VAR = "CONVEYOR_PIPELINE_STAGES"
 PIPELINE_MICROBATCHES_VAR = "CONVEYOR_PIPELINE_MICROBATCHES"
 PIPELINE_SCHEDULE_VAR = "CONVEYOR_PIPELINE_SCHEDULE"
 PIPELINE_SPLIT_VAR = "CONVEYOR_PIPELINE_SPLIT"
+PIPELINE_SHARD_VAR = "CONVEYOR_PIPELINE_SHARD_STAGES"
 OUTPUT_LOCK_VAR = "CONVEYOR_OUTPUT_LOCK"
 FAULT_VAR = "CONVEYOR_FAULT"
 FSDP_BLOCKS_VAR = "CONVEYOR_FSDP_BLOCKS"
@@ -128,6 +130,8 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(PIPELINE_SCHEDULE_VAR, "1f1b (default) or gpipe", f"{_RUN} (--schedule)", _PIPE),
     Variable(PIPELINE_SPLIT_VAR, "layer names to cut the model before, comma-separated", f"{_RUN} (--split)",
              _PIPE),
+    Variable(PIPELINE_SHARD_VAR, "1: shard each stage with FSDP2 across its replicas (pipeline × FSDP)",
+             f"{_RUN} (--shard-stages)", _PIPE),
     Variable(OUTPUT_LOCK_VAR, "the output folder's lock file, held by the launcher for the whole job",
              _RUN, f"{_INIT}, which then does not take the lock again (conveyor.cluster.output_lock)"),
     Variable(FAULT_VAR, "TEST ONLY: <task>:<point>[:<step>] kills that task at that point of a checkpoint "

@@ -2,10 +2,11 @@
 
     check_gradients_averaged(job, mesh)   # collective; GradientAverageError where gradients are not averaged
 
-One tiny known-gradient step: a ``Linear(1, W)`` with all weights 1, sharded one row per rank; rank r
-feeds ``r + 1``, so every weight's gradient is ``r + 1`` on rank r and the average over W ranks is
-``(W + 1) / 2``. An older torch on gloo (2.8-era; pytorch#162338) summed instead, ``W (W + 1) / 2``:
-training would then run with a W-times learning rate, silently. With one process there is nothing to
+One tiny known-gradient step: a ``Linear(1, W)`` with all weights 1, sharded one row per rank of the
+mesh (all ranks for ``--strategy fsdp``; a stage's replicas for ``--shard-stages``); mesh rank r feeds
+``r + 1``, so every weight's gradient is ``r + 1`` on rank r and the average over W ranks is ``(W + 1) / 2``.
+An older torch on gloo (2.8-era; pytorch#162338) summed instead, ``W (W + 1) / 2``: training would then
+run with a W-times learning rate, silently. With one process there is nothing to
 average and the check is skipped.
 """
 
@@ -32,7 +33,7 @@ class GradientAverageError(ConveyorError, RuntimeError):
 def _probe_gradient(job: Any, mesh: Any) -> torch.Tensor:
     """This rank's shard of the probe's gradient after one step (a seam: the tests make it a sum, as
     pytorch#162338's torch gave, to see the check fail)."""
-    world, rank = int(job.world_size), int(job.rank)
+    world, rank = int(mesh.size()), int(mesh.get_local_rank())
     probe = nn.Linear(1, world, bias=False).to(job.device)
     with torch.no_grad():
         probe.weight.fill_(1.0)
@@ -45,14 +46,14 @@ def _probe_gradient(job: Any, mesh: Any) -> torch.Tensor:
 
 def check_gradients_averaged(job: Any, mesh: Any) -> None:
     """Raise :class:`GradientAverageError` unless one known-gradient step of FSDP averages over the ranks."""
-    world = int(job.world_size)
+    world = int(mesh.size())
     if world < 2:
         return
     got = _probe_gradient(job, mesh)
     mean, total = (world + 1) / 2, world * (world + 1) / 2
     if got.numel() and torch.allclose(got, torch.full_like(got, mean)):
         return
-    backend = torch.distributed.get_backend()
+    backend = torch.distributed.get_backend(mesh.get_group())
     seen = "summed them" if got.numel() and torch.allclose(got, torch.full_like(got, total)) else \
         f"gave {got.flatten().tolist()}"
     raise GradientAverageError(

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from conveyor.train.checkpoint.items import Item, StepWrite
 from conveyor.train.checkpoint.read import Checkpoint, ResumeError
 
-__all__ = ["CHECKPOINT_FORMAT", "ShardsItem", "full_model"]
+__all__ = ["CHECKPOINT_FORMAT", "ShardsItem", "copy_into_shards", "full_model"]
 
 CHECKPOINT_FORMAT = "conveyor.fsdp.shards"
 
@@ -130,17 +130,24 @@ def _local(tree: Any) -> Any:
 
 def _load_model(module: nn.Module, saved: dict[str, Any], ckpt: Checkpoint) -> None:
     """Copy the saved shards into this rank's shards (and the buffers into the buffers), in place."""
-    mine = module.state_dict()
-    local = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in mine.items()}
-    differ = sorted(k for k in local.keys() | saved.keys()
-                    if k not in local or k not in saved or tuple(local[k].shape) != tuple(saved[k].shape))
+    differ = copy_into_shards(module.state_dict(), saved)
     if differ:
         raise ResumeError(f"checkpoint {ckpt.path} holds fsdp shards of another model or other blocks than this "
                           f"job's (differing: {', '.join(differ[:5])}{' ...' if len(differ) > 5 else ''}): run the "
                           f"model and --fsdp-blocks that wrote it, or start over with --no-resume")
-    with torch.no_grad():
-        for k, tensor in local.items():
-            tensor.copy_(saved[k])
+
+
+def copy_into_shards(mine: dict[str, Any], saved: dict[str, Any]) -> list[str]:
+    """Copy ``saved`` (local shards and buffers) into ``mine`` (a state dict of DTensors and buffers) in place; or,
+    where their keys or local shapes differ, copy nothing and return those keys."""
+    local = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in mine.items()}
+    differ = sorted(k for k in local.keys() | saved.keys()
+                    if k not in local or k not in saved or tuple(local[k].shape) != tuple(saved[k].shape))
+    if not differ:
+        with torch.no_grad():
+            for k, tensor in local.items():
+                tensor.copy_(saved[k])
+    return differ
 
 
 def _sharded_like(optimizer: Any, saved: dict[str, Any]) -> dict[str, Any]:

@@ -7,7 +7,9 @@ its optimizer state); the chief writes the header (format, split, part names, re
 `optimizer`, the name it has had on disk since before items. On resume every process reads its own
 stage's part, whatever its replica: every replica of a stage holds the same state, so a job with
 another number of replicas (the split unchanged) resumes, the chief saying so. A checkpoint of
-another split, or not written by this strategy, is refused naming both, why and the fix.
+another split, or not written by this strategy, is refused naming both, why and the fix. With
+``--shard-stages`` every process writes its shards of its stage instead (``stage-<i>-shard-<r>``;
+``sharded.py``); such a checkpoint resumes only with ``--shard-stages``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from conveyor.strategies.pipeline.sharded import restore_shard, save_shard, shard_part, sharded_header
 from conveyor.strategies.pipeline.split import plan_from_signature
 from conveyor.strategies.pipeline.traced import TracedRunner
 from conveyor.train.checkpoint.items import Item, StepWrite
@@ -34,14 +37,20 @@ class StagesItem(Item):
     def save(self, name: str, out: StepWrite) -> None:
         s = self.strategy
         plan = s._plan()
-        if s.replica == 0:
+        if s.shard_stages:
+            save_shard(s, self.optimizer, out)
+        elif s.replica == 0:
             out.part_tree(f"stage-{s.stage}", {"stage": s.stage, "split": plan.signature(),
                                                "model": s.module.model_state_dict(),
                                                "optimizer": self.optimizer.state_dict()})
         if out.is_chief:
             names = [f"stage-{i}" for i in range(plan.num_stages)]
-            out.tree(name, {"format": CHECKPOINT_FORMAT, "split": plan.signature(), "stages": names,
-                            "replicas": int(s.replicas)})
+            header = {"format": CHECKPOINT_FORMAT, "split": plan.signature(), "stages": names,
+                      "replicas": int(s.replicas)}
+            if s.shard_stages:
+                header |= sharded_header(s)
+                names = [shard_part(i, r) for i in range(plan.num_stages) for r in range(s.replicas)]
+            out.tree(name, header)
             out.expect(f"{n}.{ext}" for n in names for ext in ("safetensors", "json"))
 
     def restore(self, name: str, ckpt: Checkpoint) -> None:
@@ -58,6 +67,13 @@ class StagesItem(Item):
                              f"wrote it ({saved.resume_flags()}). Why: each stage's part holds the parameters and "
                              f"optimizer state of that stage's layers only, and a resume does not move layers "
                              f"between stages; the number of replicas may change, the split may not")
+        if s.shard_stages:
+            restore_shard(s, self.optimizer, header, ckpt)
+            return
+        if header.get("shards"):
+            raise ValueError(f"it was written with --shard-stages (each stage in {header['shards']} FSDP shards) and "
+                             f"this job does not shard its stages: resume with --shard-stages (2 replicas or more per "
+                             f"stage), or export the whole model (conveyor checkpoint export) and start from that")
         replicas = header.get("replicas")
         if s.job.is_chief and isinstance(replicas, int) and replicas != s.replicas:
             print(f"resumed step {ckpt.step}, written by {replicas} pipeline replica(s), on {s.replicas}: every "

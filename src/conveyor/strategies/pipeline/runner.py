@@ -233,6 +233,10 @@ class StageRunner:
     def _meta_stages(self) -> list[nn.Module]:
         return [self.plan.stage_module(self._meta_model, i) for i in range(self.num_stages)]
 
+    def meta_stage(self, index: int) -> nn.Module:
+        """Stage ``index`` of the meta copy of the whole model: every stage's shapes, in no memory."""
+        return self._meta_stages[index]
+
     def layers(self) -> list[list[str]]:
         """Each stage's layers, for the summary."""
         return self.plan.signature()

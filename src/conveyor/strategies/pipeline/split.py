@@ -130,6 +130,10 @@ class StageModule(nn.Module):
         """This stage's state under the whole model's key names (``blocks.4.weight``)."""
         return {self._model_key(k): v for k, v in self.state_dict().items()}
 
+    def model_parameters(self) -> dict[str, nn.Parameter]:
+        """This stage's parameters under the whole model's names (what ``--shard-stages`` shards)."""
+        return {self._model_key(k): p for k, p in self.named_parameters()}
+
     def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load a state saved by :meth:`model_state_dict` (strict: every key, nothing more)."""
         mine = {self._model_key(k): k for k in self.state_dict()}

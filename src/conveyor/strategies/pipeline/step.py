@@ -4,12 +4,12 @@
     loss = step.train(model, optimizer, loss_fn, x, y, mark)   # the last stage's loss, on every stage
     outputs = step.eval_forward(model, x)                      # the outputs on the last stage, else None
 
-A step runs torch's schedule over the microbatches (:class:`~.runner.StageRunner`), averages each
-stage's gradients over its replicas, steps the optimizer and exchanges the loss, so that every stage
-returns it. Only the first stage counts a batch's samples (every stage of a replica sees the same
-batch); ``comm_seconds`` is the replicas' gradient all-reduce and the loss exchange (sends and
-receives are part of the schedule: see the strategy's ``report``). ``check`` refuses the model
-``prepare`` did not return and training data sharded per process instead of per replica.
+A step runs torch's schedule over the microbatches (:class:`~.runner.StageRunner`), averages each stage's
+gradients over its replicas (with ``--shard-stages`` FSDP2 does, within the schedule), steps the optimizer
+and exchanges the loss, so that every stage returns it. Only the first stage counts a batch's samples
+(every stage of a replica sees the same batch); ``comm_seconds`` is the replicas' gradient all-reduce and
+the loss exchange (sends and receives are part of the schedule: see the strategy's ``report``). ``check``
+refuses the model ``prepare`` did not return and training data sharded per process instead of per replica.
 """
 
 from __future__ import annotations
@@ -34,8 +34,10 @@ class PipelineStep(Step):
 
     shares_batches = True  # the stages of a replica share each batch
 
-    def __init__(self, job: Any, *, name: str, stage: int, replicas: int, stage_group: Any) -> None:
+    def __init__(self, job: Any, *, name: str, stage: int, replicas: int, stage_group: Any,
+                 sharded: bool = False) -> None:
         self.job, self.name, self.stage, self.replicas, self.stage_group = job, name, stage, replicas, stage_group
+        self.sharded = sharded  # FSDP2 reduce-scatters the stage's gradients inside the schedule (sharded.py)
         self.runner: StageRunner | None = None
         self.module: Any = None  # a split.StageModule, or a traced.TracedStage
         self._comm = 0.0
@@ -53,7 +55,7 @@ class PipelineStep(Step):
         with collective_guard(self.job, "pipeline schedule (stage sends and receives)"):
             loss = runner.train(inputs, targets, loss_fn)
         mark("forward_backward")
-        if self.replicas > 1:
+        if self.replicas > 1 and not self.sharded:
             start = time.perf_counter()
             with collective_guard(self.job, "pipeline gradient all-reduce"):
                 params = [p for p in model.parameters() if p.requires_grad]
@@ -64,11 +66,22 @@ class PipelineStep(Step):
             self._comm += time.perf_counter() - start
         optimizer.step()
         start = time.perf_counter()
+        if self.replicas > 1:
+            self._broadcast_buffers()
         with collective_guard(self.job, "pipeline loss exchange"):
             loss = runner.end_step(loss)
         self._comm += time.perf_counter() - start
         mark("optimizer")
         return loss
+
+    def _broadcast_buffers(self) -> None:
+        """Every replica keeps replica 0's buffers (BatchNorm's running statistics), as DDP broadcasts rank 0's:
+        each replica's own batches would move them apart, and a checkpoint holds replica 0's only."""
+        buffers = list(self._runner().module.buffers())
+        if buffers:
+            with collective_guard(self.job, "pipeline buffer broadcast from replica 0"):
+                for buffer in buffers:
+                    torch.distributed.broadcast(buffer.data, src=self.stage, group=self.stage_group)
 
     def eval_forward(self, module: nn.Module, inputs: Any) -> Any:
         """Forward only through every stage; the outputs on the last stage, None on the others."""

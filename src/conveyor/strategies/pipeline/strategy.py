@@ -12,7 +12,9 @@ Every stage of a replica reads the replica's shard (``job.data_shard``). ``prepa
 stage's layers (the others go to the meta device) and rebuilds the optimizer over them (a model that
 is not an nn.Sequential: at its first batch, when its split is traced, ``traced.py``); a step
 (``step.py``) runs torch's schedule over the microbatches, averages each stage's gradients over its
-replicas, and equals one process training the whole model on the replicas' combined batch. Settings
+replicas, and equals one process training the whole model on the replicas' combined batch. With
+``--shard-stages`` (``shard_stages=True``) each stage is sharded with FSDP2 across its replicas instead of
+replicated (``sharded.py``: pipeline × FSDP, torchtitan's order). Settings
 left None come from the job's (``job.settings``). Rank layout, data, splits and the numbers:
 ``docs/strategies.md``, "Pipeline parallelism".
 """
@@ -29,11 +31,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from conveyor.cluster.validate import replicas_for_shards
 from conveyor.comm.process_group import collective_guard
 from conveyor.strategies.base import Strategy, check_optimizer
 from conveyor.strategies.pipeline.checkpoint import StagesItem
 from conveyor.strategies.pipeline.figures import pipeline_figures
 from conveyor.strategies.pipeline.runner import StageRunner, schedule_class
+from conveyor.strategies.pipeline.sharded import shard_stage, stage_mesh
 from conveyor.strategies.pipeline.split import (
     SplitError,
     SplitPlan,
@@ -57,9 +61,10 @@ class PipelineStrategy(Strategy):
     name = "pipeline"
 
     def __init__(self, stages: int | None = None, microbatches: int | None = None, schedule: str | None = None,
-                 split: Sequence[str] | None = None) -> None:
+                 split: Sequence[str] | None = None, shard_stages: bool | None = None) -> None:
         super().__init__()
         self.stages, self.microbatches, self.schedule = stages, microbatches, schedule
+        self.shard_stages = shard_stages  # pipeline × FSDP (sharded.py); None: the job's --shard-stages
         self.split = list(split) if split is not None else None
         if schedule is not None:
             schedule_class(schedule)  # a bad name fails here, before any process group
@@ -72,6 +77,7 @@ class PipelineStrategy(Strategy):
         self._restored: dict[str, Any] | None = None  # a traced stage's checkpoint part, loaded at its first batch
         self._pipe_group: Any = None
         self._stage_group: Any = None
+        self._mesh: Any = None  # with shard_stages: this stage's replicas as FSDP2's DeviceMesh
 
     # -- setup ------------------------------------------------------------------------------------
 
@@ -82,6 +88,8 @@ class PipelineStrategy(Strategy):
         self.microbatches = self.microbatches if self.microbatches is not None else given.microbatches
         self.schedule = self.schedule or given.schedule or "1f1b"
         self.split = self.split if self.split is not None else (list(given.split) if given.split else None)
+        if self.shard_stages is None:
+            self.shard_stages = bool(getattr(given, "shard_stages", False))
         schedule_class(self.schedule)
 
     def setup(self, job: Any) -> None:
@@ -107,9 +115,16 @@ class PipelineStrategy(Strategy):
         if self.microbatches is not None and self.microbatches < 1:  # None: fitted to the first batch (runner.py)
             raise SplitError(f"--microbatches {self.microbatches}: expected a whole number >= 1")
         self.replicas, self.stage, self.replica = world // stages, job.rank % stages, job.rank // stages
+        if self.shard_stages:
+            try:
+                replicas_for_shards(self.replicas, stages, world)
+            except ValueError as e:
+                raise SplitError(str(e)) from None
         self._make_groups(job, stages)
+        if self.shard_stages:
+            self._mesh = stage_mesh(job, self._stage_group)
         self.step = PipelineStep(job, name=self.name, stage=self.stage, replicas=self.replicas,
-                                 stage_group=self._stage_group)
+                                 stage_group=self._stage_group, sharded=bool(self.shard_stages))
 
     def _make_groups(self, job: Any, stages: int) -> None:
         """Every rank creates every group, in the same order (torch requires it), and keeps its own two."""
@@ -144,13 +159,20 @@ class PipelineStrategy(Strategy):
                 plan.stage_module(model, i).to("meta")
         self.module = module = plan.stage_module(model, self.stage).to(job.device)
         self._broadcast_stage()
+        stage_optimizer = _stage_optimizer(optimizer, module)
+        if self.shard_stages:  # split first, then shard each stage (torchtitan's order; sharded.py)
+            shard_stage(job, module, stage_optimizer, self._mesh)
         self.runner = StageRunner(module, meta_model, plan, self.stage, self._pipe_group, job.device,
                                   microbatches=self.microbatches, schedule=self.schedule)
         self._give_step()
-        return module, _stage_optimizer(optimizer, module)
+        return module, stage_optimizer
 
     def _prepare_traced(self, model: nn.Module, optimizer: Any, plan: TracedPlan) -> tuple[nn.Module, Any]:
         """The whole model and an optimizer over all of it, until the first batch decides the stage (traced.py)."""
+        if self.shard_stages:
+            raise SplitError(f"--shard-stages shards the stages of an nn.Sequential; this {type(model).__name__} is "
+                             f"cut by tracing at its first batch, which sharding does not follow yet: write the model "
+                             f"as an nn.Sequential (cut with --stages or --split), or drop --shard-stages")
         self.module = module = TracedStage(model)
         self._optimizer = stage_optimizer = _stage_optimizer(optimizer, model)
         self.runner = TracedRunner(module, TracedSplit(model, plan), self.stage, self._pipe_group, self.job.device,

@@ -78,6 +78,8 @@ def _world(folder: Path, extra: dict[str, Any], trees: list[str]) -> dict[str, A
         world["stages"] = len(header["stages"])
         if isinstance(world["workers"], int):
             world["replicas"] = world["workers"] // max(1, world["stages"])
+        if header.get("shards"):  # --shard-stages: each stage sharded with FSDP2 across its replicas
+            world["shards_per_stage"] = header["shards"]
     elif isinstance(header, dict) and "num_ps" in header:
         world["ps_tasks"] = header["num_ps"]
     return world
@@ -95,7 +97,8 @@ def _shape(world: dict[str, Any]) -> str:
     if "ps_tasks" in world:
         said.append(f"{world['ps_tasks']} ps task(s)")
     if "stages" in world:
-        said.append(f"{world['stages']} stage(s) x {world.get('replicas', '?')} replica(s)")
+        said.append(f"{world['stages']} stage(s) x {world.get('replicas', '?')} replica(s)"
+                    + (" (stages sharded)" if "shards_per_stage" in world else ""))
     if "fsdp_ranks" in world:
         said.append(f"{world['fsdp_ranks']} fsdp rank(s)")
     return ", ".join(said) or "unknown"

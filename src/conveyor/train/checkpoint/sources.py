@@ -6,8 +6,9 @@
 Each strategy's layout joined back to the model's own parameter names: the chief's ``model`` tree
 (local, allreduce); the parameter servers' shards ``ps-<i>`` joined piece by piece in the placement's
 element ranges (``param/<name>[start:stop]``), shaped as the chief's tree and cast to its dtype, the
-buffers from that tree; the pipeline's ``stage-<i>`` parts (already under whole-model names); every
-fsdp rank's dim-0 chunks concatenated in rank order. Nothing is read until ``load`` is called, so an
+buffers from that tree; the pipeline's ``stage-<i>`` parts (already under whole-model names; with
+``--shard-stages`` each stage's ``stage-<i>-shard-<r>`` chunks joined as fsdp's); every fsdp rank's dim-0
+chunks concatenated in rank order. Nothing is read until ``load`` is called, so an
 export holds at most one shard of its output and one tensor of the step. The folder is trusted only
 as far as its manifest: callers check it (sha256s) first; a layout that does not join raises
 ``CheckpointError`` naming the file.
@@ -104,6 +105,9 @@ def model_entries(folder: Path) -> list[Entry]:
         return _fsdp(folder, fsdp)
     header = tree_header(folder, "optimizer")
     if isinstance(header, dict) and header.get("format") == "conveyor.pipeline.stages":
+        if header.get("shards"):  # --shard-stages: each stage's fsdp shards, joined stage by stage
+            return [entry for i, base in enumerate(header["stages"]) for entry in _fsdp(folder, {
+                "parts": [f"{base}-shard-{r}" for r in range(int(header["shards"]))], "sharded": header["sharded"][i]})]
         return [ref.entry(k) for part in header["stages"] for k, ref in _model(folder, part, part).items()]
     model = _model(folder, "model", "the chief's model tree")
     if isinstance(header, dict) and isinstance(header.get("shards"), list):
