@@ -35,7 +35,7 @@ def test_a_split_given_back_goes_only_to_the_trainer_that_owns_it():
     assert job.take(2, "B") == {"split": None}  # B ends: it holds nothing another trainer would need
     assert job.take(3, "A") == {"split": None, "wait": True}
     job.give_back({2}, trainer="B")  # a worker releasing B's task gives back only B's splits: none left
-    assert job.returned.get("A") is None and job.handed == {0: 2, 2: 2}
+    assert not job.returned.get("A") and job.handed == {0: 2, 2: 2}
     for split in (0, 2):
         job.acknowledge(split)
     assert job.take(3, "A") == {"split": None}

@@ -187,8 +187,9 @@ class ServiceIter(Iter):
             raise DataServiceError(
                 f"the data workers of job {self.node.job_name or self._job_id} sent nothing for {self.node.timeout:g} "
                 f"s though they answer: their pipeline is that slow (raise distribute's timeout), or a trainer "
-                f"sharing this job left mid-epoch holding splits it never acknowledged, or one that shared the checkpoint "
-                f"this trainer resumed from has not resumed (every trainer of the job resumes, or use a new job_name)")
+                f"sharing this job left mid-epoch holding splits it never acknowledged, or one that shared the "
+                f"checkpoint this trainer resumed from has not resumed (every trainer of the job resumes, or use a "
+                f"new job_name)")
 
     def _finished(self) -> bool:
         """Every fetcher has stopped: the end when one worker said so; else, after a look for new workers,

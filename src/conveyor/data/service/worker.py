@@ -5,15 +5,16 @@
 
 Registration sends the pipeline's fingerprint and file list; the dispatcher refuses a mismatch (the
 worker raises :class:`PipelineMismatchError` and stops). A task starts when a trainer first asks for a job's
-elements (in distributed_epoch one task per job and trainer, which names the trainer in ``get_split``, so
-each split's elements go to the trainer that owns it): a thread runs the pipeline into a queue of at most ``buffer`` elements, so a slow trainer
-stops the producer instead of growing memory. ``parallel_epochs``: the whole pipeline. ``distributed_epoch``:
-the pipeline once per file the dispatcher hands out, seeded by the trainer and the file, so that a file given again
-yields the same elements; each element is tagged ``(split, index)`` and a split's end is sent as such.
-``get_elements`` takes up to ``max``; with none ready it is answered within ``wait`` seconds (``none``: ask
-again). ``end`` says the task is done (or failed: its header then carries the error). A task no trainer
-has asked anything for ``idle_timeout`` seconds is stopped and its unacknowledged splits released.
-Each heartbeat carries every task's figures (produced, bytes sent, queue depth, seconds run and blocked).
+elements (in distributed_epoch one per job and trainer, naming it in ``get_split``, so that each split's
+elements go to the trainer that owns it): a thread runs the pipeline into a queue of at most ``buffer``
+elements, so a slow trainer stops the producer instead of growing memory. ``parallel_epochs``: the whole
+pipeline. ``distributed_epoch``: the pipeline once per file the dispatcher hands out, seeded by the trainer
+and the file, so that a file given again yields the same elements; each element is tagged ``(split, index)``
+and a split's end is sent as such. ``get_elements`` takes up to ``max``; with none ready it is answered
+within ``wait`` seconds (``none``: ask again). ``end`` says the task is done (or failed: its header then
+carries the error). A task no trainer has asked anything for ``idle_timeout`` seconds is stopped and its
+unacknowledged splits released. Each heartbeat carries every task's figures (produced, bytes sent, queue
+depth, seconds run and blocked).
 """
 
 from __future__ import annotations
