@@ -258,7 +258,8 @@ class ServiceIter(Iter):
             raise DataServiceError("a parallel_epochs dataset's position cannot be saved (each worker runs its own "
                                    "epoch); use processing_mode='distributed_epoch' to checkpoint the position")
         if self._job_id is not None:  # count the trainers afresh: one that joined since the last look counts
-            self._refresh()
+            with contextlib.suppress(DataServiceError):  # unreachable now: the last count, not a failed checkpoint
+                self._refresh()
         return {"acknowledged": sorted(self._acknowledged),
                 "received": [[split, k] for split, k in sorted(self._received.items()) if split not in
                              self._acknowledged], "token": self._token, "trainers": self._trainers}
