@@ -135,7 +135,7 @@ def test_a_worker_stops_an_abandoned_task_and_gives_its_splits_back(record_dir, 
         deadline = time.monotonic() + 20
         while (worker.tasks or job.handed) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not worker.tasks and not job.handed and len(job.pending) == FILES - len(job.done)
+        assert not worker.tasks and not job.handed and job.stats()["waiting"] == FILES - len(job.done)
     finally:
         worker.close()
         dispatcher.close()
@@ -167,7 +167,7 @@ def test_a_worker_answers_a_tasks_requests_in_the_order_they_came():
             release.wait(10)
             yield from ((0, k, k) for k in range(4))
 
-        task = worker.tasks[7] = _Task(items(), 8, threading.Event())
+        task = worker.tasks[(7, None)] = _Task(items(), 8, threading.Event())
         request = SimpleNamespace(kind="get_elements", header={"job_id": 7, "mode": "distributed_epoch", "max": 2})
         first = worker._handle(request)
         assert isinstance(first, Deferred)  # nothing produced yet: it waits

@@ -84,7 +84,8 @@ class ServiceIter(Iter):
         self._ended: dict[int, str] = {}  # worker id -> "end" (it produced everything) or "lost" (it died)
         self._received: dict[int, int] = {}  # split -> elements of it returned (the next index expected)
         self._acknowledged: set[int] = set()
-        self._resume: list[int] | None = None  # acknowledged splits of a loaded state, sent with the job request
+        self._resume: dict[str, Any] | None = None  # a loaded state's position, sent with the job request (jobs.py)
+        self._trainers = 1  # how many trainers share the job, as the dispatcher last said (saved with the state)
         self._last_live = self._last_item = time.monotonic()
         self._dispatcher: Client | None = None
         self._job_id: int | None = None
@@ -117,8 +118,9 @@ class ServiceIter(Iter):
                 "resume": self._resume})["job_id"]
             self._last_live = self._last_item = time.monotonic()
         self._last_refresh = time.monotonic()
-        for worker_id, address in self._ask("get_workers", {"job_id": self._job_id,
-                                                            "trainer": self._figures()})["workers"]:
+        answer = self._ask("get_workers", {"job_id": self._job_id, "trainer": self._figures()})
+        self._trainers = max(self._trainers, int(answer.get("trainers", 1)))
+        for worker_id, address in answer["workers"]:
             if worker_id not in self._fetchers:
                 thread = threading.Thread(target=self._fetch, args=(worker_id, address), daemon=True,
                                           name=f"conveyor-data-fetch-{worker_id}")
@@ -185,7 +187,9 @@ class ServiceIter(Iter):
             raise DataServiceError(
                 f"the data workers of job {self.node.job_name or self._job_id} sent nothing for {self.node.timeout:g} "
                 f"s though they answer: their pipeline is that slow (raise distribute's timeout), or a trainer "
-                f"sharing this job left mid-epoch holding splits it never acknowledged (use a new job_name)")
+                f"sharing this job left mid-epoch holding splits it never acknowledged, or one that shared the "
+                f"checkpoint this trainer resumed from has not resumed (every trainer of the job resumes, or use a "
+                f"new job_name)")
 
     def _finished(self) -> bool:
         """Every fetcher has stopped: the end when one worker said so; else, after a look for new workers,
@@ -215,7 +219,8 @@ class ServiceIter(Iter):
         outcome, error = "end", None
         client = Client(address, self.node.service.secret, name=WORKER, timeout=self.node.worker_timeout,
                         sender="data-trainer")
-        header = {"job_id": self._job_id, "mode": self.node.mode, "max": self.node.per_request, "seed": self._seed}
+        header = {"job_id": self._job_id, "mode": self.node.mode, "max": self.node.per_request, "seed": self._seed,
+                  "trainer": self._token}
         try:
             in_flight = [client.send("get_elements", header) for _ in range(self.node.max_outstanding)]
             while in_flight and not self._stop.is_set():
@@ -246,24 +251,34 @@ class ServiceIter(Iter):
 
     def get_state(self) -> dict[str, Any]:
         """distributed_epoch only: the splits acknowledged and how many elements of each other split were
-        returned. Loading it starts a new job that skips those splits and drops those elements."""
+        returned, this trainer's token and how many trainers share the job. Loading it starts a new job (which
+        the other trainers' states join) that skips those splits, gives the begun ones back to this trainer
+        alone, and drops the elements returned before."""
         if self.node.mode != "distributed_epoch":
             raise DataServiceError("a parallel_epochs dataset's position cannot be saved (each worker runs its own "
                                    "epoch); use processing_mode='distributed_epoch' to checkpoint the position")
+        if self._job_id is not None:  # count the trainers afresh: one that joined since the last look counts
+            with contextlib.suppress(DataServiceError):  # unreachable now: the last count, not a failed checkpoint
+                self._refresh()
         return {"acknowledged": sorted(self._acknowledged),
                 "received": [[split, k] for split, k in sorted(self._received.items()) if split not in
-                             self._acknowledged]}
+                             self._acknowledged], "token": self._token, "trainers": self._trainers}
 
     def set_state(self, state: StateField) -> None:
         if self.node.mode != "distributed_epoch":
             raise state.error("a parallel_epochs dataset's position cannot be restored")
         count = len(self.node.files or ())
-        fields = state.fields(("acknowledged", "received"))
+        fields = state.fields(("acknowledged", "received"), optional=("token", "trainers"))
         self._acknowledged = {f.as_int(0, count - 1) for f in fields["acknowledged"].as_list(max_len=count)}
         for pair in fields["received"].as_list(max_len=count):
             split, k = pair.as_list(length=2)
             self._received[split.as_int(0, count - 1)] = k.as_int(0)
-        self._resume = sorted(self._acknowledged)
+        if fields.get("token") is not None:  # the same trainer: the splits it had begun are its own
+            self._token = fields["token"].as_str()
+        if fields.get("trainers") is not None:
+            self._trainers = fields["trainers"].as_int(1)
+        self._resume = {"token": self._token, "trainers": self._trainers, "acknowledged": sorted(self._acknowledged),
+                        "begun": sorted(set(self._received) - self._acknowledged)}
 
     def close(self) -> None:
         self._stop.set()

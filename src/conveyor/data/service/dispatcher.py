@@ -8,12 +8,13 @@ State lives in the serving thread only (the transport runs one handler at a time
 The first pipeline to arrive (a worker's, or a trainer's job) is the reference: a later worker or job
 whose fingerprint or file list differs is refused with the first differing op and argument. A job is
 created by the first trainer that names it (``get_or_create_job``); later trainers naming it share it
-(one job per iteration of the dataset: each `iter()` is an epoch of its own),
-except one resuming from a checkpoint (``resume``: the splits it had acknowledged), which gets a new job.
-For ``distributed_epoch`` the job's file list is handed out one file per ``get_split``, to whichever worker
-asks, so each file of an epoch is read by one worker. A worker silent for ``worker_timeout`` seconds is
-left out of ``get_workers``, and the splits it held that the trainer has not acknowledged (``split_done``)
-go back to the front of the line for other workers; an epoch ends when every split is acknowledged.
+(one job per iteration of the dataset: each `iter()` is an epoch of its own); trainers resuming from a
+checkpoint (``resume``) get a new job, which the other trainers of that checkpoint join. For
+``distributed_epoch`` the job's file list is handed out one file per ``get_split``, to whichever worker asks
+for a trainer's task, and the file belongs to that trainer (jobs.py): each file of an epoch is read by one
+worker and consumed by one trainer. A worker silent for ``worker_timeout`` seconds is left out of
+``get_workers``, and the splits it held that were not acknowledged (``split_done``) go back to the front of
+their trainer's line; a trainer's epoch ends when no file is left and each of its own is acknowledged.
 Heartbeats carry each worker's figures and ``get_workers`` each trainer's; :meth:`Dispatcher.report`
 (report.py) sums them up, and with ``report_path`` it is written there every 2 s and at close.
 """
@@ -24,13 +25,13 @@ import itertools
 import json
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from conveyor.comm.framing import Message
 from conveyor.comm.transport import Server
+from conveyor.data.service.jobs import Job
 from conveyor.data.service.pipelines import first_difference
 from conveyor.data.service.protocol import DISPATCHER, DataServiceError, PipelineMismatchError, check_mode
 from conveyor.data.service.report import service_report, trainer_figures, worker_figures
@@ -49,21 +50,6 @@ class _Worker:
     tasks: dict[str, Any] = field(default_factory=dict)  # per job: its heartbeat's figures (report.py)
 
 
-@dataclass
-class _Job:
-    job_id: int
-    name: str
-    mode: str
-    files: list[str] | None
-    pending: deque[int] = field(default_factory=deque)  # split (index into files) not handed out, or returned
-    handed: dict[int, int] = field(default_factory=dict)  # split -> the worker producing it
-    done: set[int] = field(default_factory=set)  # splits the trainer acknowledged, every element received
-    trainers: dict[str, dict[str, Any]] = field(default_factory=dict)  # per trainer iterator: its input figures
-
-    def __post_init__(self) -> None:
-        self.pending.extend(range(len(self.files or ())))
-
-
 class Dispatcher:
     """The dispatcher role: a transport :class:`Server` whose handler keeps the workers and jobs."""
 
@@ -74,7 +60,7 @@ class Dispatcher:
         self.lost: list[dict[str, Any]] = []  # the workers found dead, and the splits given to others
         self._next_report = 0.0
         self.workers: dict[int, _Worker] = {}
-        self.jobs: dict[int, _Job] = {}
+        self.jobs: dict[int, Job] = {}
         self._by_name: dict[tuple[str, int], int] = {}  # (job name, iteration of the dataset) -> job id
         self._ids = itertools.count(1)
         self._reference: tuple[str, Any, list[str] | None] | None = None  # (who, fingerprint, files)
@@ -167,7 +153,7 @@ class Dispatcher:
             worker.tasks = h["tasks"]
         return {}
 
-    def _job_of(self, h: dict[str, Any]) -> _Job:
+    def _job_of(self, h: dict[str, Any]) -> Job:
         job = self.jobs.get(h.get("job_id"))
         if job is None:
             raise DataServiceError(f"job id {h.get('job_id')!r} is unknown to the dispatcher (it restarted?): "
@@ -175,31 +161,22 @@ class Dispatcher:
         return job
 
     def _get_split(self, h: dict[str, Any]) -> dict[str, Any]:
-        """The next file of the epoch; ``wait`` while every file is handed out but some is not acknowledged
-        (its worker may die and the file go to another), ``split: None`` once all are acknowledged."""
+        """The next file of the epoch for the trainer's task (jobs.py: ``wait`` while that trainer has a file
+        out unacknowledged, whose worker may die; ``split: None`` once it has none and no fresh one is left)."""
         worker, job = self._worker(h), self._job_of(h)
-        if job.mode != "distributed_epoch" or job.files is None:
+        if job.mode != "distributed_epoch":
             raise DataServiceError(f"job {job.name} ({job.mode}) has no splits to hand out")
         self._reap()
-        if job.pending:
-            split = job.pending.popleft()
-            job.handed[split] = worker.worker_id
-            return {"split": split, "file": job.files[split]}
-        if len(job.done) == len(job.files):
-            return {"split": None}
-        return {"split": None, "wait": True}
+        return job.take(worker.worker_id, str(h.get("trainer")))
 
     def _split_done(self, h: dict[str, Any]) -> dict[str, Any]:
-        job = self._job_of(h)
-        split = int(h["split"])
-        job.done.add(split)
-        job.handed.pop(split, None)
+        self._job_of(h).acknowledge(int(h["split"]))
         return {}
 
     def _release(self, h: dict[str, Any]) -> dict[str, Any]:
-        """A worker stopped a job's task: its unacknowledged splits go back, first in line."""
+        """A worker stopped a trainer's task: that task's unacknowledged splits go back, first in its line."""
         worker, job = self._worker(h), self._job_of(h)
-        _give_back(job, {worker.worker_id})
+        job.give_back({worker.worker_id}, None if h.get("trainer") is None else str(h["trainer"]))
         return {}
 
     def _reap(self) -> None:
@@ -212,26 +189,28 @@ class Dispatcher:
             self.lost.append({"id": worker_id, "address": w.address, "silent_s": round(now - w.last_seen, 1),
                               "splits_given_to_others": []})
         for job in self.jobs.values():
-            for worker_id, splits in _give_back(job, dead).items():
+            for worker_id, splits in job.give_back(dead).items():
                 next(e for e in self.lost if e["id"] == worker_id)["splits_given_to_others"] += splits
 
     def _job(self, h: dict[str, Any]) -> dict[str, Any]:
-        mode, name = check_mode(h["mode"]), h.get("job_name")
+        mode, name, resume = check_mode(h["mode"]), h.get("job_name"), h.get("resume")
         self._check_pipeline(f"the trainer's job {name or '(unnamed)'}", h["fingerprint"], h.get("files"))
         key = (str(name), int(h.get("iteration", 0)))
-        if name is not None and key in self._by_name and h.get("resume") is None:
-            job = self.jobs[self._by_name[key]]
+        job = self.jobs.get(self._by_name.get(key, -1)) if name is not None else None
+        if job is not None and (resume is None or job.accepts(resume)):
             if job.mode != mode:
                 raise DataServiceError(f"job {name} exists with processing_mode={job.mode!r}, not {mode!r}: use "
                                        f"the same mode in every trainer, or another job_name")
+            if resume is not None:
+                job.join(resume)
             return {"job_id": job.job_id}
         if mode == "distributed_epoch" and h.get("files") is None:
             raise DataServiceError("processing_mode='distributed_epoch' splits the pipeline's file list, and this "
                                    "pipeline has not exactly one (list_files or TFRecordDataset of a list); use "
                                    "processing_mode='parallel_epochs'")
-        job = _Job(next(self._ids), name or f"job-{len(self.jobs)}", mode, h.get("files"))
-        if h.get("resume") is not None:
-            _resume(job, h["resume"])
+        job = Job(next(self._ids), name or f"job-{len(self.jobs)}", mode, h.get("files"))
+        if resume is not None:  # a new job, which the other trainers resuming from the same checkpoint join
+            job.join(resume)
         self.jobs[job.job_id] = job
         if name is not None:
             self._by_name[key] = job.job_id
@@ -243,7 +222,7 @@ class Dispatcher:
         return {"workers": [{"id": w.worker_id, "address": w.address, "pipeline": w.pipeline,
                              "silent_s": round(now - w.last_seen, 1), "alive": now - w.last_seen < self.worker_timeout}
                             for w in self.workers.values()],
-                "jobs": {str(j.job_id): _job_stats(j) for j in self.jobs.values()}, "report": self.report()}
+                "jobs": {str(j.job_id): j.stats() for j in self.jobs.values()}, "report": self.report()}
 
     def _list(self, h: dict[str, Any]) -> dict[str, Any]:
         job = self._job_of(h)
@@ -252,34 +231,5 @@ class Dispatcher:
             job.trainers[str(trainer.get("token"))] = trainer
         now = time.monotonic()
         live = [w for w in self.workers.values() if now - w.last_seen < self.worker_timeout]
-        return {"workers": [[w.worker_id, w.address] for w in live]}
+        return {"workers": [[w.worker_id, w.address] for w in live], "trainers": job.trainer_count()}
 
-
-def _resume(job: _Job, done: Any) -> None:
-    """Start ``job`` where a trainer's checkpoint says it was: the splits it had acknowledged are done."""
-    count = len(job.files or ())
-    if job.mode != "distributed_epoch" or not isinstance(done, list) or not all(
-            isinstance(x, int) and 0 <= x < count for x in done):
-        raise DataServiceError(f"cannot resume job {job.name}: the saved position ({str(done)[:100]}) does not fit "
-                               f"its {count} files in distributed_epoch; resume with the pipeline it was saved from")
-    job.done = set(done)
-    job.pending = deque(i for i in range(count) if i not in job.done)
-
-
-def _give_back(job: _Job, workers: set[int]) -> dict[int, list[int]]:
-    """The unacknowledged splits ``workers`` hold in ``job`` go back to the front of the line; which, by worker."""
-    lost = sorted(split for split, w in job.handed.items() if w in workers and split not in job.done)
-    by_worker: dict[int, list[int]] = {}
-    for split in lost:
-        by_worker.setdefault(job.handed[split], []).append(split)
-    for split in reversed(lost):
-        del job.handed[split]
-        job.pending.appendleft(split)
-    if lost:
-        log.warning("job %s: splits %s of worker(s) %s go to other workers", job.name, lost, sorted(workers))
-    return by_worker
-
-
-def _job_stats(job: _Job) -> dict[str, Any]:
-    return {"name": job.name, "mode": job.mode, "splits": len(job.files or ()), "done": len(job.done),
-            "in_progress": len(job.handed), "waiting": len(job.pending)}

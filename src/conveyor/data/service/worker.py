@@ -4,15 +4,17 @@
                         advertise="10.0.0.7:6000").start()    # `conveyor data worker --dispatcher ...`
 
 Registration sends the pipeline's fingerprint and file list; the dispatcher refuses a mismatch (the
-worker raises :class:`PipelineMismatchError` and stops). A job's task starts when a trainer first asks for
-its elements: a thread runs the pipeline into a queue of at most ``buffer`` elements, so a slow trainer
-stops the producer instead of growing memory. ``parallel_epochs``: the whole pipeline. ``distributed_epoch``:
-the pipeline once per file the dispatcher hands out, seeded by the trainer and the file, so that a file given again
-yields the same elements; each element is tagged ``(split, index)`` and a split's end is sent as such.
-``get_elements`` takes up to ``max``; with none ready it is answered within ``wait`` seconds (``none``: ask
-again). ``end`` says the task is done (or failed: its header then carries the error). A task no trainer
-has asked anything for ``idle_timeout`` seconds is stopped and its unacknowledged splits released.
-Each heartbeat carries every task's figures (produced, bytes sent, queue depth, seconds run and blocked).
+worker raises :class:`PipelineMismatchError` and stops). A task starts when a trainer first asks for a job's
+elements (in distributed_epoch one per job and trainer, naming it in ``get_split``, so that each split's
+elements go to the trainer that owns it): a thread runs the pipeline into a queue of at most ``buffer``
+elements, so a slow trainer stops the producer instead of growing memory. ``parallel_epochs``: the whole
+pipeline. ``distributed_epoch``: the pipeline once per file the dispatcher hands out, seeded by the trainer
+and the file, so that a file given again yields the same elements; each element is tagged ``(split, index)``
+and a split's end is sent as such. ``get_elements`` takes up to ``max``; with none ready it is answered
+within ``wait`` seconds (``none``: ask again). ``end`` says the task is done (or failed: its header then
+carries the error). A task no trainer has asked anything for ``idle_timeout`` seconds is stopped and its
+unacknowledged splits released. Each heartbeat carries every task's figures (produced, bytes sent, queue
+depth, seconds run and blocked).
 """
 
 from __future__ import annotations
@@ -138,7 +140,7 @@ class DataWorker:
         self.idle_timeout = idle_timeout
         self.dataset = load_pipeline(pipeline)
         self.files = split_files(self.dataset._node)
-        self.tasks: dict[int, _Task] = {}
+        self.tasks: dict[tuple[int, str | None], _Task] = {}  # (job, trainer token in distributed_epoch) -> task
         self._pending: list[tuple[Deferred, _Task, int, float]] = []
         self._stop = threading.Event()
         self._wake = threading.Event()  # a heartbeat now: a task has sent its last element (final figures)
@@ -164,27 +166,30 @@ class DataWorker:
             while not self._stop.is_set():
                 self._wake.wait(self.heartbeat)
                 self._wake.clear()
-                tasks = {str(j): t.figures(self.buffer) for j, t in self.tasks.copy().items()}
+                tasks = _figures(self.tasks.copy(), self.buffer)
                 try:
                     _ask(client, "heartbeat", {"worker_id": self.worker_id, "tasks": tasks})
                 except DataServiceError as e:
                     log.warning("data worker %s: heartbeat failed: %s", self.address, e)
 
-    def _task(self, job_id: int, mode: str, seed: int) -> _Task:
-        task = self.tasks.get(job_id)
+    def _task(self, job_id: int, mode: str, seed: int, trainer: str | None) -> _Task:
+        distributed = check_mode(mode) == "distributed_epoch"
+        key = (job_id, trainer if distributed else None)
+        task = self.tasks.get(key)
         if task is None:
             stop = threading.Event()
-            if check_mode(mode) == "distributed_epoch":
-                items = _by_split(self.dataset, self._splits(job_id, stop), seed)
+            if distributed:
+                items = _by_split(self.dataset, self._splits(key, stop), seed)
             else:
                 items = _whole(self.dataset)
             task = _Task(items, self.buffer, stop)
-            self.tasks[job_id] = task
+            self.tasks[key] = task
         return task
 
-    def _splits(self, job_id: int, stop: threading.Event) -> Iterator[tuple[int, str]]:
-        """The job's splits as the dispatcher hands them out (runs in the task's thread, which owns the client)."""
-        request = {"worker_id": self.worker_id, "job_id": job_id}
+    def _splits(self, key: tuple[int, str | None], stop: threading.Event) -> Iterator[tuple[int, str]]:
+        """The splits of the job's trainer as the dispatcher hands them out (runs in the task's thread, which
+        owns the client)."""
+        request = {"worker_id": self.worker_id, "job_id": key[0], "trainer": key[1]}
         with self._dispatcher() as client:
             try:
                 while not stop.is_set():
@@ -192,7 +197,7 @@ class DataWorker:
                     if answer.get("wait"):  # every split is out, some not yet acknowledged: it may come back
                         t0 = time.monotonic()
                         stop.wait(0.2)
-                        task = self.tasks.get(job_id)  # idle, not slow: its capacity leaves this time out
+                        task = self.tasks.get(key)  # idle, not slow: its capacity leaves this time out
                         if task is not None:
                             task.blocked += time.monotonic() - t0
                     elif answer["split"] is None:
@@ -206,10 +211,11 @@ class DataWorker:
     def _handle(self, message: Message) -> Any:
         h = message.header
         if message.kind == "stats":
-            return "ok", {str(j): t.figures(self.buffer) for j, t in self.tasks.items()}, []
+            return "ok", _figures(self.tasks, self.buffer), []
         if message.kind != "get_elements":
             raise DataServiceError(f"a data worker does not know the request {message.kind!r}")
-        task = self._task(int(h["job_id"]), str(h["mode"]), int(h.get("seed", 0)))
+        trainer = None if h.get("trainer") is None else str(h["trainer"])
+        task = self._task(int(h["job_id"]), str(h["mode"]), int(h.get("seed", 0)), trainer)
         most = max(1, int(h.get("max", 1)))
         task.last_request = time.monotonic()
         # Requests are answered in the order they came, so a split's elements reach the trainer in order.
@@ -223,12 +229,12 @@ class DataWorker:
 
     def _tick(self) -> None:
         now, waiting = time.monotonic(), []
-        for job_id, task in list(self.tasks.items()):
+        for key, task in list(self.tasks.items()):
             if now - task.last_request > self.idle_timeout:  # no trainer asks any more: stop, release its splits
-                log.info("data worker %s: job %s idle for %g s, stopping its task", self.address, job_id,
+                log.info("data worker %s: job %s idle for %g s, stopping its task", self.address, key,
                          self.idle_timeout)
                 task.stop_event.set()
-                del self.tasks[job_id]
+                del self.tasks[key]
         blocked: set[int] = set()  # tasks with an earlier request still waiting: later ones wait behind it
         for deferred, task, most, deadline in self._pending:
             reply = None
@@ -251,6 +257,11 @@ class DataWorker:
         for task in self.tasks.values():
             task.stop()
         self.server.close()
+
+
+def _figures(tasks: dict[tuple[int, str | None], _Task], buffer: int) -> dict[str, Any]:
+    """Each task's figures under ``job`` or ``job/trainer``."""
+    return {"/".join(str(k) for k in key if k is not None): t.figures(buffer) for key, t in tasks.items()}
 
 
 def _reply(task: _Task, most: int, *, final: bool) -> tuple[str, dict, list] | None:
