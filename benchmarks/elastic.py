@@ -40,8 +40,8 @@ from conveyor.train.checkpoint import (  # noqa: E402
     stage_commit,
 )
 
-SAVE_CONTENDERS = (h.Contender("sync", "the save written before training goes on (--checkpoint-sync)"),
-                   h.Contender("async", "the default: blocked while the state is copied, written in the background"))
+SAVE_CONTENDERS = (h.Contender("sync", "the default: the save written before training goes on"),
+                   h.Contender("async", "--checkpoint-async: blocked while the state is copied, written after"))
 SAVE_GOALS = (h.Goal("async save blocks <= 0.25x the synchronous save", "blocked_ratio", 0.25, "<="),)
 
 

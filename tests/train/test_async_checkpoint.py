@@ -28,7 +28,7 @@ HELD = 30.0  # seconds a held write waits for its release before it fails the te
 def trainer_with(out: Path, monkeypatch, callbacks=(), **options) -> Trainer:
     job = make_job(out, monkeypatch)
     model, opt = job.prepare(*make_model())
-    options = {"epochs": 2, "checkpoint_every_steps": 3, "progress": False, **options}
+    options = {"epochs": 2, "checkpoint_every_steps": 3, "progress": False, "async_checkpoint": True, **options}
     return Trainer(job, model, opt, nn.functional.cross_entropy, data(), callbacks=list(callbacks), **options)
 
 
@@ -131,12 +131,12 @@ def test_synchronous_saves_write_before_the_loop_goes_on(tmp_path, monkeypatch):
 
 def test_the_setting_and_the_option_decide_together(tmp_path):
     class Job:
-        settings = JobSettings(checkpoint_sync=True)
+        settings = JobSettings(checkpoint_async=True)
 
-    assert JobSettings.from_environ({"CONVEYOR_CHECKPOINT_SYNC": "1"}).checkpoint_sync is True
-    assert trainer_module._async_checkpoint(TrainConfig(), object()) is True
-    assert trainer_module._async_checkpoint(TrainConfig(), Job()) is False
-    assert trainer_module._async_checkpoint(TrainConfig(async_checkpoint=True), Job()) is True
+    assert JobSettings.from_environ({"CONVEYOR_CHECKPOINT_ASYNC": "1"}).checkpoint_async is True
+    assert trainer_module._async_checkpoint(TrainConfig(), object()) is False
+    assert trainer_module._async_checkpoint(TrainConfig(), Job()) is True
+    assert trainer_module._async_checkpoint(TrainConfig(async_checkpoint=False), Job()) is False
     with pytest.raises(ValueError, match="async_checkpoint must be True, False or None"):
         TrainConfig(async_checkpoint="yes")
 

@@ -27,7 +27,7 @@ from conveyor.cluster import validate
 from conveyor.cluster.strategy_name import NAMES as STRATEGY_NAMES
 from conveyor.cluster.strategy_name import StrategyName
 from conveyor.cluster.variables import (
-    CHECKPOINT_SYNC_VAR,
+    CHECKPOINT_ASYNC_VAR,
     DATA_DIR_VAR,
     FSDP_BLOCKS_VAR,
     FSDP_RESHARD_VAR,
@@ -139,11 +139,12 @@ class JobSettings:
         True, flag="--no-resume", check=validate.flag, env=RESUME_VAR, agreed=True, kind=bool, switch="no",
         help=f"start from scratch, ignoring checkpoints already in OUTPUT_DIR ({RESUME_VAR}=0); restarts after a "
              "failure still resume from this job's own checkpoints")
-    checkpoint_sync: bool = _setting(
-        False, flag="--checkpoint-sync", check=validate.flag, env=CHECKPOINT_SYNC_VAR, kind=bool, omit=False,
+    checkpoint_async: bool = _setting(
+        False, flag="--checkpoint-async", check=validate.flag, env=CHECKPOINT_ASYNC_VAR, kind=bool, omit=False,
         training_only=True, inherited=True, switch="yes",
-        help="write each checkpoint before training goes on (default: the Trainer copies the state, then hashes, "
-             f"writes and fsyncs it in the background; {CHECKPOINT_SYNC_VAR}=1)")
+        help="the Trainer blocks only while it copies the state, then hashes, writes and fsyncs each checkpoint in "
+             "the background (a crash during that write loses that checkpoint only; default: written before "
+             f"training goes on; {CHECKPOINT_ASYNC_VAR}=1)")
     timeout: float = _setting(
         300.0, flag="--timeout", check=validate.timeout, env=TIMEOUT_VAR, agreed=True, kind=float,
         metavar="SECONDS", help=f"collective and rendezvous timeout, passed as {TIMEOUT_VAR} (default 300, at most "

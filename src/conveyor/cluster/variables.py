@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
-    "CHECKPOINT_SYNC_VAR",
+    "CHECKPOINT_ASYNC_VAR",
     "DATA_DIR_VAR",
     "DATA_SERVICE_VAR",
     "FAULT_VAR",
@@ -71,7 +71,7 @@ FAULT_VAR = "CONVEYOR_FAULT"
 FSDP_BLOCKS_VAR = "CONVEYOR_FSDP_BLOCKS"
 FSDP_RESHARD_VAR = "CONVEYOR_FSDP_RESHARD"
 DATA_SERVICE_VAR = "CONVEYOR_DATA_SERVICE"
-CHECKPOINT_SYNC_VAR = "CONVEYOR_CHECKPOINT_SYNC"
+CHECKPOINT_ASYNC_VAR = "CONVEYOR_CHECKPOINT_ASYNC"
 PORT_RANGE_VAR = "CONVEYOR_PORT_RANGE"
 #: ``conveyor run --stages/--microbatches/--schedule/--split``, by flag (read by the pipeline strategy)
 PIPELINE_VARS = {"stages": PIPELINE_STAGES_VAR, "microbatches": PIPELINE_MICROBATCHES_VAR,
@@ -143,8 +143,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(DATA_SERVICE_VAR, "HOST:PORT of the job's data service dispatcher (docs/data-service.md)",
              f"{_RUN} (--data-workers K), on every task; or the user",
              "conveyor.data.service.from_env() (`dataset.distribute(from_env())`)"),
-    Variable(CHECKPOINT_SYNC_VAR, "1: the Trainer writes each checkpoint before training goes on (default: in the "
-             "background, training blocked only while the state is copied)", f"{_RUN} (--checkpoint-sync), or the user",
+    Variable(CHECKPOINT_ASYNC_VAR, "1: the Trainer writes each checkpoint in the background, training blocked only "
+             "while the state is copied (default: written before training goes on)", f"{_RUN} (--checkpoint-async), "
+             "or the user",
              f"{_INIT} (job.settings), for the Trainer"),
     Variable(PORT_RANGE_VAR, "LOW-HIGH: take the tasks' free ports from this range, not the kernel's ephemeral one",
              "the user; the parallel test suite, one range per worker (tests/conftest.py)",

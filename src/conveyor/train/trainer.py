@@ -69,8 +69,8 @@ class TrainConfig:
         at the end).
     async_checkpoint: True: a save blocks training only while the state is copied; hashing, writing, fsync
         and rotation run in the background (one save at a time; `conveyor.train.checkpoint.background`).
-        False: written before training goes on. None (the default): the job's setting, async unless
-        `conveyor run --checkpoint-sync` (CONVEYOR_CHECKPOINT_SYNC=1).
+        False: written before training goes on. None (the default): the job's setting, synchronous unless
+        `conveyor run --checkpoint-async` (CONVEYOR_CHECKPOINT_ASYNC=1).
     keep_checkpoints: how many checkpoints to keep (None: all).
     log_every_steps: one metrics record per N steps.
     progress: True (a bar on a terminal, plain lines otherwise), "always" (a bar), False.
@@ -542,10 +542,10 @@ _WRITE_SECONDS = 600.0  # what a background write may take besides waiting for o
 
 
 def _async_checkpoint(cfg: TrainConfig, job: Any) -> bool:
-    """Whether saves write in the background: the Trainer's option, else the job's (--checkpoint-sync turns it off)."""
+    """Whether saves write in the background: the Trainer's option, else the job's (--checkpoint-async)."""
     if cfg.async_checkpoint is not None:
         return cfg.async_checkpoint
-    return not getattr(getattr(job, "settings", None), "checkpoint_sync", False)
+    return bool(getattr(getattr(job, "settings", None), "checkpoint_async", False))
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -88,7 +88,7 @@ class BackgroundSaves:
                     f"the checkpoint write {thread.name} is still running after {limit:g}s: the disk may be slow or "
                     f"full, or a task that contributes a part may be stuck (the step stays unpublished, and the job "
                     f"resumes from the save before). Check the disk and the other tasks' logs, or save synchronously "
-                    f"(--checkpoint-sync) to see where it blocks")
+                    f"(without --checkpoint-async) to see where it blocks")
             self._thread = None
         if self._failed is not None:
             step, error = self._failed
