@@ -91,6 +91,8 @@ class AllReduceStrategy(Strategy):
 class AllReduceStep(Step):
     """The plain step, with the gradient all-reduce DDP runs in ``backward`` timed by its comm hook."""
 
+    shadows = True  # zero gradients in DDP's all-reduce: the others' mean over all N workers, as torch's Join
+
     def __init__(self, job: Any) -> None:
         self._job = job
         self._lock = threading.Lock()
