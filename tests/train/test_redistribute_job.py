@@ -78,9 +78,9 @@ def test_a_leftover_dealt_in_unequal_numbers_of_batches_still_reaches_the_model_
     moved = "data and shards" if strategy == "fsdp" else "data"
     assert f"resumed step 3, written by 2 workers, on 3 workers: {moved} redistributed\n" in \
         (out / "logs" / "worker-0.log").read_text()
-    batches = [sum(json.loads(line)["run"] == "second" for line in (out / f"ids-{r}.jsonl").read_text().splitlines())
-               for r in range(3)]
-    assert len(set(batches)) > 1, batches  # the deal was uneven in batches
     counts = collections.Counter(applied_ids(out, checkpoint_step=3))
     assert sorted(counts) == list(range(total)), sorted(set(range(total)) - set(counts))
     assert set(counts.values()) == {1}, [i for i, c in counts.items() if c > 1]
+    batches = [sum(json.loads(line)["run"] == "second" for line in (out / f"ids-{r}.jsonl").read_text().splitlines())
+               for r in range(3)]
+    assert len(set(batches)) > 1, batches  # the deal was uneven in batches
