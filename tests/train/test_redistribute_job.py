@@ -20,10 +20,11 @@ FILES, PER_FILE = 4, 12  # 48 ids; 2 workers: 6 steps of 4 each; checkpoint at s
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
 
-def conveyor_run(workers: int, data: Path, out: Path, label: str, *args: str,
-                 strategy: str = "allreduce") -> subprocess.CompletedProcess:
+def conveyor_run(workers: int, data: Path, out: Path, label: str, *args: str, strategy: str = "allreduce",
+                 ps: int = 0) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "conveyor.cli.main", "run", "-n", str(workers), "--output-dir", str(out),
-           "--strategy", strategy, "--max-restarts", "0", str(SCRIPT), str(data), *args]
+           "--strategy", strategy, *(["--ps", str(ps)] if ps else []), "--max-restarts", "0", str(SCRIPT), str(data),
+           *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=200, env={**os.environ, "ID_JOB_RUN": label})
 
 
@@ -65,19 +66,22 @@ def test_a_two_worker_checkpoint_resumes_on_three_workers_with_every_id_once(tmp
     assert set(counts.values()) == {1}, [i for i, c in counts.items() if c > 1]
 
 
-@pytest.mark.parametrize("strategy", ["allreduce", "fsdp"])
-def test_a_leftover_dealt_in_unequal_numbers_of_batches_still_reaches_the_model_exactly_once(tmp_path, strategy):
+@pytest.mark.parametrize(("strategy", "ps", "said"), [
+    ("allreduce", (0, 0), "written by 2 workers, on 3 workers: data redistributed\n"),
+    ("fsdp", (0, 0), "written by 2 workers, on 3 workers: data and shards redistributed\n"),
+    ("ps-sync", (2, 1), "written by 2 workers with 2 ps tasks, on 3 workers with 1: data and shards redistributed ("),
+], ids=["allreduce", "fsdp", "ps-sync"])
+def test_a_leftover_dealt_in_unequal_numbers_of_batches_still_reaches_the_model_exactly_once(tmp_path, strategy, ps,
+                                                                                              said):
     """50 ids (26 and 24 per old worker), 26 left after step 3: the new workers get unequal numbers of batches;
     the ones that run out take zero-weight steps until the last worker's batches are used (none dropped).
-    Under fsdp the model's shards are re-split over the 3 ranks too, announced in the same line."""
+    Under fsdp (and ps-sync, 2 ps tasks -> 1) the model's shards are re-split too, said in the same line."""
     data, out = tmp_path / "data", tmp_path / "out"
     total = write_ids(data, [13, 12, 13, 12])
-    assert conveyor_run(2, data, out, "first", "4", strategy=strategy).returncode != 0
-    second = conveyor_run(3, data, out, "second", strategy=strategy)
+    assert conveyor_run(2, data, out, "first", "4", strategy=strategy, ps=ps[0]).returncode != 0
+    second = conveyor_run(3, data, out, "second", strategy=strategy, ps=ps[1])
     assert second.returncode == 0, second.stderr[-3000:]
-    moved = "data and shards" if strategy == "fsdp" else "data"
-    assert f"resumed step 3, written by 2 workers, on 3 workers: {moved} redistributed\n" in \
-        (out / "logs" / "worker-0.log").read_text()
+    assert f"resumed step 3, {said}" in (out / "logs" / "worker-0.log").read_text()
     counts = collections.Counter(applied_ids(out, checkpoint_step=3))
     assert sorted(counts) == list(range(total)), sorted(set(range(total)) - set(counts))
     assert set(counts.values()) == {1}, [i for i, c in counts.items() if c > 1]
