@@ -2,8 +2,8 @@
 # make demo  — set up .venv if needed, train the digits demo on two workers
 # Both install the `dev` extra, which includes `all` (plots, TensorBoard, scikit-learn for the demo's data).
 # make bench — the benchmarks (input pipeline, all-reduce, parameter-server transport and training, pipeline parallelism,
-#              multi-host transports and training, the scaling model's validation, and the CIFAR-10 case
-#              study's figures in runs/case_study/)
+#              multi-host transports and training, the data service on namespace hosts, the scaling model's
+#              validation, and the CIFAR-10 case study's figures in runs/case_study/)
 # make fuzz  — every fuzz target for FUZZ_SECONDS each (make test runs them for 3 s each)
 # make dist  — build the wheel into dist/ (pip install dist/conveyor-*.whl), offline: the venv's setuptools
 # make gpu-wheels — here, with a network: the wheels a GPU machine needs (GPU_NEEDS, cp312 manylinux x86-64) and
@@ -52,6 +52,7 @@ bench: setup
 	$(PY) benchmarks/pipeline_parallel.py
 	$(PY) benchmarks/scaling_model.py
 	$(PY) benchmarks/hosts.py
+	$(PY) benchmarks/data_service.py
 	$(PY) benchmarks/case_study.py    # last: its strategies table reads the JSON the ones above wrote
 
 # One JSON report per target in runs/fuzz/; stops at the first target with a finding.

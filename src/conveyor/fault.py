@@ -10,7 +10,8 @@ of a save (`conveyor.train.checkpoint.store`): `part-written` (a task's part sta
 (the chief's files and every part in its temporary folder), `after-manifest` (COMPLETE written, not
 yet made durable), `after-seal` (the folder durable), `before-rename` (an older save of the step moved
 aside), `after-rename` (the commit point), `after-latest`, `during-rotation` (one old step moved to the
-trash). docs/training.md, "Checkpoints on disk", says what the job does after each.
+trash). docs/training.md, "Checkpoints on disk", says what the job does after each. Under asynchronous
+saves (the default) the points after `part-written` fire in the writer thread: SIGKILL ends the process.
 """
 
 from __future__ import annotations

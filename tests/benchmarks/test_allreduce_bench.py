@@ -16,7 +16,8 @@ from conveyor.launch import OWNED_VARS
 from numbers_check import finite_positive
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ["--model", "tiny", "--batch", "8", "--steps", "3", "--warmup", "1", "--comm-steps", "2", "--repeats", "1"]
+TINY = ["--model", "tiny", "--batch", "8", "--steps", "3", "--warmup", "1", "--comm-steps", "2", "--repeats", "1",
+        "--paired-steps", "3"]
 
 
 BENCHMARK = "allreduce"
@@ -25,12 +26,16 @@ BENCHMARK = "allreduce"
 def test_parse_args(bench):
     args = bench.parse_args([])
     assert (args.steps, args.warmup, args.repeats, args.batch, args.comm_steps) == (30, 5, 3, 64, 10)
+    assert (args.paired_steps, args.paired_runs, args.paired_only) == (40, 3, False)
     assert args.contenders == list(bench.CONTENDERS) and args.model == "resnet20"
     quick = bench.parse_args(["--quick"])
     assert (quick.steps, quick.repeats) == (10, 1)
     assert bench.parse_args(["--quick", "--steps", "7"]).steps == 7
+    assert (quick.paired_steps, quick.paired_runs) == (10, 1)
+    assert bench.parse_args(["--repeats", "2", "--paired-runs", "5"]).paired_runs == 5
     assert bench.parse_args(["--contenders", "conveyor_2,bare_ddp_2"]).contenders == ["bare_ddp_2", "conveyor_2"]
-    for bad in (["--contenders", "horovod"], ["--steps", "0"], ["--comm-steps", "-1"]):
+    for bad in (["--contenders", "horovod"], ["--steps", "0"], ["--comm-steps", "-1"], ["--paired-runs", "0"],
+                ["--paired-only", "--paired-steps", "0"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
 
@@ -91,12 +96,27 @@ def test_derive_report_and_json_from_known_samples(bench, tmp_path):
     assert d["comm_share"]["conveyor_2"]["median"] == pytest.approx(0.1)
     assert d["comm_share"]["bare_ddp_2_isolated"]["median"] == pytest.approx(0.01)
     assert all(d["comm_share"][k]["method"] for k in ("conveyor_2", "bare_ddp_2", "bare_ddp_2_isolated"))
+    assert not bench.goals(d)[0]["pass"]  # the goal is the paired figure: without paired runs, not measured
+
+    # Paired runs: per pair bare's step time / conveyor's, over every pair of every run; a failed run is left out.
+    def paired_run(conveyor, bare):
+        return {"seconds": {"conveyor": conveyor, "bare": bare}, "cpu_seconds": {"conveyor": conveyor, "bare": bare},
+                "comm_s": 0.1 * sum(conveyor), "ranks_in_sync": True}
+
+    p = bench.derive_paired([paired_run([1.0, 2.0], [1.0, 2.2]), None, paired_run([1.0], [0.9])])
+    assert p["median"] == pytest.approx(1.0) and p["min"] == pytest.approx(0.9) and p["max"] == pytest.approx(1.1)
+    assert p["pairs"] == 3 and p["runs"] == 3 and p["runs_done"] == 2
+    assert p["ratio_of_sums"] == pytest.approx(4.1 / 4.0)
+    assert p["per_run_median"][0] == pytest.approx(1.05) and p["per_run_median"][1] is None
+    assert p["conveyor_comm_share"] == pytest.approx(0.1) and p["ranks_in_sync"] is True and p["method"]
+    d["paired"], d["conveyor_vs_bare_2_paired"] = p, p["median"]
     goals = bench.goals(d)
     assert goals[0]["pass"] and bench.format_goals(goals).startswith("PASS ")
 
     config = {"model": "tiny", "params": 123, "batch": 8, "steps": 3, "warmup": 1}
     table = bench.format_table({"samples": samples}, d, config)
-    for word in (*bench.CONTENDERS, "bare_ddp_2+hook", "scaling efficiency", "comm share"):
+    for word in (*bench.CONTENDERS, "bare_ddp_2+hook", "scaling efficiency", "comm share", "paired",
+                 "median of 3 per-pair ratios", "min 0.900, max 1.100"):
         assert word in table
 
     # A contender that failed (NaN) or was left out makes the goal "not measured", and the JSON stays strict.
@@ -109,8 +129,9 @@ def test_derive_report_and_json_from_known_samples(bench, tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timeout(480)  # three pairs of processes (bare, conveyor, paired): ~40 s quiet, 4.5 min at load 22
 def test_two_worker_cli_smoke(bench, tmp_path, capsys):
-    """The CLI starts bare DDP and conveyor with 2 processes each, tiny model, a few steps."""
+    """The CLI starts bare DDP and conveyor with 2 processes each, then the paired run; tiny model, a few steps."""
     out = tmp_path / "results"
     assert bench.main([*TINY, "--contenders", "bare_ddp_2,conveyor_2", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
@@ -135,6 +156,14 @@ def test_two_worker_cli_smoke(bench, tmp_path, capsys):
 
     d = data["derived"]
     assert finite_positive(d["conveyor_vs_bare_2"])
+    paired = d["paired"]
+    assert paired["pairs"] == 3 and paired["runs_done"] == 1 and paired["ranks_in_sync"] is True
+    assert finite_positive(paired["median"]) and paired["min"] <= paired["median"] <= paired["max"]
+    assert d["conveyor_vs_bare_2_paired"] == paired["median"] and 0 <= paired["conveyor_comm_share"] <= 1
+    run = data["paired_runs"][0]
+    assert run["strategy"] == "allreduce" and run["threads"] == 1 and run["comm_s"] > 0
+    assert [len(run["seconds"][k]) for k in ("conveyor", "bare")] == [3, 3]
+    assert "conveyor_2 / bare_ddp_2, paired" in printed
     assert d["conveyor_vs_bare_2"] == pytest.approx(data["samples"]["conveyor_2"][0] / data["samples"]["bare_ddp_2"][0])
     assert d["scaling_efficiency"] == {"bare_ddp": None, "conveyor": None}  # 1-worker contenders left out
     for key in ("conveyor_2", "bare_ddp_2", "bare_ddp_2_isolated"):

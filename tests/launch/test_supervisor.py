@@ -487,3 +487,33 @@ def test_a_full_disk_is_reported_once_per_log_and_the_output_keeps_flowing(tmp_p
     assert (f"cannot write the log {log}: No space left on device (disk full? free space or use --output-dir "
             f"elsewhere); worker:0's output still reaches this console") in err
     assert "Traceback" not in err
+
+
+class RegroupPeers(FakePeers):
+    """An elastic round's peers: the coordinator says to re-form the job after ``after`` seconds."""
+
+    def __init__(self, after: float):
+        super().__init__(fail_first=False)
+        self.regroup_at = time.monotonic() + after
+
+    def succeeded(self, attempt):
+        return False
+
+    def regroup(self):
+        return "lost node(s) 2 of round 0" if time.monotonic() > self.regroup_at else None
+
+
+def test_an_elastic_round_ends_in_regroup_and_goes_on_counting_attempts_not_failures(tmp_path):
+    from conveyor.launch.failures import Signature
+    from conveyor.launch.restarts import Failure
+
+    plan = make_plan(tmp_path, """
+        print("counts", os.environ["CONVEYOR_RESTART_COUNT"], os.environ["TORCHELASTIC_RESTART_COUNT"])
+        time.sleep(30)
+    """, workers=1)
+    earlier = (Failure("worker:1 exited with status 1", Signature("exit 1", "oops")),)
+    result, out, err = supervise(plan, peers=RegroupPeers(after=1.0), first_attempt=3, history=earlier)
+    assert result.regroup and not result.ok and result.restarts == 3
+    assert result.message == "lost node(s) 2 of round 0"
+    assert "[worker:0] counts 3 1" in out  # the job's 4th start, after 1 failure
+    assert "attempt 3: started worker:0" in err

@@ -286,6 +286,79 @@ def test_cleanup_removes_only_stale_leftovers(tmp_path):
     assert fresh.exists() and mgr.latest_step() == 1
 
 
+def _leftover(root: Path, name: str, age: float) -> Path:
+    """A crashed save's folder with one file, both last touched `age` seconds ago."""
+    folder = root / name
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"partial")
+    then = time.time() - age
+    for p in (folder / "model.safetensors", folder):
+        os.utime(p, (then, then))
+    return folder
+
+
+def test_a_save_removes_old_leftovers_and_spares_live_ones(tmp_path, caplog):
+    """Leftovers of crashed saves go at the next save once untouched for LEFTOVER_AGE; a fresh one, one with a
+    freshly written file in an old folder, and the staging folder of a later step (other tasks of the running
+    job may be filling it) stay."""
+    mgr = CheckpointManager(tmp_path, fsync=False)
+    age = ckpt_mod.LEFTOVER_AGE
+    old_tmp = _leftover(tmp_path, ".tmp-step-00000002-0badc0de", age + 60)
+    old_parts = _leftover(tmp_path, ".parts-step-00000001", age + 60)
+    fresh_tmp = _leftover(tmp_path, ".tmp-step-00000002-c0ffee00", age - 120)
+    busy = _leftover(tmp_path, ".parts-step-00000002", age + 60)  # a file in it written just now: in use
+    (busy / "ps-1.safetensors").write_bytes(b"fresh")
+    later = _leftover(tmp_path, ".parts-step-00000009", age + 60)
+    with caplog.at_level("WARNING", logger="conveyor.train.checkpoint"):
+        save_tiny(mgr, 3)
+    assert not old_tmp.exists() and not old_parts.exists()
+    assert fresh_tmp.exists() and busy.exists() and later.exists()
+    said = [r.getMessage() for r in caplog.records if "leftover" in r.getMessage()]
+    assert len(said) == 1 and old_tmp.name in said[0] and old_parts.name in said[0] and str(tmp_path) in said[0]
+    assert fresh_tmp.name not in said[0]
+    assert mgr.latest_step() == 3 and mgr.list_steps() == [3]
+
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="conveyor.train.checkpoint"):
+        save_tiny(mgr, 4)  # nothing old is left: silent
+    assert not [r for r in caplog.records if "leftover" in r.getMessage()]
+    assert fresh_tmp.exists() and busy.exists() and later.exists()
+
+
+def test_cleanup_never_touches_the_folder_being_written(tmp_path, monkeypatch):
+    """A save whose own `.tmp-*` folder looks old (a clock step, a slow writer) does not lose it to cleanup."""
+    mgr = CheckpointManager(tmp_path, fsync=False)
+    seen = {}
+
+    def seal_after_cleanup(step, tmp, files, fsync, real=ckpt_write.seal):
+        past = time.time() - 2 * ckpt_mod.LEFTOVER_AGE
+        for p in (tmp, *tmp.rglob("*")):
+            os.utime(p, (past, past))
+        seen["removed"] = mgr.cleanup()
+        return real(step, tmp, files, fsync)
+
+    monkeypatch.setattr(ckpt_write, "seal", seal_after_cleanup)
+    save_tiny(mgr, 1)
+    assert seen["removed"] == [] and mgr.list_steps() == [1]
+
+
+def test_the_resuming_chief_removes_old_leftovers(tmp_path, caplog):
+    from types import SimpleNamespace
+
+    from conveyor.train.resume import resume
+
+    mgr = CheckpointManager(tmp_path, fsync=False)
+    save_tiny(mgr, 5)
+    old = _leftover(tmp_path, ".tmp-step-00000010-0badc0de", ckpt_mod.LEFTOVER_AGE + 5)
+    fresh = _leftover(tmp_path, ".tmp-step-00000010-c0ffee00", 5)
+    trash = _leftover(tmp_path, ".trash-step-00000001-12345678", 5)  # renamed for deletion: garbage at any age
+    job = SimpleNamespace(resume=True, is_chief=True, broadcast_bytes=lambda data, src: data)
+    with caplog.at_level("WARNING", logger="conveyor.train.checkpoint"):
+        assert resume(job, mgr, {}).step == 5
+    assert not old.exists() and not trash.exists() and fresh.exists()
+    assert any(old.name in r.getMessage() and trash.name in r.getMessage() for r in caplog.records)
+
+
 def test_damaged_file_is_named(tmp_path):
     mgr = CheckpointManager(tmp_path, fsync=False)
     save_tiny(mgr, 1)

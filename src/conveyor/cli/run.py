@@ -8,9 +8,12 @@
     conveyor run -n 2 --data-workers 4 --data-pipeline job.input:train train.py   # + the data service
     conveyor run -n 2 --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29400 --job-secret-file s train.py  # 10.0.0.1
     conveyor run -n 2 --nnodes 2 --node-rank 1 --rdzv 10.0.0.1:29400 --job-secret-file s train.py  # the other
+    conveyor run -n 2 --nnodes 2:4 --node-rank 0 --rdzv 10.0.0.1:29400 --job-secret-file s train.py  # elastic
+    conveyor run -n 2 --nnodes 2:4 --rdzv 10.0.0.1:29400 --job-secret-file s train.py    # each of the others
 
 This module only parses arguments; the work is in `conveyor.launch`: `plan` (what to start, pure),
-`ports`, `rendezvous` (several machines) and `supervisor` (start, relay logs, restart, stop).
+`ports`, `rendezvous` (several machines), `elastic` (--nnodes MIN:MAX) and `supervisor` (start, relay
+logs, restart, stop).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from conveyor.cluster.secret import parse_secret, read_secret_file
 from conveyor.cluster.settings import add_arguments as add_settings
 from conveyor.cluster.settings import agreed_flags
 from conveyor.cluster.settings import given as given_settings
+from conveyor.cluster.validate import seconds as valid_seconds
 from conveyor.cluster.variables import JOB_SECRET_FILE_VAR, JOB_SECRET_VAR, OUTPUT_LOCK_VAR
 from conveyor.data.service.pipelines import load_pipeline
 from conveyor.data.service.protocol import DataServiceError
@@ -47,10 +51,11 @@ from conveyor.launch import (
     local_plan,
 )
 from conveyor.launch.binding import BIND_MODES
+from conveyor.launch.elastic import JobEnded, Membership, NodeSpan, parse_nnodes
 from conveyor.launch.plan import DATA_REPORT
 from conveyor.launch.restarts import DELAY_CAP as RESTART_DELAY_CAP
 from conveyor.launch.restarts import RestartPolicy
-from conveyor.launch.slurm import allocation_note, slurm_node
+from conveyor.launch.slurm import allocation_note, in_step, slurm_node
 
 MAKE_SECRET = (f"make one with `openssl rand -hex 32 > job.secret && chmod 600 job.secret`, copy the same file to "
                f"every node and pass --job-secret-file job.secret (or set {JOB_SECRET_FILE_VAR} to its path, or "
@@ -70,6 +75,8 @@ examples:
   openssl rand -hex 32 > job.secret && chmod 600 job.secret    # once, copied to every machine
   conveyor run -n 2 --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29400 --job-secret-file job.secret train.py
   conveyor run -n 2 --nnodes 2 --node-rank 1 --rdzv 10.0.0.1:29400 --job-secret-file job.secret train.py
+  conveyor run -n 2 --nnodes 2:4 --node-rank 0 --rdzv 10.0.0.1:29400 --job-secret-file job.secret train.py
+  conveyor run -n 2 --nnodes 2:4 --rdzv 10.0.0.1:29400 --job-secret-file job.secret train.py  # 1 to 3 more
 
 Every task runs `PYTHON SCRIPT ARGS...` with the caller's environment plus TF_CONFIG, torchrun's RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT and conveyor's CONVEYOR_* variables (--dry-run shows
@@ -96,7 +103,9 @@ is a machine of parameter servers only, not node 0); node 0's tasks come first i
 rank 0 runs on node 0. A machine silent for --timeout seconds ends the job on every node, naming
 it. A job on several machines needs the same job secret on every node (--job-secret-file,
 CONVEYOR_JOB_SECRET_FILE or CONVEYOR_JOB_SECRET): it signs the parameter-server messages and never
-crosses the network.
+crosses the network. --nnodes MIN:MAX is elastic: node 0 (--node-rank 0, the only rank given) hosts
+the rendezvous and must stay; the others join in membership rounds, a lost node's survivors go on
+without it while MIN remain, a late node joins at the next checkpoint or restart (docs/launcher.md).
 """
 
 
@@ -139,13 +148,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pipe = parser.add_argument_group("pipeline parallelism (--strategy pipeline)")
     add_settings(dict(job=job, placement=place, pipeline=pipe), "run")  # --strategy, --timeout, --stages, ...
     nodes = parser.add_argument_group("several machines")
-    nodes.add_argument("--nnodes", type=int, default=None, metavar="K",
-                       help="machines in the job (default 1; in an srun step: the step's nodes)")
-    nodes.add_argument("--node-rank", type=int, default=None, metavar="I", help="this machine's rank, 0..K-1")
+    nodes.add_argument("--nnodes", type=_node_span, default=None, metavar="K|MIN:MAX",
+                       help="machines in the job (default 1; in an srun step: the step's nodes); MIN:MAX: elastic, "
+                       "the job goes on with any number of machines from MIN to MAX")
+    nodes.add_argument("--node-rank", type=int, default=None, metavar="I",
+                       help="this machine's rank, 0..K-1; elastic: 0 on the machine that hosts the rendezvous, none "
+                       "on the others (each round ranks them)")
     nodes.add_argument("--rdzv", default=None, metavar="HOST:PORT",
                        help="where node 0's launcher hosts the rendezvous (an address of node 0, a free port)")
+    nodes.add_argument("--rdzv-last-call", type=float, default=5.0, metavar="SECONDS",
+                       help="elastic: once MIN machines are there, how long a round waits for one more (default 5)")
+    nodes.add_argument("--node-timeout", type=float, default=None, metavar="SECONDS",
+                       help="elastic: a machine whose launcher is silent this long is lost and the job goes on "
+                       "without it (default: --timeout)")
     parser.add_argument("script", metavar="SCRIPT", help="the training script every task runs")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="the script's arguments")
+
+
+def _node_span(text: str) -> NodeSpan:
+    try:
+        return parse_nnodes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -155,10 +179,10 @@ def run(args: argparse.Namespace) -> int:
         restart_delay=args.restart_delay, python=args.python, linger=args.linger, bind=args.bind,
         data_workers=args.data_workers, data_pipeline=args.data_pipeline, **given_settings(args, "run"),
     )
-    _check_data_pipeline(options)
     environ = dict(os.environ)  # before anything here touches os.environ: this is what the tasks inherit
     _from_slurm(args, environ)
     _check_node_flags(args)
+    _check_data_pipeline(options)
     secret = _job_secret(args.job_secret_file, environ, args.nnodes)
     if args.dry_run:
         plan = local_plan(options, free_ports(options.tasks_per_node), master_port=free_ports(1)[0],
@@ -181,6 +205,8 @@ def run(args: argparse.Namespace) -> int:
             data_service_summary(plan, supervisor.data_worker_exits, options.output_dir)
             return _report(result, options.output_dir)
     with _locked_output(options.output_dir, environ) if args.node_rank == 0 else contextlib.nullcontext():
+        if args.span.elastic:
+            return _run_elastic(args, options, environ, secret)
         return _run_node(args, options, environ, secret)
 
 
@@ -199,12 +225,12 @@ def _locked_output(output_dir: str, environ: dict[str, str]) -> Iterator[OutputL
         lock.release()
 
 
-def _supervisor(plan, options: RunOptions, peers=None) -> Supervisor:
+def _supervisor(plan, options: RunOptions, peers=None, **more) -> Supervisor:
     note = omp_note(plan)
     if note is not None:
         print(note, file=sys.stderr)
     return Supervisor(plan, policy=RestartPolicy.for_run(options.max_restarts, options.restart_delay), peers=peers,
-                      linger=options.linger)
+                      linger=options.linger, **more)
 
 
 #: What a job leaves in its output folder, as the last line names it: the Trainer's files and the launcher's logs
@@ -265,6 +291,51 @@ def _run_node(args: argparse.Namespace, options: RunOptions, environ: dict[str, 
     return _report(result, options.output_dir)
 
 
+def _run_elastic(args: argparse.Namespace, options: RunOptions, environ: dict[str, str], secret: bytes) -> int:
+    """``--nnodes MIN:MAX``: one supervisor per membership round, until the job ends (launch/elastic.py)."""
+    try:
+        members = Membership(args.rdzv, args.span, host=args.node_rank == 0, workers=options.workers, ps=options.ps,
+                             settings=node_settings(options), secret=secret, timeout=options.timeout,
+                             last_call=args.rdzv_last_call, node_timeout=args.node_timeout or options.timeout,
+                             checkpoint_dir=os.path.join(options.output_dir, "checkpoints"))
+    except PeerError as e:
+        raise CommandError(str(e), exit_code=1) from None
+    result, attempt, history = None, 0, ()
+    try:
+        while result is None or result.regroup:
+            if result is not None:
+                print(f"[conveyor] {result.message}; every task here stopped, asking for the next round",
+                      file=sys.stderr, flush=True)
+            try:
+                rnd = members.next_round(attempt)
+            except JobEnded as e:
+                print(f"[conveyor] the job ended before this node was needed: {e}", file=sys.stderr)
+                return 0 if e.ok else 1
+            except PeerError as e:
+                raise CommandError(str(e), exit_code=1) from None
+            supervisor = _round_supervisor(args, options, environ, secret, rnd, history)
+            result = supervisor.run()
+            attempt, history = result.restarts + 1, supervisor.history
+    finally:
+        members.finish(ok=None if result is None or result.regroup else result.ok, message=result and result.message)
+    return _report(result, options.output_dir)
+
+
+def _round_supervisor(args: argparse.Namespace, options: RunOptions, environ: dict[str, str], secret: bytes, rnd,
+                      history: tuple) -> Supervisor:
+    try:
+        plan = build_plan(options, rnd.nodes, rnd.node_rank, master_addr=rnd.master_addr,
+                          master_port=rnd.master_port, secret=secret, environ=environ,
+                          membership_round=rnd.number)
+    except Exception as e:  # the others would wait for this node's tasks until --timeout: tell them now
+        with contextlib.suppress(PeerError):
+            rnd.peers.abort(f"node {rnd.node_rank}'s launcher cannot start its tasks: {e}")
+        raise
+    print(f"[conveyor] round {rnd.number}: node {rnd.node_rank} of {len(rnd.nodes)} (--nnodes {args.span}), "
+          f"world size {plan.spec.world_size}: cluster {plan.spec.as_dict()}", file=sys.stderr, flush=True)
+    return _supervisor(plan, options, peers=rnd.peers, first_attempt=rnd.attempt, history=history)
+
+
 def _check_data_pipeline(options: RunOptions) -> None:
     """Build --data-pipeline here first, as the data workers will (from the current folder, the script's folder or
     PYTHONPATH), so that a name that does not resolve is refused before anything starts."""
@@ -311,7 +382,17 @@ def data_service_summary(plan, exits: list[dict], output_dir: str) -> None:
 
 
 def _from_slurm(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
-    """Inside an srun step of several nodes, --nnodes/--node-rank/--rdzv come from Slurm (launch/slurm.py)."""
+    """Inside an srun step of several nodes, --nnodes/--node-rank/--rdzv come from Slurm (launch/slurm.py). An
+    elastic --nnodes MIN:MAX is not read from Slurm: a step's nodes are fixed (docs/launcher.md)."""
+    span = args.span = args.nnodes
+    if span is not None and span.elastic:
+        if in_step(environ) and not args.dry_run:
+            raise CommandError(f"--nnodes {span} inside an srun step: Slurm gives a step a fixed set of nodes and ends "
+                               f"it when one fails (srun --kill-on-bad-exit); drop --nnodes (conveyor run reads the "
+                               f"step's nodes from Slurm). A job requeued on fewer nodes resumes on those")
+        args.nnodes = span.max
+        return
+    args.nnodes = span.min if span is not None else None
     node = None if args.dry_run else slurm_node(environ, nnodes=args.nnodes, node_rank=args.node_rank, rdzv=args.rdzv)
     if node is not None:
         args.nnodes, args.node_rank, args.rdzv = node.nnodes, node.node_rank, node.rdzv
@@ -320,11 +401,15 @@ def _from_slurm(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
         print(f"[conveyor] note: {allocation_note(environ)}", file=sys.stderr)
     if args.nnodes is None:
         args.nnodes = 1
+    args.span = NodeSpan(args.nnodes, args.nnodes)
 
 
 def _check_node_flags(args: argparse.Namespace) -> None:
     if args.nnodes < 1:
         raise CommandError(f"--nnodes {args.nnodes}: expected 1 or more machines")
+    if args.span.elastic:
+        _check_elastic_flags(args)
+        return
     if args.nnodes == 1:
         if args.node_rank not in (None, 0) or args.rdzv is not None:
             raise CommandError("--node-rank and --rdzv belong to a job on several machines: add --nnodes K")
@@ -342,6 +427,32 @@ def _check_node_flags(args: argparse.Namespace) -> None:
         raise CommandError("-n 0 on node 0: node 0 runs rank 0, the chief, which hosts the process group's store and "
                            "writes the checkpoints; give node 0 -n 1 or more, and the node of parameter servers only "
                            "(-n 0 --ps M) another --node-rank")
+    if args.dry_run:
+        raise CommandError("--dry-run shows one machine's plan and cannot know the other machines' addresses; "
+                           "drop --nnodes/--node-rank/--rdzv to check the command and environment")
+
+
+def _check_elastic_flags(args: argparse.Namespace) -> None:
+    span = args.span
+    if args.node_rank not in (None, 0):
+        raise CommandError(f"--node-rank {args.node_rank} with --nnodes {span}: in an elastic job each membership "
+                           f"round gives the machines their ranks; give --node-rank 0 to the machine that hosts the "
+                           f"rendezvous (it keeps rank 0 and must stay up), and no --node-rank to the others")
+    if args.rdzv is None:
+        raise CommandError(f"--nnodes {span} needs --rdzv HOST:PORT (node 0's address and a free port), the same on "
+                           f"every machine, and --node-rank 0 on node 0")
+    if args.node_rank == 0 and args.workers == 0:
+        raise CommandError("-n 0 on node 0: node 0 runs rank 0, the chief; give node 0 -n 1 or more")
+    if args.data_workers:
+        raise CommandError(f"--data-workers with --nnodes {span}: an elastic job does not run the data service yet; "
+                           f"give a fixed --nnodes K, or drop --data-workers")
+    for flag, value, zero_ok in (("--rdzv-last-call", args.rdzv_last_call, True),
+                                 ("--node-timeout", args.node_timeout, False)):
+        if value is not None:
+            try:
+                valid_seconds(value, flag, zero_ok=zero_ok, most=86400.0)
+            except ValueError as e:
+                raise CommandError(str(e)) from None
     if args.dry_run:
         raise CommandError("--dry-run shows one machine's plan and cannot know the other machines' addresses; "
                            "drop --nnodes/--node-rank/--rdzv to check the command and environment")

@@ -27,6 +27,7 @@ from conveyor.cluster import validate
 from conveyor.cluster.strategy_name import NAMES as STRATEGY_NAMES
 from conveyor.cluster.strategy_name import StrategyName
 from conveyor.cluster.variables import (
+    CHECKPOINT_SYNC_VAR,
     DATA_DIR_VAR,
     FSDP_BLOCKS_VAR,
     FSDP_RESHARD_VAR,
@@ -137,6 +138,11 @@ class JobSettings:
         True, flag="--no-resume", check=validate.flag, env=RESUME_VAR, agreed=True, kind=bool, switch="no",
         help=f"start from scratch, ignoring checkpoints already in OUTPUT_DIR ({RESUME_VAR}=0); restarts after a "
              "failure still resume from this job's own checkpoints")
+    checkpoint_sync: bool = _setting(
+        False, flag="--checkpoint-sync", check=validate.flag, env=CHECKPOINT_SYNC_VAR, kind=bool, omit=False,
+        training_only=True, inherited=True, switch="yes",
+        help="write each checkpoint before training goes on (default: the Trainer copies the state, then hashes, "
+             f"writes and fsyncs it in the background; {CHECKPOINT_SYNC_VAR}=1)")
     timeout: float = _setting(
         300.0, flag="--timeout", check=validate.timeout, env=TIMEOUT_VAR, agreed=True, kind=float,
         metavar="SECONDS", help=f"collective and rendezvous timeout, passed as {TIMEOUT_VAR} (default 300, at most "

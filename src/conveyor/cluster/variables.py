@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
+    "CHECKPOINT_SYNC_VAR",
     "DATA_DIR_VAR",
     "DATA_SERVICE_VAR",
     "FAULT_VAR",
@@ -33,6 +34,7 @@ __all__ = [
     "PIPELINE_VARS",
     "RESTART_COUNT_VAR",
     "RESUME_VAR",
+    "ROUND_VAR",
     "SHARE_GPUS_VAR",
     "STRATEGY_VAR",
     "TASK_INDEX_VAR",
@@ -52,6 +54,7 @@ JOB_SECRET_VAR = "CONVEYOR_JOB_SECRET"
 JOB_SECRET_FILE_VAR = "CONVEYOR_JOB_SECRET_FILE"
 RESTART_COUNT_VAR = "CONVEYOR_RESTART_COUNT"
 RESUME_VAR = "CONVEYOR_RESUME"
+ROUND_VAR = "CONVEYOR_ROUND"
 TIMEOUT_VAR = "CONVEYOR_TIMEOUT"
 TTY_VAR = "CONVEYOR_TTY"
 OMP_DEFAULT_VAR = "CONVEYOR_OMP_DEFAULT"
@@ -65,6 +68,7 @@ FAULT_VAR = "CONVEYOR_FAULT"
 FSDP_BLOCKS_VAR = "CONVEYOR_FSDP_BLOCKS"
 FSDP_RESHARD_VAR = "CONVEYOR_FSDP_RESHARD"
 DATA_SERVICE_VAR = "CONVEYOR_DATA_SERVICE"
+CHECKPOINT_SYNC_VAR = "CONVEYOR_CHECKPOINT_SYNC"
 #: ``conveyor run --stages/--microbatches/--schedule/--split``, by flag (read by the pipeline strategy)
 PIPELINE_VARS = {"stages": PIPELINE_STAGES_VAR, "microbatches": PIPELINE_MICROBATCHES_VAR,
                  "schedule": PIPELINE_SCHEDULE_VAR, "split": PIPELINE_SPLIT_VAR}
@@ -101,6 +105,8 @@ VARIABLES: tuple[Variable, ...] = (
              _RUN),
     Variable(RESTART_COUNT_VAR, "how many times the job was restarted (0 the first time)",
              f"{_RUN}'s supervisor, per attempt", f"{_INIT} (job.restart_count)"),
+    Variable(ROUND_VAR, "an elastic job's membership round (--nnodes MIN:MAX): 0, then + 1 each time the machines "
+             "change; unset in a job of fixed size", f"{_RUN}, per round (launch/elastic.py)", "the user's script"),
     Variable(RESUME_VAR, "0: start over, ignoring the checkpoints already there", f"{_RUN} (--no-resume)",
              f"{_INIT} (job.resume)"),
     Variable(TIMEOUT_VAR, "seconds that bound the rendezvous and every collective (default 300)",
@@ -131,6 +137,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(DATA_SERVICE_VAR, "HOST:PORT of the job's data service dispatcher (docs/data-service.md)",
              f"{_RUN} (--data-workers K), on every task; or the user",
              "conveyor.data.service.from_env() (`dataset.distribute(from_env())`)"),
+    Variable(CHECKPOINT_SYNC_VAR, "1: the Trainer writes each checkpoint before training goes on (default: in the "
+             "background, training blocked only while the state is copied)", f"{_RUN} (--checkpoint-sync), or the user",
+             f"{_INIT} (job.settings), for the Trainer"),
 )
 
 #: The names alone, in the table's order.

@@ -9,7 +9,8 @@
   process is :mod:`.tasks`, its states :mod:`.states`, when to restart :mod:`.restarts` (what failed:
   :mod:`.failures`);
 - :mod:`.rendezvous` - several machines: the launchers meet at node 0's ``torch.distributed.TCPStore``
-  and agree on one cluster (torch is imported there only, when a job spans machines).
+  and agree on one cluster (torch is imported there only, when a job spans machines);
+- :mod:`.elastic`    - ``--nnodes MIN:MAX``: membership rounds, decided by node 0's coordinator thread.
 
 This layer imports :mod:`conveyor.cluster` and never ``comm`` or ``train``: it starts the training
 script, it does not run it.

@@ -8,7 +8,8 @@ Every launcher but node 0's writes a signed, growing beat count to the store eve
 from a thread of its own on a connection of its own: the run loop may be busy stopping tasks or pausing
 between attempts. Node 0's thread reads the beats; a node that has not beaten for ``timeout`` seconds,
 and has not left, is lost (its machine died, or is cut off): node 0 writes the job's abort record naming
-it, and every launcher stops its tasks and fails (a job cannot go on without one of its machines). A
+it, and every launcher stops its tasks and fails (a job of fixed size cannot go on without one of its
+machines; an elastic job's coordinator reads the beats itself and goes on: ``launch/elastic.py``). A
 lost node 0 takes the store with it, which every other launcher's next call to it reports. Why:
 docs/launcher.md, "Process groups and rendezvous".
 """

@@ -37,6 +37,7 @@ from conveyor.cluster.variables import (  # re-exported: conveyor.launch.*_VAR a
     OMP_DEFAULT_VAR,
     RESTART_COUNT_VAR,
     RESUME_VAR,
+    ROUND_VAR,
     TASK_INDEX_VAR,
     TASK_TYPE_VAR,
     TIMEOUT_VAR,
@@ -95,7 +96,8 @@ _FILES_RESERVED = 64
 #: TORCH_NCCL_ASYNC_ERROR_HANDLING is not among them: the caller's value is passed on, as torchrun does.
 OWNED_VARS: tuple[str, ...] = (
     "TF_CONFIG", *(v for v in TORCHRUN_VARS if v != "TORCH_NCCL_ASYNC_ERROR_HANDLING"),
-    TASK_TYPE_VAR, TASK_INDEX_VAR, JOB_SECRET_VAR, OMP_DEFAULT_VAR, DATA_SERVICE_VAR, *owned_variables(),
+    TASK_TYPE_VAR, TASK_INDEX_VAR, JOB_SECRET_VAR, OMP_DEFAULT_VAR, ROUND_VAR, DATA_SERVICE_VAR,
+    *owned_variables(),
 )
 
 
@@ -281,6 +283,7 @@ def build_plan(
     secret: bytes,
     environ: Mapping[str, str],
     topology: CpuTopology | None = None,
+    membership_round: int | None = None,
     dispatcher_port: int | None = None,
 ) -> LaunchPlan:
     """The plan for node ``node_rank`` of ``nodes`` (all of them, in node-rank order).
@@ -289,6 +292,7 @@ def build_plan(
     ``environ`` is the caller's environment, which every task inherits. ``topology``: this machine's CPUs
     for ``options.bind`` (read from sysfs and the launcher's affinity when not given). ``dispatcher_port``:
     where node 0 runs the data service's dispatcher when any node has data workers (:func:`data_task_argv`).
+    ``membership_round``: an elastic job's round (``CONVEYOR_ROUND``).
     """
     _check_nodes(nodes, node_rank)
     spec = cluster_from_nodes(nodes, options.chief, dispatcher_port)
@@ -296,7 +300,7 @@ def build_plan(
     strategy = settings.strategy.name  # what every task is told, the strategy resolved
     base = {k: v for k, v in environ.items() if k not in OWNED_VARS}
     node = nodes[node_rank]
-    extra, torchrun = _node_env(options, node, node_rank, len(nodes), secret, environ)
+    extra, torchrun = _node_env(options, node, node_rank, len(nodes), secret, environ, membership_round)
     if spec.dispatcher:
         extra[DATA_SERVICE_VAR] = spec.dispatcher[0]  # every task may `distribute(from_env())`
     log_dir = os.path.join(options.output_dir, "logs")
@@ -380,10 +384,12 @@ def _placements(options: RunOptions, tasks: int,
 
 
 def _node_env(options: RunOptions, node: NodeInfo, node_rank: int, nnodes: int, secret: bytes,
-              environ: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+              environ: Mapping[str, str], membership_round: int | None) -> tuple[dict[str, str], dict[str, str]]:
     """The variables every task of this node gets besides the settings', and those torchrun gives its
     training tasks."""
     extra = {"PYTHONUNBUFFERED": "1"}  # lines reach the launcher (and the log) as they are printed
+    if membership_round is not None:
+        extra[ROUND_VAR] = str(membership_round)
     if node.workers + node.ps > 1 and not environ.get("OMP_NUM_THREADS") and options.bind == "none":
         # torchrun's default: N processes with a full-size OpenMP pool each would overload the cores
         # (a bound task gets its own cores' count instead, in build_plan).

@@ -230,18 +230,24 @@ _NOT_FLAGS = {"script": "the training script", "script_args": "the script's argu
 
 
 def _check_settings(endpoint: str, settings: list[dict]) -> None:
-    first = settings[0]
     for r, node in enumerate(settings[1:], start=1):
-        for key in sorted(set(first) | set(node)):
-            if first.get(key) == node.get(key):
-                continue
-            if key in _NOT_FLAGS:
-                raise RendezvousError(f"rendezvous at {endpoint}: node {r} runs {_NOT_FLAGS[key]} {node.get(key)!r} "
-                                      f"but node 0 runs {first.get(key)!r}; start every node with the same script "
-                                      f"and arguments")
-            flag = "--" + key.replace("_", "-")
-            raise RendezvousError(f"rendezvous at {endpoint}: node {r} has {flag} = {node.get(key)!r} but node 0 "
-                                  f"has {first.get(key)!r}; start every node with the same {flag}")
+        difference = settings_difference(endpoint, f"node {r}", settings[0], node)
+        if difference is not None:
+            raise RendezvousError(difference)
+
+
+def settings_difference(endpoint: str, who: str, first: Mapping[str, Any], node: Mapping[str, Any]) -> str | None:
+    """Why ``who``'s settings ``node`` cannot join node 0's ``first`` (naming the flag, or the script), else None."""
+    for key in sorted(set(first) | set(node)):
+        if first.get(key) == node.get(key):
+            continue
+        if key in _NOT_FLAGS:
+            return (f"rendezvous at {endpoint}: {who} runs {_NOT_FLAGS[key]} {node.get(key)!r} but node 0 runs "
+                    f"{first.get(key)!r}; start every node with the same script and arguments")
+        flag = "--" + key.replace("_", "-")
+        return (f"rendezvous at {endpoint}: {who} has {flag} = {node.get(key)!r} but node 0 has {first.get(key)!r}; "
+                f"start every node with the same {flag}")
+    return None
 
 
 def _connect(host: str, port: int, endpoint: str, node_rank: int, timeout: float) -> Any:
@@ -380,6 +386,8 @@ class StorePeers:
         self._forged: set[str] = set()
         self._closed = False
         self._heart: Heartbeat | None = None
+        self.beat_key = f"{_P}alive/{node_rank}"  # an elastic member beats under its member id instead
+        self.left_prefix = f"{_P}left"  # an elastic round's ranks leave under the round's own prefix
         self.joined = False  # claimed its node rank: only then does it say when it leaves
 
     @property
@@ -465,12 +473,15 @@ class StorePeers:
         self._heart.start()
 
     def beat(self, count: int) -> None:
-        key = f"{_P}alive/{self.node_rank}"
+        key = self.beat_key
         _call(self._store.set, self.endpoint, key, self._sealed(key, {"beat": count}), timeout=self._timeout)
 
     def beat_of(self, node: int) -> int | None:
         """Node ``node``'s latest beat count, if a valid one is there (never cached: it grows)."""
-        key = f"{_P}alive/{node}"
+        return self.beat_at(f"{_P}alive/{node}")
+
+    def beat_at(self, key: str) -> int | None:
+        """The latest beat count under ``key``, if a valid one is there."""
         if not _call(self._store.check, self.endpoint, [key], timeout=self._timeout):
             return None
         record = self._check(key, _call(self._store.get, self.endpoint, key, timeout=self._timeout))
@@ -478,7 +489,7 @@ class StorePeers:
         return beat if isinstance(beat, int) and not isinstance(beat, bool) else None
 
     def has_left(self, node: int) -> bool:
-        return self._read(f"{_P}left/{node}") is not None
+        return self._read(f"{self.left_prefix}/{node}") is not None
 
     def release(self) -> None:
         """Drop the connection (the heartbeat's twin, once its thread is done with it)."""
@@ -505,10 +516,11 @@ class StorePeers:
         try:
             if self.node_rank != 0:
                 if self.joined:  # a launcher refused its rank must not speak for the node that holds it
-                    self._mark(f"{_P}left/{self.node_rank}")  # first: node 0 must not count a node that left as lost
+                    # first: node 0 must not count a node that left as lost
+                    self._mark(f"{self.left_prefix}/{self.node_rank}")
             elif wait:
                 deadline = time.monotonic() + linger
-                while not self._everyone(f"{_P}left", [r for r in range(1, self.nnodes) if r not in lost]):
+                while not self._everyone(self.left_prefix, [r for r in range(1, self.nnodes) if r not in lost]):
                     if time.monotonic() > deadline:
                         break
                     time.sleep(_POLL)

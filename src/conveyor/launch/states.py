@@ -4,6 +4,7 @@
                    Running │ Lingering ─► Failed ─► Restarting ─► Starting(a + 1)
                                           Failed ─► GaveUp            (restarts.decide said stop)
     Running │ Lingering │ Failed │ Restarting ─► Interrupted         (SIGINT/SIGTERM to the launcher)
+    Running │ Failed ─► Regroup              (elastic: the membership changes; launch/elastic.py)
 
 ``Running``: attempt ``a``'s tasks run; ``trained`` once this node's training tasks all exited 0 in a
 multi-node job without a chief (it then waits for ``Peers.succeeded``). ``Lingering``: the job has
@@ -11,7 +12,7 @@ succeeded (Kubeflow TFJob's policy) and the tasks still running (parameter serve
 to exit; ``reported``: this node told the others it is done and waits for them. ``Failed``: a task here
 (``kind="task"``) or on another node (``"peer"``) failed - ``decide`` weighs it - or the job cannot go
 on (``"final"``: another node aborted, or the nodes lost touch). Leaving ``Running``/``Lingering`` stops
-every task of the attempt. ``Done``, ``GaveUp`` and ``Interrupted`` end the job: :meth:`result`.
+every task of the attempt. ``Done``, ``GaveUp``, ``Interrupted`` and ``Regroup`` end the run: :meth:`result`.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from typing import Literal
 from conveyor.launch.failures import exit_status
 from conveyor.launch.tasks import RunningTask
 
-__all__ = ["Done", "Failed", "GaveUp", "Interrupted", "JobResult", "Lingering", "Restarting", "Running", "Starting",
-           "State", "TaskExit"]
+__all__ = ["Done", "Failed", "GaveUp", "Interrupted", "JobResult", "Lingering", "Regroup", "Restarting", "Running",
+           "Starting", "State", "TaskExit"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class JobResult:
     failure: TaskExit | None = None
     signal: int | None = None
     message: str = ""
+    regroup: bool = False  # elastic: not an end; the launcher re-forms the job in the next membership round
 
     @property
     def exit_code(self) -> int:
@@ -125,4 +127,15 @@ class Interrupted:
         return JobResult(ok=False, restarts=self.attempt, signal=self.signum, message=f"interrupted by {self.name}")
 
 
-State = Starting | Running | Lingering | Failed | Restarting | Done | GaveUp | Interrupted
+@dataclass(frozen=True)
+class Regroup:
+    """Elastic membership: the job is re-formed without a lost node, or with a waiting one (``reason``)."""
+
+    attempt: int
+    reason: str
+
+    def result(self) -> JobResult:
+        return JobResult(ok=False, restarts=self.attempt, message=self.reason, regroup=True)
+
+
+State = Starting | Running | Lingering | Failed | Restarting | Done | GaveUp | Interrupted | Regroup

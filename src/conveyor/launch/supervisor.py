@@ -43,6 +43,7 @@ from conveyor.launch.states import (
     Interrupted,
     JobResult,
     Lingering,
+    Regroup,
     Restarting,
     Running,
     Starting,
@@ -93,6 +94,10 @@ class Peers(Protocol):
 
     def abort(self, description: str) -> None:
         """Tell the other nodes to stop for good (this launcher was interrupted)."""
+
+    def regroup(self) -> str | None:
+        """Elastic membership (``launch/elastic.py``): why the job must be re-formed now, else None. Optional:
+        peers without it never regroup."""
 
     @property
     def timeout(self) -> float:
@@ -167,7 +172,9 @@ class Supervisor:
     themselves (conveyor's parameter servers do, once the workers are done) before they are stopped
     (TensorFlow's serving tasks never do). ``peers`` coordinates with the other nodes of a multi-node job.
     ``policy`` (:class:`~.restarts.RestartPolicy`) says when to restart; ``max_restarts``, ``restart_delay``,
-    ``restart_delay_cap`` and ``same_failure_limit``, where given, replace its fields. The job moves through
+    ``restart_delay_cap`` and ``same_failure_limit``, where given, replace its fields. ``first_attempt`` and
+    ``history`` continue an elastic job in its next membership round (:attr:`history`: the failures restarted
+    so far, which ``max_restarts`` counts; a membership change is none). The job moves through
     the states of :mod:`.states`, one method each; :func:`~.restarts.decide` weighs each failure.
     Long because it is the state machine: eight states, one method each, and the peer calls they make.
     """
@@ -188,6 +195,8 @@ class Supervisor:
         restart_delay: float | None = None,
         restart_delay_cap: float | None = None,
         same_failure_limit: int | None = None,
+        first_attempt: int = 0,
+        history: tuple[Failure, ...] = (),
     ) -> None:
         given = {"max_restarts": max_restarts, "delay": restart_delay, "delay_cap": restart_delay_cap,
                  "same_failure_limit": same_failure_limit}
@@ -203,6 +212,7 @@ class Supervisor:
         self.peers = peers
         self._signals = _Signals()
         self._tasks: list[RunningTask] = []  # the current attempt's, until they are stopped
+        self._first = (first_attempt, tuple(history))
         self._history: tuple[Failure, ...] = ()  # the failures restarted so far, oldest first
         self._next_peer_check = 0.0
         #: every data worker that exited while the job ran: task, attempt, status, restarted, log (summary.json)
@@ -223,10 +233,10 @@ class Supervisor:
     def _run(self) -> JobResult:
         handlers = {Starting: self._starting, Running: self._running, Lingering: self._lingering,
                     Failed: self._failed, Restarting: self._restarting}
-        state: State = Starting(0)
-        self._history = ()
+        attempt, self._history = self._first
+        state: State = Starting(attempt)
         try:
-            while not isinstance(state, (Done, GaveUp, Interrupted)):
+            while not isinstance(state, (Done, GaveUp, Interrupted, Regroup)):
                 new = handlers[type(state)](state)
                 if self._tasks and not isinstance(new, (Running, Lingering)):
                     new = self._leave_attempt(new)
@@ -244,10 +254,12 @@ class Supervisor:
 
     def _starting(self, s: Starting) -> Running:
         start_step = latest_step(self.plan.checkpoint_dir)
+        # restarts after failures differ from attempts only once an elastic job has changed its membership
+        failures = {"failures": len(self._history)} if self._regroup_of() is not None else {}
         for launch in self.plan.tasks:
             with contextlib.suppress(OSError):  # an earlier attempt's report would describe this one's failure
                 os.remove(report_path(launch.log_path))
-            self._tasks.append(RunningTask.start(launch, s.attempt, self._console))
+            self._tasks.append(RunningTask.start(launch, s.attempt, self._console, **failures))
         pids = ", ".join(f"{r.name} pid {r.proc.pid}" for r in self._tasks)
         self._say(f"attempt {s.attempt}: started {pids}; logs in {self.plan.log_dir}")
         self._next_peer_check = 0.0
@@ -351,7 +363,7 @@ class Supervisor:
             rt = next(r for r in tasks if r.name == state.failure.task)
             state = replace(state, failure=replace(state.failure, last_lines=tuple(rt.tail)))
         if (self.peers is not None and isinstance(state, Failed) and state.kind != "final"
-                and state.attempt < self.policy.max_restarts):
+                and len(self._history) < self.policy.max_restarts):
             state = self._sync_restart(self.peers, state)
         return state
 
@@ -382,6 +394,9 @@ class Supervisor:
                 return Lingering(s.attempt, s.tasks, s.start_step, since=time.monotonic())
             if isinstance(s, Lingering) and s.reported and self.peers.all_done(s.attempt):
                 return Done(s.attempt)
+            regroup = self._regroup()
+            if regroup:  # once the job has succeeded, a node lost or waiting no longer matters
+                return Regroup(s.attempt, regroup) if isinstance(s, Running) else Done(s.attempt)
         except PeerError as e:
             return Failed(s.attempt, s.start_step, "final", message=str(e))
         return s
@@ -423,6 +438,9 @@ class Supervisor:
                 reason = peers.aborted()  # a node lost for good never reports stopped
                 if reason:
                     return replace(s, kind="final", message=reason)
+                regroup = self._regroup()  # elastic: the failure was the lost node's, or a joiner waits
+                if regroup:
+                    return Regroup(s.attempt, regroup)
                 if time.monotonic() > deadline:
                     what = s.failure.describe() if s.failure else s.message.partition("\n")[0]
                     return replace(s, kind="final", message=f"{what}; then the other nodes did not stop their "
@@ -431,6 +449,18 @@ class Supervisor:
         except PeerError as e:
             return replace(s, kind="final", message=str(e))
         return s
+
+    @property
+    def history(self) -> tuple[Failure, ...]:
+        """The failures restarted so far, oldest first: what an elastic job's next round goes on counting."""
+        return self._history
+
+    def _regroup_of(self):
+        return getattr(self.peers, "regroup", None)  # the peers of an elastic job's round; static ones have none
+
+    def _regroup(self) -> str | None:
+        regroup = self._regroup_of()
+        return regroup() if regroup is not None else None
 
     def _tell_peers_succeeded(self, attempt: int) -> None:
         """Nodes without the chief learn from this that their serving tasks may stop (they never exit)."""

@@ -180,11 +180,13 @@ class TaskLog:
         self.close()
 
 
-def _task_env(launch: TaskLaunch, attempt: int, tty: bool) -> dict[str, str]:
+def _task_env(launch: TaskLaunch, attempt: int, tty: bool, failures: int | None = None) -> dict[str, str]:
     env = dict(launch.env)
     env[RESTART_COUNT_VAR] = str(attempt)
     if TORCHRUN_RESTART_VAR in env:  # training tasks only, as the plan set it
-        env[TORCHRUN_RESTART_VAR] = str(attempt)
+        # torchrun's meaning: restarts after failures (max_restarts - remaining), not membership changes;
+        # without an elastic round the two counts are equal
+        env[TORCHRUN_RESTART_VAR] = str(attempt if failures is None else failures)
     if tty:
         env.setdefault(TTY_VAR, "1")
     if attempt:
@@ -218,13 +220,14 @@ class RunningTask:
         return self.launch.name
 
     @classmethod
-    def start(cls, launch: TaskLaunch, attempt: int, console: Console) -> RunningTask:
-        """Start ``launch`` for ``attempt`` in a new session, dying with the launcher (Linux)."""
+    def start(cls, launch: TaskLaunch, attempt: int, console: Console, failures: int | None = None) -> RunningTask:
+        """Start ``launch`` for ``attempt`` (after ``failures`` restarts for failures, where an elastic job's
+        membership rounds make the two differ) in a new session, dying with the launcher (Linux)."""
         log = TaskLog(launch.log_path, launch.name, console.say)
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         log.write(f"=== restart {attempt} === {stamp}\n" if attempt else f"=== {launch.name} started === {stamp}\n")
         try:
-            proc = subprocess.Popen(launch.argv, env=_task_env(launch, attempt, console.live_ok),
+            proc = subprocess.Popen(launch.argv, env=_task_env(launch, attempt, console.live_ok, failures),
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     start_new_session=True, preexec_fn=_child_setup(os.getpid(), launch.cpus))
         except subprocess.SubprocessError as e:  # what an error in preexec_fn becomes: only the binding can fail

@@ -6,22 +6,23 @@
     optimizer.step()
 
 What it promises beyond plain DDP: every worker starts from rank 0's parameters and buffers;
-:meth:`AllReduceStep.comm_seconds` (``strategy.step``) is the wall time the gradient all-reduces were in
-flight (much of it overlapping backward, so not the time it added to the step); a dead or silent peer surfaces as a
-``PeerError`` naming its rank and task. Any torch optimizer works unchanged; with one process the model
-is returned unwrapped. Why and how: ``docs/strategies.md``, "Data-parallel all-reduce".
+:meth:`AllReduceStep.comm_seconds` (``strategy.step``) is the wall time of each step's gradient
+communication as DDP's own runtime timer measures it (C++, every step; no Python comm hook on the
+buckets): from the first bucket's all-reduce launch to backward finding the last one done, much of it
+overlapping backward, so not the time it added to the step. A dead or silent peer surfaces as a
+``PeerError`` naming its rank and task (in backward: under the Trainer's guard or any ``collective_guard``).
+Any torch optimizer works unchanged; with one process the model is returned unwrapped. Why and how:
+``docs/strategies.md``, "Data-parallel all-reduce".
 """
 
 from __future__ import annotations
 
 import inspect
-import threading
-import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -43,14 +44,20 @@ class _GuardedDDP(DistributedDataParallel):
         with collective_guard(job, "DDP setup (parameter broadcast from rank 0)"):
             super().__init__(module, **kwargs)
         self._conveyor_job = job
+        self.conveyor_steps = 0  # forwards that began a step whose gradients DDP all-reduces (see _CommClock)
+        # DDP's runtime timer on every step, not only the first 10 and then every 100th: the communication
+        # time of each step (AllReduceStep.comm_seconds) without a Python comm hook on every bucket.
+        self._set_ddp_runtime_logging_sample_rate(1)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+            self.conveyor_steps += 1  # DDP's own test for a forward that starts a step it times (_pre_forward)
         with collective_guard(self._conveyor_job, "DDP forward (buffer broadcast)"):
             return super().forward(*inputs, **kwargs)
 
 
 class AllReduceStrategy(Strategy):
-    """DistributedDataParallel (gloo on CPU, NCCL on CUDA: one process per device) with a timing comm hook."""
+    """DistributedDataParallel (gloo on CPU, NCCL on CUDA: one process per device), its own all-reduce timed."""
 
     name = "allreduce"
 
@@ -72,7 +79,7 @@ class AllReduceStrategy(Strategy):
             raise ValueError("the model has no parameter that requires a gradient: there is nothing to all-reduce")
         device_ids = [job.device.index] if job.device.type == "cuda" else None
         ddp = _GuardedDDP(model, job=job, device_ids=device_ids, **{_SYNC_BUFFERS: True})
-        ddp.register_comm_hook(None, self.step.allreduce_hook)
+        self.step.watch(ddp)
         return ddp, optimizer
 
     def report(self, summary: dict[str, Any]) -> dict[str, Any] | None:
@@ -89,16 +96,13 @@ class AllReduceStrategy(Strategy):
 
 
 class AllReduceStep(Step):
-    """The plain step, with the gradient all-reduce DDP runs in ``backward`` timed by its comm hook."""
+    """The plain step; its communication time is what DDP's own runtime timer measured of each step."""
 
     shadows = True  # zero gradients in DDP's all-reduce: the others' mean over all N workers, as torch's Join
 
     def __init__(self, job: Any) -> None:
         self._job = job
-        self._lock = threading.Lock()
-        self._in_flight = 0
-        self._busy_since = 0.0
-        self._total = 0.0
+        self._clocks: list[_CommClock] = []
 
     def check(self, model: nn.Module, train_data: Any) -> None:
         if self._job.world_size > 1 and not isinstance(model, DistributedDataParallel):
@@ -107,52 +111,45 @@ class AllReduceStep(Step):
                 "averaging gradients: pass the model and optimizer that `job.prepare(model, optimizer)` returned"
             )
 
+    def watch(self, ddp: _GuardedDDP) -> None:
+        """Count the communication of `ddp`'s steps in :meth:`comm_seconds` (``prepare`` calls it)."""
+        self._clocks.append(_CommClock(ddp))
+
     def comm_seconds(self) -> float:
-        """Seconds during which a gradient all-reduce was in flight, so far (see the module docstring).
+        """Seconds of gradient communication of the steps done so far (see the module docstring).
 
-        Read it before and after a step; the difference is that step's communication time. After
-        ``backward()`` returns every bucket has completed, so the difference is final then.
+        Read it before and after a step; the difference is that step's communication time, complete once
+        ``backward()`` has returned (the step's all-reduces have finished by then). On CUDA, reading it waits
+        for the step's all-reduces to finish (DDP's timer is two CUDA events).
         """
-        with self._lock:
-            if self._in_flight:
-                return self._total + (time.perf_counter() - self._busy_since)
-            return self._total
+        return sum(clock.read() for clock in self._clocks)
 
-    # -- the comm hook ----------------------------------------------------------------------------
 
-    def allreduce_hook(self, process_group, bucket):
-        """DDP's comm hook (``register_comm_hook``): DDP's default all-reduce, timed."""
-        # No annotations: DDP compares them with dist.GradBucket / Future[Tensor] by identity, and under
-        # `from __future__ import annotations` they would be strings and rejected.
-        # The arithmetic is DDP's default hook: divide first (no overflow in fp16), then sum in place.
-        group = process_group if process_group is not None else dist.group.WORLD
-        tensor = bucket.buffer()
-        tensor.div_(group.size())
-        self._started()
-        try:
-            with collective_guard(self._job, "gradient all-reduce"):
-                future = dist.all_reduce(tensor, group=group, async_op=True).get_future()
-        except BaseException:
-            self._finished()
-            raise
+class _CommClock:
+    """The communication seconds of one DDP model's steps, read from DDP's own runtime timer.
 
-        def done(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-            try:
-                with collective_guard(self._job, "gradient all-reduce"):
-                    return fut.value()[0]
-            finally:
-                self._finished()
+    DDP times every step it samples in C++ (clock reads on CPU, CUDA events on GPU): ``backward_comm_time``
+    runs from the launch of the first bucket's all-reduce to the moment backward found the last one done.
+    ``_GuardedDDP`` samples every step; DDP itself copies a step's figures into its logging data only at the
+    next forward, so a read after a new step asks for the copy (``set_runtime_stats_and_log``) at once. A
+    step is counted once, by the time its communication started.
+    """
 
-        return future.then(done)
+    def __init__(self, ddp: _GuardedDDP) -> None:
+        self._ddp = weakref.ref(ddp)  # the clock must not keep a model the user dropped alive
+        self._seen_steps = 0
+        self._last_start: int | None = None
+        self.seconds = 0.0
 
-    def _started(self) -> None:
-        with self._lock:
-            if self._in_flight == 0:
-                self._busy_since = time.perf_counter()
-            self._in_flight += 1
-
-    def _finished(self) -> None:
-        with self._lock:
-            self._in_flight -= 1
-            if self._in_flight == 0:
-                self._total += time.perf_counter() - self._busy_since
+    def read(self) -> float:
+        ddp = self._ddp()
+        if ddp is None or ddp.conveyor_steps == self._seen_steps:
+            return self.seconds  # no new training forward since the last read: nothing new to count
+        self._seen_steps = ddp.conveyor_steps
+        ddp.logger.set_runtime_stats_and_log()
+        ints = ddp.logger._get_ddp_logging_data().ints_map
+        start, took = ints.get("backward_comm_time_start"), ints.get("backward_comm_time")
+        if start is not None and took is not None and start != self._last_start:
+            self._last_start = start
+            self.seconds += took / 1e9
+        return self.seconds

@@ -84,6 +84,7 @@ def _chiefs_latest_step(job: Any, checkpoints: CheckpointManager) -> int | None:
             # Before the broadcast, so before any task trains: an abandoned attempt's staged parts of later
             # steps must not end up in this attempt's saves of them.
             checkpoints.drop_staged_from(mine["step"])
+            checkpoints.remove_leftovers()  # crashed saves' folders, once nothing can still be writing them
         except CheckpointError as e:
             mine = {"error": str(e)}
     data = json.loads(bytes(job.broadcast_bytes(json.dumps(mine).encode() if job.is_chief else None, src=0)))

@@ -30,8 +30,10 @@ __all__ = ["summarize", "write_json_atomic"]
 
 def summarize(job: Any, prof: StepProfiler, *, wall: float, steps: int, epochs: int, eval_result: dict[str, Any],
               resumed_from: int | None, checkpoints: Path, module: torch.nn.Module | None = None,
-              throughput: Throughput | None = None) -> dict[str, Any]:
+              throughput: Throughput | None = None, checkpoint_saves: dict[str, Any] | None = None) -> dict[str, Any]:
     """The run's summary (module docstring); writes the trace, and on the chief the plots and summary.json.
+
+    `checkpoint_saves` (this rank's `BackgroundSaves.report()`: blocked and total seconds per save) is kept as is.
 
     `module` (the user's model, or this rank's stage of it) gives the ``scaling`` block its byte counts.
     """
@@ -61,6 +63,7 @@ def summarize(job: Any, prof: StepProfiler, *, wall: float, steps: int, epochs: 
         "resumed_from_step": resumed_from,
         "steps_this_run": figures["steps"],
         "checkpoints": str(checkpoints),
+        **({"checkpoint_saves": checkpoint_saves} if checkpoint_saves is not None else {}),
         "outputs": outputs,
     }
     # Strategies with more to say (parameter servers: push / pull / wait-for-servers seconds, bytes and

@@ -34,7 +34,15 @@ import torch
 from conveyor.comm.process_group import collective_guard
 from conveyor.data.redistribute import leftover_iterator
 from conveyor.data.torch_adapter import to_torch
-from conveyor.train.checkpoint import CheckpointManager, CheckpointPolicy, Item, Stateful, StepWrite, commit
+from conveyor.train.checkpoint import (
+    BackgroundSaves,
+    CheckpointManager,
+    CheckpointPolicy,
+    Item,
+    Stateful,
+    StepWrite,
+    stage_commit,
+)
 from conveyor.train.evaluation import Evaluator, accuracy, batch_size, evaluate, split_batch
 from conveyor.train.nonfinite import NonfiniteGuard, check_policy, params_finite
 from conveyor.train.position import DataPosition, TrainerPosition
@@ -59,6 +67,10 @@ class TrainConfig:
     eval_every_steps: evaluate every N steps (and always at the end when there is eval data).
     checkpoint_every_steps / checkpoint_every_seconds: save every N steps / T seconds (and always
         at the end).
+    async_checkpoint: True: a save blocks training only while the state is copied; hashing, writing, fsync
+        and rotation run in the background (one save at a time; `conveyor.train.checkpoint.background`).
+        False: written before training goes on. None (the default): the job's setting, async unless
+        `conveyor run --checkpoint-sync` (CONVEYOR_CHECKPOINT_SYNC=1).
     keep_checkpoints: how many checkpoints to keep (None: all).
     log_every_steps: one metrics record per N steps.
     progress: True (a bar on a terminal, plain lines otherwise), "always" (a bar), False.
@@ -76,6 +88,7 @@ class TrainConfig:
     checkpoint_every_steps: int | None = None
     checkpoint_every_seconds: float | None = None
     keep_checkpoints: int | None = 3
+    async_checkpoint: bool | None = None
     log_every_steps: int = 10
     progress: bool | str = True
     nonfinite: str = "stop"
@@ -91,6 +104,9 @@ class TrainConfig:
         s = self.checkpoint_every_seconds
         if s is not None and (isinstance(s, bool) or not isinstance(s, (int, float)) or not s > 0):
             raise ValueError(f"checkpoint_every_seconds must be a positive number or None, got {s!r}")
+        if self.async_checkpoint not in (None, True, False):
+            raise ValueError(f"async_checkpoint must be True, False or None (the job's setting), got "
+                             f"{self.async_checkpoint!r}")
         if self.progress not in (True, False, "always"):
             raise ValueError(f"progress must be True, False or 'always', got {self.progress!r}")
         check_policy(self.nonfinite, shares_batches=False)
@@ -171,7 +187,7 @@ class Trainer:
         run = _Run(self)
         try:
             # A dead or silent peer surfaces as PeerError naming it, also from inside DDP's backward.
-            with collective_guard(self.job, "the training loop"):
+            with collective_guard(self.job, "the training loop"), run.checkpointer.saves.until_written_on_sigterm():
                 run.start()
                 if not run.finished_before:
                     run.train()
@@ -294,11 +310,12 @@ class _Run:
     def finish(self) -> None:
         self._log()
         self.evaluator.run(self.t.step, final=True)
-        self.checkpointer.save(self.t.step, final=True)
+        self.checkpointer.save(self.t.step, final=True)  # complete on disk when it returns
         self.summary = summarize(self.job, self.prof, wall=time.perf_counter() - self.started, steps=self.t.step,
                                  epochs=self.t.epoch, eval_result=self.evaluator.result,
                                  resumed_from=self.resumed_from, checkpoints=self.t.checkpoints.root,
-                                 module=self.t.module, throughput=self.meter)
+                                 module=self.t.module, throughput=self.meter,
+                                 checkpoint_saves=self.checkpointer.saves.report())
 
     def _finished_before(self) -> None:
         """The run resumed from did every step asked (every rank sees it alike): nothing is trained, and no
@@ -329,6 +346,7 @@ class _Run:
         return min(per_epoch * cfg.total_epochs, cfg.max_steps or per_epoch * cfg.total_epochs)
 
     def close(self) -> None:
+        self.checkpointer.saves.close()  # an exception or Ctrl-C on its way: the save in flight completes first
         self.batches.close()
         if self.reporter is not None:
             self.reporter.close()
@@ -489,12 +507,16 @@ class _Batches:
 
 class _Checkpointer:
     """When the run checkpoints (the policy's cadence, agreed by the coordinator); each of the run's items
-    says what it adds."""
+    says what it adds. The items' part (collectives included) and the copy of the state block the loop; the
+    write runs in the background unless the run saves synchronously (`BackgroundSaves`)."""
 
     def __init__(self, run: _Run):
         self.run, self.t, self.job, self.coord = run, run.t, run.job, run.coord
         self.policy = CheckpointPolicy(run.cfg.checkpoint_every_steps, run.cfg.checkpoint_every_seconds)
         self.last_saved: int | None = None
+        # A background write may wait the job's timeout for other tasks' parts, then write: bounded by both.
+        self.saves = BackgroundSaves(enabled=_async_checkpoint(run.cfg, run.job),
+                                     timeout=float(self.job.timeout) + _WRITE_SECONDS)
 
     def start(self, step: int) -> None:
         self.policy.should_save(step)  # starts its seconds clock now (and never re-saves the step resumed from)
@@ -503,20 +525,32 @@ class _Checkpointer:
         return self.coord.should_save(step, self.policy)
 
     def save(self, step: int, final: bool = False) -> None:
-        """Checkpoint ``step``: every rank's items add to it, the chief writes it."""
+        """Checkpoint ``step``: every rank's items add to it, the chief writes it; the final save is complete on
+        disk when this returns (a background write's error raised)."""
         if self.last_saved == step and not self.coord.meets_for(final):
+            if final:
+                self.saves.finish()
             return
         with self.run.prof.span("checkpoint", step=step):
             if self.last_saved == step:  # a meeting at the end for a step written already
                 self.run.position.meet(final)
             else:
-                out = StepWrite(step, is_chief=bool(self.job.is_chief), root=self.t.checkpoints.root, final=final)
-                for name, item in self.run.items.items():
-                    item.save(name, out)
-                if out.is_chief:  # rotation never deletes the newest finite step (conveyor.train.nonfinite)
-                    out.extra["finite"] = params_finite(self.t.module)
-                commit(self.t.checkpoints, out, timeout=float(self.job.timeout))
+                self.saves.save(step, lambda: self._stage(step, final))
+            if final:
+                self.saves.finish()
         self.last_saved = step
+
+    def _stage(self, step: int, final: bool) -> Callable[[], Any]:
+        """The blocking part of a save: every item adds to the step (collectives, ps shards), the state is copied;
+        returns the write."""
+        out = StepWrite(step, is_chief=bool(self.job.is_chief), root=self.t.checkpoints.root, final=final)
+        for name, item in self.run.items.items():
+            item.save(name, out)
+        if out.is_chief:  # rotation never deletes the newest finite step (conveyor.train.nonfinite)
+            out.extra["finite"] = params_finite(self.t.module)
+        # A synchronous save writes at once: nothing changes the state meanwhile, so nothing is copied.
+        return stage_commit(self.t.checkpoints, out, timeout=float(self.job.timeout), copy=self.saves.enabled,
+                            buffers=self.saves.buffers)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -546,6 +580,16 @@ def read_previous_summary(out: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return summary if isinstance(summary, dict) else {}
+
+
+_WRITE_SECONDS = 600.0  # what a background write may take besides waiting for other tasks' parts
+
+
+def _async_checkpoint(cfg: TrainConfig, job: Any) -> bool:
+    """Whether saves write in the background: the Trainer's option, else the job's (--checkpoint-sync turns it off)."""
+    if cfg.async_checkpoint is not None:
+        return cfg.async_checkpoint
+    return not getattr(getattr(job, "settings", None), "checkpoint_sync", False)
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -13,13 +13,15 @@ never expose a partial folder; `resume_step()` passes over damaged steps with a 
 `CheckpointError` only when every step is damaged; nothing read from the folder is trusted. The
 manager stores named trees, JSON documents and parts without knowing what they are; `items` says
 how a training run's state becomes them (one `Item` per name). `store` writes, finds and rotates,
-`write` fills and seals one step, `read` reads one back, `policy` says when. The layout on disk and
-the reasons: `docs/training.md`, "Checkpoints on disk".
+`write` fills and seals one step, `read` reads one back, `policy` says when; `staging` copies state to
+the host and `background` runs a save's write beside training (`stage_commit`). The layout on disk
+and the reasons: `docs/training.md`, "Checkpoints on disk".
 """
 
 from __future__ import annotations
 
-from conveyor.train.checkpoint.items import Item, Model, Stateful, StepWrite, commit
+from conveyor.train.checkpoint.background import BackgroundSaves
+from conveyor.train.checkpoint.items import Item, Model, Stateful, StepWrite, commit, stage_commit
 from conveyor.train.checkpoint.policy import CheckpointPolicy
 from conveyor.train.checkpoint.read import (
     FORMAT,
@@ -35,7 +37,7 @@ from conveyor.train.checkpoint.read import (
 from conveyor.train.checkpoint.store import CheckpointManager, CheckpointReader
 
 __all__ = [
-    "FORMAT", "LATEST", "MANIFEST", "MANIFEST_MAX_BYTES", "PART_NAME_MAX", "VERSION",
+    "FORMAT", "LATEST", "MANIFEST", "MANIFEST_MAX_BYTES", "PART_NAME_MAX", "VERSION", "BackgroundSaves",
     "Checkpoint", "CheckpointError", "CheckpointManager", "CheckpointPolicy", "CheckpointReader", "Item", "Model",
-    "ResumeError", "Stateful", "StepWrite", "commit",
+    "ResumeError", "Stateful", "StepWrite", "commit", "stage_commit",
 ]

@@ -18,7 +18,7 @@ shards). `CheckpointManager` stores what `StepWrite` collected without knowing w
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ from typing import Any
 from conveyor.train.checkpoint.read import Checkpoint, ResumeError
 from conveyor.train.state_io import state_to_bytes
 
-__all__ = ["Item", "Model", "Stateful", "StepWrite", "commit"]
+__all__ = ["Item", "Model", "Stateful", "StepWrite", "commit", "stage_commit"]
 
 
 @dataclass
@@ -65,12 +65,28 @@ class StepWrite:
 
 def commit(checkpoints: Any, out: StepWrite, timeout: float) -> Path | None:
     """Write this rank's parts of `out`, then (the chief) the step, waiting up to `timeout` s for expected parts."""
-    for name, data in out.parts.items():
-        checkpoints.save_part(out.step, name, data)
-    if not out.is_chief:
-        return None
-    return checkpoints.save(out.step, out.trees, docs=out.docs, extra=out.extra, parts=out.expected,
-                            parts_timeout=timeout)
+    return stage_commit(checkpoints, out, timeout, copy=False)()
+
+
+def stage_commit(checkpoints: Any, out: StepWrite, timeout: float, copy: bool = True, buffers: Any = None
+                 ) -> Callable[[], Path | None]:
+    """`commit` in two halves: copy what `out` holds now (the chief's trees to the host: `CheckpointManager.stage`;
+    parts are bytes already) and return the write, which may run in another thread while training goes on
+    (`conveyor.train.checkpoint.background`). Parts first, then the step: the chief's write waits for the
+    others' parts as before. `copy=False`: the trees are not copied (the write is to follow at once); `buffers`:
+    host memory to copy them into (`BackgroundSaves.buffers`)."""
+    parts = dict(out.parts)
+    staged = None
+    if out.is_chief:
+        staged = checkpoints.stage(out.step, out.trees, docs=out.docs, extra=out.extra, parts=out.expected,
+                                   parts_timeout=timeout, copy=copy, buffers=buffers)
+
+    def write() -> Path | None:
+        for name, data in parts.items():
+            checkpoints.save_part(out.step, name, data)
+        return None if staged is None else checkpoints.write_staged(staged)
+
+    return write
 
 
 class Item(ABC):

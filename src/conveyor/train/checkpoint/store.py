@@ -7,11 +7,13 @@ and `policy` fill, read back and schedule one step folder.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import shutil
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -35,8 +37,28 @@ from conveyor.train.checkpoint.read import (
     step_folder_name,
     step_numbers,
 )
+from conveyor.train.checkpoint.staging import HostBuffers, StagedTree, stage_tree
 
-__all__ = ["CheckpointManager", "CheckpointReader"]
+__all__ = ["LEFTOVER_AGE", "CheckpointManager", "CheckpointReader", "StagedStep"]
+
+log = logging.getLogger("conveyor.train.checkpoint")
+
+#: Seconds a crashed save's `.tmp-*` / `.parts-*` leftovers must be untouched before they are deleted: far longer
+#: than one save takes, so that no live writer (another task of this job, possibly on another machine) loses them.
+LEFTOVER_AGE = 30 * 60
+
+
+@dataclass(frozen=True)
+class StagedStep:
+    """A save staged by `CheckpointManager.stage`: copies of everything the chief writes, checked, not yet written."""
+
+    step: int
+    tree_names: list[str]
+    trees: dict[str, StagedTree]
+    docs: dict[str, bytes]
+    extra: Any  # `write.extra_meta(extra)`
+    parts: list[str]
+    parts_timeout: float
 
 
 class CheckpointReader:
@@ -171,6 +193,7 @@ class CheckpointManager(CheckpointReader):
         super().__init__(root)
         self.keep = None if keep is None else int(keep)
         self.fsync = bool(fsync)
+        self._writing: set[str] = set()  # names of the `.tmp-*` folders this manager is filling now
 
     # -- names -----------------------------------------------------------------------------------------------
 
@@ -179,7 +202,13 @@ class CheckpointManager(CheckpointReader):
 
     # -- writing -----------------------------------------------------------------------------------------------
 
-    def save(
+    def save(self, step: int, trees: Mapping[str, Any] | None = None, **options: Any) -> Path:
+        """Write step `step` and return its folder; on any error nothing becomes visible. `trees` and the
+        keywords (`docs`, `extra`, `parts`, `parts_timeout`) are `stage`'s: `save` is `stage` then
+        `write_staged`, with nothing copied (the write follows at once). Saving a step that exists replaces it."""
+        return self.write_staged(self.stage(step, trees, copy=False, **options))
+
+    def stage(
         self,
         step: int,
         trees: Mapping[str, Any] | None = None,
@@ -188,21 +217,38 @@ class CheckpointManager(CheckpointReader):
         extra: Mapping[str, Any] | None = None,
         parts: Iterable[str] = (),
         parts_timeout: float = 0.0,
-    ) -> Path:
-        """Write step `step` and return its folder; on any error nothing becomes visible.
+        copy: bool = True,
+        buffers: HostBuffers | None = None,
+    ) -> StagedStep:
+        """The first half of `save`: everything checked and copied, nothing written; the caller may change the
+        state as soon as it returns, and `write_staged` (in another thread, say) writes it.
 
         `trees` maps a name to a state tree (a `state_dict()`: tensors, numbers, strings, lists, dicts),
         each written as `<name>.safetensors` + `<name>.json` and read back as `Checkpoint.trees[name]`;
         `docs` maps `<group>/<name>` ("data/worker-0") to JSON, read back as `Checkpoint.docs`; `extra`
         is JSON-able run information stored in state.json. `parts` names files other tasks contribute
-        with `save_part`, awaited for `parts_timeout` seconds. Saving a step that already exists
-        replaces it.
+        with `save_part`, awaited for `parts_timeout` seconds. The trees' tensors are copied to the host
+        (into `buffers`, `staging.HostBuffers`, where given; `copy=False` keeps them as they are) and the
+        documents serialized.
         """
         step = check_step(step)
         trees = dict(trees or {})
         names, doc_files = write.tree_names(trees), write.doc_files(docs)
-        own = partial(write.write_own, trees=trees, docs=doc_files, fsync=self.fsync)
-        return self._build(step, own, parts, parts_timeout, extra, names)
+        parts = list(dict.fromkeys(parts))
+        for name in parts:
+            check_part_name(name)
+        if buffers is not None:
+            buffers.start()
+        staged = {name: stage_tree(name, tree, copy, buffers) for name, tree in trees.items()}
+        if buffers is not None:
+            buffers.done()
+        return StagedStep(step, names, staged, write.doc_bytes(doc_files), write.extra_meta(extra), parts,
+                          float(parts_timeout))
+
+    def write_staged(self, staged: StagedStep) -> Path:
+        """The second half of `save`: write, seal, publish and rotate what `stage` copied; returns the folder."""
+        own = partial(write.write_own, trees=staged.trees, docs=staged.docs, fsync=self.fsync)
+        return self._build(staged.step, own, staged.parts, staged.parts_timeout, staged.extra, staged.tree_names)
 
     def save_part(self, step: int, name: str, data: bytes) -> Path:
         """Contribute one file to step `step` from another task (a parameter-server shard, an iterator state).
@@ -227,21 +273,22 @@ class CheckpointManager(CheckpointReader):
         timeout: float = 0.0,
     ) -> Path:
         """Make step `step` from contributed parts alone (waiting up to `timeout` s for them) and return it."""
-        return self._build(check_step(step), lambda tmp: [], expected_parts, timeout, extra, [])
-
-    def _build(
-        self, step: int, write_own: Callable[[Path], list[str]], parts: Iterable[str], timeout: float,
-        extra: Mapping[str, Any] | None, trees: list[str],
-    ) -> Path:
-        """Fill a `.tmp-*` folder (own files, state.json, the parts), seal it, rename it into place, rotate."""
-        parts = list(dict.fromkeys(parts))
+        parts = list(dict.fromkeys(expected_parts))
         for name in parts:
             check_part_name(name)
-        meta = write.extra_meta(extra)
+        return self._build(check_step(step), lambda tmp: [], parts, timeout, write.extra_meta(extra), [])
+
+    def _build(
+        self, step: int, write_own: Callable[[Path], list[str]], parts: list[str], timeout: float, meta: Any,
+        trees: list[str],
+    ) -> Path:
+        """Fill a `.tmp-*` folder (own files, state.json, the parts), seal it, rename it into place, rotate.
+        `parts` are checked names; `meta` is `write.extra_meta(extra)`."""
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".tmp-{step_folder_name(step)}-{secrets.token_hex(4)}"
         tmp.mkdir()
         staging, collected = self._parts_dir(step), []
+        self._writing.add(tmp.name)
         try:
             files = list(write_own(tmp))
             clash = sorted(set(files) & set(parts))
@@ -257,8 +304,12 @@ class CheckpointManager(CheckpointReader):
             write.return_parts(staging, tmp, collected)  # other tasks' work survives for a retry
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        finally:
+            self._writing.discard(tmp.name)
         shutil.rmtree(staging, ignore_errors=True)  # stragglers for a finished step
         self._rotate(step)
+        # Later steps' staging folders may be filling now (other tasks of this job): spared whatever their age.
+        self.remove_leftovers(spare_from=step + 1)
         return final
 
     def _publish(self, step: int, tmp: Path) -> Path:
@@ -326,18 +377,23 @@ class CheckpointManager(CheckpointReader):
             return
         shutil.rmtree(trash, ignore_errors=True)
 
-    def cleanup(self, older_than: float = 30 * 60) -> list[Path]:
-        """Delete what crashed writers left behind: `.tmp-*` folders and files and `.parts-*` folders
-        untouched for `older_than` seconds, and every `.trash-*` folder. Returns what was removed.
+    def cleanup(self, older_than: float = LEFTOVER_AGE, spare_from: int | None = None) -> list[Path]:
+        """Delete what crashed writers left behind and return it: `.tmp-*` folders and files and `.parts-*`
+        folders untouched for `older_than` seconds (the folder's mtime and its newest file's), and every
+        `.trash-*` folder. Never a `.tmp-*` this manager is filling, nor (`spare_from`) the staging folder of
+        step `spare_from` or a later one: other tasks of the running job may be contributing to it.
 
-        The age limit protects a writer that is still busy (possibly on another machine): keep it
-        well above the time one checkpoint takes to write.
+        The age limit protects a writer that is still busy (possibly on another machine): keep it well above
+        the time one checkpoint takes to write. A `.trash-*` folder is removed at any age: only a rename by
+        rotation or a re-save makes one, and nothing reads it after that rename.
         """
         removed = []
         if not self.root.is_dir():
             return removed
         now = time.time()
         for p in self.root.iterdir():
+            if p.name in self._writing or _staged_from(p.name, spare_from):
+                continue
             # ".latest-*": the pointer's temporary file as conveyor before fileio.atomic_write named it
             stale = p.name.startswith((".tmp-", ".parts-", ".latest-")) and now - _newest_mtime(p) >= older_than
             if stale or p.name.startswith(".trash-"):
@@ -347,6 +403,22 @@ class CheckpointManager(CheckpointReader):
                     p.unlink(missing_ok=True)
                 removed.append(p)
         return removed
+
+    def remove_leftovers(self, spare_from: int | None = None) -> list[Path]:
+        """`cleanup()` at the default age, saying what it removed (a warning: each is a save that crashed). The
+        chief calls it when it starts (before any task trains) and after every save."""
+        removed = self.cleanup(spare_from=spare_from)
+        if removed:
+            log.warning("removed %d leftover(s) of interrupted checkpoint saves under %s (untouched for %.0f min "
+                        "or more, or already renamed for deletion): %s", len(removed), self.root,
+                        LEFTOVER_AGE / 60, ", ".join(sorted(p.name for p in removed)))
+        return removed
+
+
+def _staged_from(name: str, step: int | None) -> bool:
+    """Whether `name` is the staging folder (`.parts-step-N`) of step `step` or a later one."""
+    m = STEP_RE.fullmatch(name[len(".parts-"):]) if name.startswith(".parts-") else None
+    return m is not None and step is not None and int(m.group(1)) >= step
 
 
 def _newest_mtime(path: Path) -> float:

@@ -2,7 +2,8 @@
 
 `CheckpointManager` makes the temporary folder, calls these, and renames it into place: the files
 here need no atomicity of their own (nobody reads a `.tmp-*` folder), only durability — each one
-fsynced (`fsync`), then every folder, deepest first, so the rename publishes finished bytes.
+fsynced (`fsync`), then every folder, deepest first, so the rename publishes finished bytes. The trees
+and documents come staged (`staging`: host copies and bytes), so this may run beside training.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 from conveyor import fault
 from conveyor.fileio import sync_dir, write_file
 from conveyor.train.checkpoint.read import FORMAT, MANIFEST, PART_RE, VERSION, CheckpointError, hash_file
+from conveyor.train.checkpoint.staging import StagedTree
 from conveyor.train.state_io import flatten_state, save_tensors
 
 
@@ -56,30 +58,34 @@ def extra_meta(extra: Mapping[str, Any] | None) -> Any:
     return meta
 
 
-def write_own(folder: Path, trees: Mapping[str, Any], docs: Mapping[str, Any], fsync: bool) -> list[str]:
-    """Write the chief's own files of `CheckpointManager.save` (`doc_files` names the docs) into `folder`;
-    returns their names."""
-    files = []
-    for name, tree in trees.items():
-        files += write_tree(folder, name, tree, fsync)
+def doc_bytes(docs: Mapping[str, Any]) -> dict[str, bytes]:
+    """`doc_files`' documents as the bytes written (serialized when the save is staged: later changes are not)."""
+    out = {}
     for name, doc in docs.items():
         try:
-            data = json.dumps(doc, sort_keys=True).encode()
+            out[name] = json.dumps(doc, sort_keys=True).encode()
         except (TypeError, ValueError) as e:
             raise TypeError(f"{name} is not JSON ({e}): a checkpoint document such as a data iterator state must be "
                             f"JSON") from e
+    return out
+
+
+def write_own(folder: Path, trees: Mapping[str, StagedTree], docs: Mapping[str, bytes], fsync: bool) -> list[str]:
+    """Write the chief's own files of `CheckpointManager.save` (trees staged, documents as `doc_bytes`) into
+    `folder`; returns their names."""
+    files = []
+    for name, tree in trees.items():
+        files += write_tree(folder, name, tree, fsync)
+    for name, data in docs.items():
         files.append(write_member(folder, name, data, fsync))
     return files
 
 
-def write_tree(folder: Path, name: str, tree: Mapping[str, Any], fsync: bool) -> list[str]:
+def write_tree(folder: Path, name: str, tree: StagedTree, fsync: bool) -> list[str]:
     """`<name>.safetensors` + `<name>.json` (see state_io) in `folder`; returns their names."""
-    try:
-        tensors, meta = flatten_state(tree)
-    except TypeError as e:
-        raise TypeError(f"{name} state: {e}") from e
-    save_tensors(folder / f"{name}.safetensors", tensors, {"format": FORMAT})  # fsynced by `seal`'s hashing
-    write_file(folder / f"{name}.json", json_bytes(meta), fsync=fsync)
+    tree.ready()  # copies from a GPU have landed in host memory
+    save_tensors(folder / f"{name}.safetensors", tree.tensors, {"format": FORMAT})  # fsynced by `seal`'s hashing
+    write_file(folder / f"{name}.json", json_bytes(tree.meta), fsync=fsync)
     return [f"{name}.safetensors", f"{name}.json"]
 
 

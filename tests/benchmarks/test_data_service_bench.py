@@ -1,0 +1,81 @@
+"""benchmarks/data_service.py: its arguments, core map, memory bound, verdicts and a tiny real run on
+namespace hosts (skipped where they cannot be made, like the other hosts tests)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+
+BENCHMARK = "data_service"
+
+
+def test_arguments_cores_and_link(bench):
+    args = bench.parse_args(["--cores", "0,1,2,3"])
+    assert (args.cores, args.link_mbit, args.images, args.repeats, args.seconds) == ((0, 1, 2, 3), 1000.0, 256, 2, 10.0)
+    quick = bench.parse_args(["--quick", "--link-mbit", "none", "--cores", "0,1,1,0"])
+    assert (quick.link_mbit, quick.images, quick.repeats, quick.seconds) == (None, 64, 1, 4.0)
+    for bad in ("0,1,2", "a,b,c,d", "0,1,2,-1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench.parse_cores(bad)
+    with pytest.raises(argparse.ArgumentTypeError):
+        bench.parse_link("-5")
+    assert bench.default_cores(2) == (0, 1, 0, 1) and bench.default_cores(8) == (0, 1, 2, 3)
+    assert bench.shared_cores((0, 1, 2, 3)) == []
+    assert bench.shared_cores((0, 1, 0, 1)) == ["core 0: trainer + worker 2", "core 1: worker 1 + worker 3"]
+
+
+def test_memory_bound_follows_the_queue_sizes(bench):
+    element = 16 * 3 * 224 * 224 * 4
+    one, three = bench.memory_bound_kib(element), bench.memory_bound_kib(element, workers=3)
+    held = bench.OPTIONS["buffer"] + bench.OPTIONS["max_outstanding"] * bench.OPTIONS["per_request"]
+    assert one["trainer"] * 1024 == 3 * held * element + 64 * bench.MIB
+    assert three["trainer"] - one["trainer"] == 3 * 2 * bench.OPTIONS["max_outstanding"] * element // 1024
+    assert one["dispatcher"] == three["dispatcher"] == 32 * 1024
+
+
+def _res(singles, services, bytes_per_s):
+    samples = {"local": [50.0], **{f"single-w{i}": [r] for i, r in enumerate(singles, 1)},
+               **{f"service-k{k}": [r] for k, r in enumerate(services, 1)}, "memory": [1.0]}
+    runs = {name: [{"bytes_per_s": bytes_per_s}] for name in samples}
+    runs["memory"] = [{"within_bound": True}]
+    return {"samples": samples, "runs": runs}
+
+
+def test_verdict_is_the_workers_or_the_link(bench):
+    args = bench.parse_args(["--link-mbit", "1000"])
+    d = bench.derive(_res([40, 40, 40], [39, 76, 100], 30e6), args)
+    assert [d["service"][f"service-k{k}"]["limit"] for k in (1, 2, 3)] == ["workers"] * 3
+    assert d["service"]["service-k2"]["vs_sum"] == pytest.approx(0.95)
+    assert not d["scaling_pass"]  # 100 < 0.9 x 120 and the link is at a quarter of its cap
+    linked = bench.derive(_res([40, 40, 40], [39, 76, 100], 120e6), args)  # 0.96 x 125 MB/s
+    assert linked["service"]["service-k3"]["limit"] == "link" and linked["scaling_pass"]
+    uncapped = bench.derive(_res([40, 40, 40], [39, 76, 100], 120e6), bench.parse_args(["--link-mbit", "none"]))
+    assert math.isnan(uncapped["service"]["service-k3"]["link_share"]) and not uncapped["scaling_pass"]
+
+
+def test_refuses_without_namespaces(bench, monkeypatch):
+    import conveyor.testing.hosts
+
+    monkeypatch.setattr(conveyor.testing.hosts, "unavailable", lambda: "network namespaces need root")
+    assert bench.main(["--quick"]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_tiny_run_on_namespace_hosts(bench, tmp_path):
+    from conveyor.testing.hosts import unavailable
+
+    why = unavailable()
+    if why:
+        pytest.skip(why)
+    assert bench.main(["--quick", "--images", "16", "--batch", "4", "--warmup", "1", "--seconds", "1",
+                       "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "data_service-latest.json").read_text())
+    assert report["errors"] == [], report["errors"]
+    assert all(report["samples"][f"single-w{i}"][0] > 0 for i in (1, 2, 3))
+    assert report["derived"]["memory"]["within_bound"]
+    assert "tf-data-service" in report["table"] and "uptime:" in report["table"]
