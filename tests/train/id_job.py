@@ -41,8 +41,10 @@ def main() -> None:
         if event.step == crash_at:
             os._exit(3)
 
+    # synchronous saves: the crash after CRASH_AT must find the last checkpoint sealed (a background write cut
+    # short by the crash loses that checkpoint, which would make the resume start over)
     conveyor.Trainer(job, model, opt, torch.nn.functional.cross_entropy, data, epochs=1, checkpoint_every_steps=3,
-                     callbacks=[record], progress=False).fit()
+                     callbacks=[record], progress=False, async_checkpoint=False).fit()
 
 
 if __name__ == "__main__":
