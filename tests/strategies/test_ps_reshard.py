@@ -29,6 +29,7 @@ from conveyor.strategies.ps.reshard import ReshardError, reshard
 from conveyor.strategies.ps.server import ParameterServer
 from conveyor.strategies.ps.task import shard_stores
 from conveyor.train.checkpoint import CheckpointManager, ResumeError, StepWrite, commit
+from conveyor.train.resume import restore
 
 SECRET = b"ps-reshard-secret"
 CHUNK = 256  # bytes: "0.weight" (128 floats) is cut into pieces, differently for 1, 2 and 3 servers
@@ -82,11 +83,7 @@ class Job:
         commit(self.checkpoints, out, timeout=20)
 
     def restore(self, step: int) -> None:
-        ckpt = self.checkpoints.load(step)
-        for name, item in self.items.items():
-            item.check(name, ckpt)
-        for name, item in self.items.items():
-            item.restore(name, ckpt)
+        restore(self.strategy._job, self.checkpoints.load(step), self.items)  # as the Trainer's resume does
 
     def whole_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """Every server's state joined and cut for one server: comparable whatever the number of ps tasks."""
@@ -143,7 +140,7 @@ def resumed(out: Path, num_ps: int) -> tuple[Job, tuple[dict[str, torch.Tensor],
 def test_a_checkpoint_of_two_ps_tasks_resumes_on_one_and_three_as_on_two(saved, capsys) -> None:
     out, state_at_save = saved
     base, base_state, base_params, base_losses = resumed(out, 2)
-    assert "shards re-split" not in capsys.readouterr().err
+    assert "redistributed" not in capsys.readouterr().err
     assert_identical(base_state, canonical(state_at_save))
     for num_ps in (1, 3):
         job, state, params, losses = resumed(out, num_ps)
@@ -152,7 +149,8 @@ def test_a_checkpoint_of_two_ps_tasks_resumes_on_one_and_three_as_on_two(saved, 
         assert_identical(state, base_state)
         assert all(torch.equal(a, b) for a, b in zip(params, base_params, strict=True))
         assert losses == base_losses  # bit-identical floats, step after step
-        assert f"resumed step {SAVED_AT}, written with 2 ps tasks, on {num_ps}: shards re-split" \
+        assert f"resumed step {SAVED_AT}, written by 1 workers with 2 ps tasks, on 1 workers with {num_ps}: shards " \
+            f"redistributed (" \
             in capsys.readouterr().err
 
 
@@ -226,13 +224,14 @@ def test_conveyor_run_resumes_a_two_ps_job_on_three_to_the_same_model(tmp_path: 
     from safetensors.torch import load_file
 
     data, two, three = tmp_path / "data", tmp_path / "two", tmp_path / "three"
-    assert "shards re-split" not in run_digits(data, two, 2, epochs=2)
+    assert "redistributed" not in run_digits(data, two, 2, epochs=2)
     shutil.copytree(two, three)
     for later in ("step-00000020", "step-00000022"):
         shutil.rmtree(three / "checkpoints" / later)
     (three / "checkpoints" / "latest").write_text("step-00000015")
     log = run_digits(data, three, 3, epochs=2)
-    assert "resumed step 15, written with 2 ps tasks, on 3: shards re-split" in log, log[-3000:]
+    assert "resumed step 15, written by 2 workers with 2 ps tasks, on 2 workers with 3: shards redistributed" in log, \
+        log[-3000:]
     final = [load_file(str(out / "checkpoints" / "step-00000022" / "model.safetensors")) for out in (two, three)]
     assert final[0].keys() == final[1].keys() and final[0]
     assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])  # bit for bit, as if never re-split

@@ -1,6 +1,6 @@
 """A tiny training job whose records carry unique ids, for tests/train/test_redistribute_job.py.
 
-    conveyor run -n 2 --output-dir OUT tests/train/id_job.py DATA [CRASH_AT]
+    conveyor run -n 2 [--strategy fsdp] --output-dir OUT tests/train/id_job.py DATA [CRASH_AT]
 
 DATA holds TFRecord files whose records are ids ("17"); every worker appends the ids of each of its steps
 to OUT/ids-<rank>.jsonl (with the run's label from ID_JOB_RUN), and with CRASH_AT every task exits after
@@ -29,7 +29,8 @@ def main() -> None:
     files = Dataset.list_files(os.path.join(folder, "*.tfrecord"), shuffle=False).shard(*job.data_shard)
     data = files.interleave(TFRecordDataset, cycle_length=2).shuffle(8, seed=0).map(parse).batch(4)
     torch.manual_seed(0)
-    module = torch.nn.Linear(1, 2)
+    # repeated blocks (same-typed layers in a Sequential): what the fsdp strategy shards block by block
+    module = torch.nn.Sequential(torch.nn.Linear(1, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     model, opt = job.prepare(module, torch.optim.SGD(module.parameters(), lr=0.01))
     log = open(os.path.join(job.output_dir, f"ids-{job.rank}.jsonl"), "a")
 
@@ -40,8 +41,10 @@ def main() -> None:
         if event.step == crash_at:
             os._exit(3)
 
+    # synchronous saves: the crash after CRASH_AT must find the last checkpoint sealed (a background write cut
+    # short by the crash loses that checkpoint, which would make the resume start over)
     conveyor.Trainer(job, model, opt, torch.nn.functional.cross_entropy, data, epochs=1, checkpoint_every_steps=3,
-                     callbacks=[record], progress=False).fit()
+                     callbacks=[record], progress=False, async_checkpoint=False).fit()
 
 
 if __name__ == "__main__":

@@ -17,9 +17,9 @@ Exactly once: each pending record and held element goes to one new worker, which
 a held element re-enters at its depth, so it passes no map twice (a fused map+batch saved its chunk
 from before the map: it is mapped again). Anything else is refused with `RedistributeError` naming the
 op (from_generator, cache, repeat, take, skip, unbatch, a shard over a map, an interleave over datasets
-with ops, computed file names). Not covered here: a lockstep Trainer ends an epoch when the first worker
-runs out, so a leftover that does not split into equally many batches loses the surplus batches, with the
-Trainer's warning. Design: docs/data.md, "Resuming on another number of workers".
+with ops, computed file names). Shares may differ in batches: the Trainer's workers that run out take
+zero-weight steps until the last one's are used (docs/training.md, "Uneven batches"). Design:
+docs/data.md, "Resuming on another number of workers".
 """
 
 from __future__ import annotations

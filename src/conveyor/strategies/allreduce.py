@@ -98,6 +98,8 @@ class AllReduceStrategy(Strategy):
 class AllReduceStep(Step):
     """The plain step; its communication time is what DDP's own runtime timer measured of each step."""
 
+    shadows = True  # zero gradients in DDP's all-reduce: the others' mean over all N workers, as torch's Join
+
     def __init__(self, job: Any) -> None:
         self._job = job
         self._clocks: list[_CommClock] = []

@@ -41,6 +41,9 @@ class Step:
 
     #: Whether several processes share each batch (pipeline stages): one of them cannot skip a batch alone.
     shares_batches: bool = False
+    #: Whether a worker without a batch can take a zero-weight step with the others (same forward, backward and
+    #: collectives, gradients all zero), so that a lockstep epoch ends when the last worker's batches are used.
+    shadows: bool = False
 
     def train(self, model: nn.Module, optimizer: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
               inputs: Any, targets: Any, mark: Callable[[str], None]) -> torch.Tensor:

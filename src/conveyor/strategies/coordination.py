@@ -3,15 +3,17 @@
     coord = job.strategy.coordinator(job)
     coord.start(max_steps=..., total_epochs=...)
     while not coord.finished(step, steps_per_epoch):
-        have_all = coord.agree(have_batch)          # False: another worker's shard ran out first
-        ...one step...
+        have_all = coord.agree(have_batch, can_shadow)   # False: some worker's shard ran out
+        ...one step (a zero-weight one without a batch while coord.holding > 0)...
         if coord.should_save(step, policy): ...positions = coord.positions(mine, final=False) ...
 
 The training loop asks these questions and never branches on the strategy. Two answers exist:
 
-- :class:`LockstepCoordinator` (all-reduce, ``ps-sync``, one process): every step starts with one
-  small all-reduce that says whether every rank still has a batch (an epoch ends for all ranks
-  together) and carries the chief's time-based "checkpoint now", so all ranks save the same step.
+- :class:`LockstepCoordinator` (all-reduce, ``ps-sync``, fsdp, one process): every step starts with one
+  small all-reduce that counts the ranks that still have a batch and carries the chief's time-based
+  "checkpoint now", so all ranks save the same step. An epoch ends for all ranks together: when the
+  last rank's batches are used where every rank without one can take a zero-weight step, else when
+  the first rank runs out.
 - :class:`IndependentCoordinator` (``ps-async``, ``ps-ssp:K``): no per-step collective. Each worker
   runs at its own pace, into further epochs of its shard if need be, and all stop when the steps
   committed by all workers together reach the job's total (TensorFlow's global step). The count, the
@@ -40,6 +42,9 @@ class Coordinator:
 
     #: how many workers' figures a log record averages over (1: this worker's own)
     log_world: int = 1
+    #: how many workers had a batch at the last ``agree`` that did not end the epoch (lockstep: workers
+    #: without one then take a zero-weight step); 0: the epoch ends (workers running apart end their own)
+    holding: int = 0
 
     def __init__(self, job: Any) -> None:
         self.job = job
@@ -68,8 +73,9 @@ class Coordinator:
         """How many epochs of its shard this worker runs at most (None: no bound from epochs)."""
         return self.total_epochs
 
-    def agree(self, have_batch: bool) -> bool:
-        """Whether every worker has a batch for this step (given whether this one has)."""
+    def agree(self, have_batch: bool, can_shadow: bool = False) -> bool:
+        """Whether every worker has a batch for this step (given whether this one has, and whether it can take
+        a zero-weight step without one); sets :attr:`holding`."""
         return have_batch
 
     def should_save(self, step: int, policy: _Policy) -> bool:
@@ -107,14 +113,17 @@ class LockstepCoordinator(Coordinator):
         self._save_request = False  # the chief's time-based decision, sent with the next step's agreement
         self._save_flag = False  # what the last agreement carried
 
-    def agree(self, have_batch: bool) -> bool:
+    def agree(self, have_batch: bool, can_shadow: bool = False) -> bool:
         if self.world == 1:
+            self.holding = int(have_batch)
             return have_batch
         want = self.chief and self._save_request
-        flags = torch.tensor([1.0 if have_batch else 0.0, 1.0 if want else 0.0], device=self.job.device)
+        stuck = not have_batch and not can_shadow  # one such rank ends the epoch for all (the surplus is dropped)
+        flags = torch.tensor([float(have_batch), float(want), float(stuck)], device=self.job.device)
         self.job.all_reduce(flags)
-        everyone, save = flags.tolist()
+        everyone, save, stuck_ranks = flags.tolist()
         self._save_flag = save > 0
+        self.holding = 0 if stuck_ranks > 0 else round(everyone)
         return everyone >= self.world
 
     def should_save(self, step: int, policy: _Policy) -> bool:

@@ -15,7 +15,6 @@ op that holds the data back and the way out.
 from __future__ import annotations
 
 import json
-import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -176,6 +175,5 @@ class TrainerPosition(Item):
             set_rng_state(rng)
         spe = ckpt.extra.get("steps_per_epoch")
         self.steps_per_epoch = int(spe) if spe and saved_world == world else None  # another world: other epochs
-        if saved_world != world and self.job.is_chief:
-            print(f"resumed step {ckpt.step}, written by {saved_world} workers, on {world} workers: data "
-                  f"redistributed", file=sys.stderr, flush=True)
+        if saved_world != world and isinstance(saved_world, int):
+            ckpt.reworld.append(("workers", saved_world, world, "data", ""))

@@ -18,7 +18,7 @@ from typing import Any
 from conveyor.train.checkpoint import Checkpoint, CheckpointError, CheckpointManager, Item, ResumeError
 from conveyor.train.position import DataPosition, optimizer_name
 
-__all__ = ["DataPosition", "ResumeError", "describe", "optimizer_name", "resume"]
+__all__ = ["DataPosition", "ResumeError", "announcement", "describe", "optimizer_name", "restore", "resume"]
 
 
 def resume(job: Any, checkpoints: CheckpointManager, items: Mapping[str, Item]) -> Checkpoint | None:
@@ -31,6 +31,13 @@ def resume(job: Any, checkpoints: CheckpointManager, items: Mapping[str, Item]) 
     ckpt = checkpoints.load(step)
     if job.is_chief:
         print(f"resumed from {describe(ckpt)}", file=sys.stderr, flush=True)
+    restore(job, ckpt, items)
+    return ckpt
+
+
+def restore(job: Any, ckpt: Checkpoint, items: Mapping[str, Item]) -> None:
+    """Check, then restore, every one of `items` from `ckpt`; the chief announces what was re-dealt for a job of
+    another shape in one line (`announcement`)."""
     for name, item in items.items():  # first: another model is refused as such, not as a worker-count mismatch
         item.check(name, ckpt)
     for name, item in items.items():
@@ -41,7 +48,24 @@ def resume(job: Any, checkpoints: CheckpointManager, items: Mapping[str, Item]) 
                               f"strategy {ckpt.extra.get('strategy', '?')}) does not fit this job's (strategy "
                               f"{job.strategy.name}): {e}. Resume with the setup that wrote it, or "
                               + ckpt.start_over()) from e
-    return ckpt
+    line = announcement(ckpt, int(job.world_size))
+    if line is not None and job.is_chief:
+        print(line, file=sys.stderr, flush=True)
+
+
+def announcement(ckpt: Checkpoint, world: int) -> str | None:
+    """"resumed step 120, written by 4 workers with 2 ps tasks, on 3 workers with 1: data and shards
+    redistributed (...)" from what the items noted in `ckpt.reworld`; None when nothing was re-dealt."""
+    if not ckpt.reworld:
+        return None
+    counts = {count: (saved, now) for count, saved, now, _, _ in ckpt.reworld}
+    saved, now = counts.get("workers", (ckpt.extra.get("world_size", world), world))
+    ps = counts.get("ps tasks")
+    moved = " and ".join(dict.fromkeys(what for _, _, _, what, _ in ckpt.reworld))
+    details = "; ".join(d for *_, d in ckpt.reworld if d)
+    return (f"resumed step {ckpt.step}, written by {saved} workers{f' with {ps[0]} ps tasks' if ps else ''}, on "
+            f"{now} workers{f' with {ps[1]}' if ps else ''}: {moved} redistributed"
+            + (f" ({details})" if details else ""))
 
 
 def describe(ckpt: Checkpoint) -> str:

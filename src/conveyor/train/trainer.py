@@ -284,23 +284,27 @@ class _Run:
                 break
             self.prof.mark("input_wait")
             inputs, targets = split_batch(batch)
-            step = self.strategy.step
+            step, shadow = self.strategy.step, self.batches.shadow
             comm_before = step.comm_seconds()
-            loss = self.meter.train(step.train, t.model, t.optimizer, self.loss_fn, inputs, targets, self.prof.mark)
+            loss_fn = _zero_weight(self.loss_fn) if shadow else self.loss_fn
+            loss = self.meter.train(step.train, t.model, t.optimizer, loss_fn, inputs, targets, self.prof.mark)
             t.step += 1
             self.guard.after_step(t.step, loss)
             if t.scheduler is not None:
                 t.scheduler.step()
-            samples = step.counted_samples(batch_size(targets))
+            samples = 0 if shadow else step.counted_samples(batch_size(targets))
             times = self.prof.end_step(t.step, samples, step.comm_seconds() - comm_before)
-            self.reporter.add(loss, samples, times.input_wait, *self.meter.measure(inputs, targets, samples))
+            if shadow:  # no batch of this worker's data: no loss, samples or callbacks (the others' step counts)
+                self.reporter.progress.advance()
+            else:
+                self.reporter.add(loss, samples, times.input_wait, *self.meter.measure(inputs, targets, samples))
             if t.step % self.cfg.log_every_steps == 0:
                 self._log()
             if self.evaluator.due(t.step):
                 self.evaluator.run(t.step, final=False)
             if self.checkpointer.due(t.step):
                 self.checkpointer.save(t.step)
-            for callback in t.callbacks:
+            for callback in () if shadow else t.callbacks:
                 callback(StepEnd(t.step, t.epoch, loss, inputs, targets, times))
 
     def finish(self) -> None:
@@ -366,18 +370,28 @@ class _Run:
 
 
 class _Batches:
-    """This worker's training batches, epoch after epoch, as far as the coordinator lets them through."""
+    """This worker's training batches, epoch after epoch, as far as the coordinator lets them through.
+
+    Where the strategy's step can take a zero-weight step (`Step.shadows`), a worker whose batches of the
+    epoch ran out steps on with the others (`shadow`: its last batch again, its loss times zero) until the
+    last worker's are used: no worker's surplus is dropped. Elsewhere the epoch ends when the first runs out.
+    """
 
     def __init__(self, run: _Run):
         self.run, self.t, self.coord = run, run.t, run.coord
         self.root_seed: int = int(self.t.train_data.root_seed)
         self.it = None
-        self.in_epoch = 0  # batches taken in the current epoch
+        self.in_epoch = 0  # steps taken in the current epoch (zero-weight ones too)
         self.epoch_length = run.cfg.steps_per_epoch  # None: an epoch is one pass over train_data
         self.steps_per_epoch: int | None = self.epoch_length
         self.resumed = False
         self.leftover: dict | None = None  # this worker's share of an epoch begun by another worker count
         self.dropped_epochs = 0  # epochs in which this rank had batches left when another ran out
+        self.can_shadow = bool(run.strategy.step.shadows) and int(self.t.job.world_size) > 1
+        self.shadow = False  # the batch `next` returned is one to take a zero-weight step with
+        self.exhausted = False  # this epoch's iterator ended
+        self.last: Any = None  # the batch zero-weight steps repeat
+        self.looked = False  # read a batch for them from the shard's start already
 
     @property
     def active(self) -> bool:
@@ -402,18 +416,19 @@ class _Batches:
                 self.it.load_state_dict(state.iterator)
 
     def next(self) -> Any:
-        """This step's batch; None when this worker's training data is over."""
+        """This step's batch (see `shadow`); None when this worker's training data is over."""
         while True:
-            batch = None
-            if self.epoch_length is None or self.in_epoch < self.epoch_length:
-                try:
-                    batch = next(self.it)
-                except StopIteration:
-                    pass
-            if self.coord.agree(batch is not None):
+            batch = self._take()
+            can_shadow = batch is None and self.can_shadow and self._shadow_batch() is not None
+            if self.coord.agree(batch is not None, can_shadow) or self.coord.holding:
                 self.in_epoch += 1
+                self.shadow = batch is None
+                if self.shadow:
+                    return self.last
+                if self.can_shadow:
+                    self.last = batch
                 return batch
-            if batch is not None:  # another rank's shard ended first: every rank ends the epoch together
+            if batch is not None:  # another rank's shard ended first and it cannot step on: all end the epoch
                 self._warn_dropped()
             if not self._next_epoch():  # (closes this epoch's iterator, surplus batches and all)
                 return None
@@ -426,10 +441,32 @@ class _Batches:
         if self.it is not None:
             self.it.close()
 
+    def _take(self) -> Any:
+        if self.exhausted or (self.epoch_length is not None and self.in_epoch >= self.epoch_length):
+            return None
+        try:
+            return next(self.it)
+        except StopIteration:
+            self.exhausted = True
+            return None
+
+    def _shadow_batch(self) -> Any:
+        """The batch zero-weight steps repeat: this worker's last, else (once) the first of its shard's epoch,
+        e.g. for a worker dealt no batch of a redistributed epoch; None where its shard has none."""
+        if self.last is None and not self.looked:
+            self.looked = True
+            it = self._iterator(self.t.epoch, plain=True)
+            try:
+                self.last = next(it, None)
+            finally:
+                it.close()
+        return self.last
+
     def _next_epoch(self) -> bool:
         t = self.t
         with self.run.prof.span("epoch_end", epoch=t.epoch):
             self.it.close()
+            self.exhausted = False
             if self.in_epoch and self.steps_per_epoch is None and not self.resumed:
                 self.steps_per_epoch = self.in_epoch
                 total_epochs, max_steps = self.run.cfg.total_epochs, self.run.cfg.max_steps
@@ -449,10 +486,11 @@ class _Batches:
         limit = self.coord.epoch_limit()
         return limit is not None and self.t.epoch >= limit
 
-    def _iterator(self, epoch: int):
+    def _iterator(self, epoch: int, plain: bool = False):
+        """The epoch's batches: this worker's leftover where it has one (unless `plain`), else its shard's."""
         device = torch.device(self.run.device)  # pinned host batches: the copy to a GPU overlaps the step
         data = self.t.train_data
-        source = (data.iterator(self.root_seed, iteration=epoch) if self.leftover is None
+        source = (data.iterator(self.root_seed, iteration=epoch) if self.leftover is None or plain
                   else leftover_iterator(data, self.leftover, self.root_seed, epoch))
         return to_torch(source, device=device, pin_memory=device.type == "cuda")
 
@@ -461,8 +499,9 @@ class _Batches:
         if self.dropped_epochs == 1:
             warnings.warn(
                 f"worker {self.t.job.rank}: another worker's shard of train_data ran out first in epoch "
-                f"{self.t.epoch}; this worker skips the rest of its shard so that all workers end the epoch "
-                f"together. Give every worker the same number of batches (shard evenly, "
+                f"{self.t.epoch} and it cannot take zero-weight steps (its shard has no batch, or the strategy "
+                f"cannot); this worker skips the rest of its shard so that all workers end the epoch together. "
+                f"Give every worker the same number of batches (shard evenly, "
                 f"batch(..., drop_remainder=True)) to train on all of them.", stacklevel=4)
 
 
@@ -527,6 +566,11 @@ def _check_epochs_end(train_data: Any, cfg: TrainConfig) -> None:
         raise ValueError(f"train_data repeats forever (it ends in .repeat() without a count), so an epoch never ends "
                          f"and {asked} would train forever: pass steps_per_epoch=N (batches per epoch) or "
                          f"max_steps=N, or drop the .repeat() (the Trainer runs the epochs itself)")
+
+
+def _zero_weight(loss_fn: Callable) -> Callable:
+    """`loss_fn` times zero: a step whose forward, backward and collectives are a real one's, every gradient zero."""
+    return lambda outputs, targets: loss_fn(outputs, targets) * 0.0
 
 
 def read_previous_summary(out: Path) -> dict[str, Any]:

@@ -17,7 +17,6 @@ checkpoint is refused naming why.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
@@ -72,9 +71,7 @@ class ShardsItem(Item):
         else:
             state = _resharded([ckpt.part_tree(p) for p in header["parts"]], header, self.module, self.optimizer,
                                rank, world, ckpt)
-            if job.is_chief:
-                print(f"resumed step {ckpt.step}, written by {saved} fsdp ranks, on {world}: shards re-split",
-                      file=sys.stderr, flush=True)
+            ckpt.reworld.append(("workers", saved, world, "shards", ""))
         _load_model(self.module, state["model"], ckpt)
         self.optimizer.load_state_dict(_sharded_like(self.optimizer, state["optimizer"]))
 

@@ -113,6 +113,8 @@ class FSDPStep(Step):
     short of replacing its collectives; the step's time shows them within ``forward_backward``.
     """
 
+    shadows = True  # a zero-weight forward/backward gathers and reduce-scatters as a real one (FSDP2 has no Join)
+
     def __init__(self, job: Any) -> None:
         self._job = job
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import atexit
 import json
-import sys
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -220,6 +219,8 @@ class _ServerBoard:
 class _PSStep(Step):
     """The plain step; the optimizer's ``step()`` (:class:`PSOptimizer`) does the communication it counts."""
 
+    shadows = True  # ps-sync: zero gradients in the servers' mean over all workers (workers running apart never wait)
+
     def __init__(self, strategy: PSStrategy) -> None:
         self._strategy = strategy
 
@@ -345,10 +346,8 @@ class _ShardedOptimizer(Item):
             raise ResumeError(f"checkpoint {ckpt.path} was written with {saved} ps tasks and cannot be re-split "
                               f"onto this job's {client.num_servers}: {e}") from e
         client.load_state([(meta, tensors) for tensors, meta in states])
-        if self.strategy.job.is_chief:
-            print(f"resumed step {ckpt.step}, written with {saved} ps tasks, on {client.num_servers}: shards re-split "
-                  f"({len(client.placement.pieces)} pieces, parameters and optimizer state as saved)",
-                  file=sys.stderr, flush=True)
+        ckpt.reworld.append(("ps tasks", saved, client.num_servers, "shards",
+                             f"{len(client.placement.pieces)} pieces, parameters and optimizer state as saved"))
 
 
 class _StepParts:

@@ -75,6 +75,9 @@ class Checkpoint:
     extra: dict[str, Any] = field(default_factory=dict)
     time: float | None = None
     parts: dict[str, Path] = field(default_factory=dict)  # every file the manifest lists, by part name
+    # what restoring it re-dealt for a job of another shape: (count, saved, now, what, detail) as in
+    # ("workers", 4, 3, "data", ""), ("ps tasks", 2, 1, "shards", "..."); `train.resume.announcement` says it
+    reworld: list[tuple[str, int, int, str, str]] = field(default_factory=list)
 
     @property
     def root(self) -> Path:
