@@ -1,6 +1,6 @@
 """Failures that do not cost the job (issue 19), measured: one section per question, table + JSON.
 
-    python benchmarks/elastic.py                          # every section (today: async-save)
+    python benchmarks/elastic.py                          # every section (async-save, stall)
     python benchmarks/elastic.py --section async-save     # one section
     python benchmarks/elastic.py --quick                  # small sizes, 1 round
 
@@ -11,14 +11,21 @@ Sections:
               *blocked* time (what the training loop waits: the state copied to the host), one optimizer
               step before each save, contenders interleaved; the asynchronous write is let finish before
               the next save, so each blocked time is the copy alone. Goal: blocked <= 0.25 x synchronous.
+  stall       `conveyor run -n 2` of the digits demo (allreduce), worker:1 SIGKILLed after step --kill-step
+              (CONVEYOR_FAULT's `after-step`), once per round; each run's summary.json `recovery` block
+              (conveyor.recovery: detect, stop, pause, process start, imports, group init, the script's setup,
+              restore, first step): the median of each part and of the total. Goal: total <= 10 s.
 
-The goodput and stall-per-failure sections of the issue come later, as sections of this script.
+The goodput section of the issue comes later, as a section of this script.
 Writes ``<out>/elastic-<timestamp>.json`` and ``elastic-latest.json`` (default benchmarks/results/).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -131,7 +138,58 @@ def async_save(args: argparse.Namespace) -> dict[str, Any]:
             "goals": goals, "table": table}
 
 
-SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {"async-save": async_save}
+STALL_PARTS = ("detect", "stop", "pause", "process_start", "imports", "group_init", "setup", "restore", "first_step",
+               "total")
+STALL_GOALS = (h.Goal("stall after a failure <= 10 s (median total)", "total_s", 10.0, "<="),)
+DIGITS = Path(__file__).resolve().parents[1] / "examples" / "digits" / "train.py"
+
+
+def one_failure(tmp: Path, rnd: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One job with one SIGKILL of worker:1: its recovery entry (conveyor.recovery) and the job's wall seconds."""
+    out = tmp / f"run-{rnd}"
+    cmd = [sys.executable, "-m", "conveyor.cli.main", "run", "-n", "2", "--data-dir", str(tmp / "data"),
+           "--output-dir", str(out), "--max-restarts", "1", "--restart-delay", str(args.restart_delay), str(DIGITS),
+           "--epochs", "1", "--batch-size", "64", "--checkpoint-every", str(max(1, args.kill_step // 2))]
+    env = {**os.environ, "CONVEYOR_FAULT": f"worker:1:after-step:{args.kill_step}"}
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    wall = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise h.ContenderFailed(f"exit {proc.returncode}: {(proc.stdout + proc.stderr)[-600:]}")
+    entries = json.loads((out / "summary.json").read_text()).get("recovery") or []
+    if len(entries) != 1:
+        raise h.ContenderFailed(f"summary.json has {len(entries)} recovery entries, not 1")
+    return {**entries[0], "job_wall_s": wall}
+
+
+def stall(args: argparse.Namespace) -> dict[str, Any]:
+    """The stall section: one failure per round, each part's median, the goal on the total."""
+    runs, errors = [], []
+    with tempfile.TemporaryDirectory(prefix="conveyor-elastic-stall-", dir=args.dir) as tmp:
+        for rnd in range(args.repeats):
+            try:
+                runs.append(one_failure(Path(tmp), rnd, args))
+                print(f"  round {rnd + 1}: total {runs[-1]['total']:.2f} s", flush=True)
+            except (h.ContenderFailed, subprocess.TimeoutExpired) as e:
+                errors.append(f"round {rnd + 1}: {e}")
+                print(f"  round {rnd + 1}: FAILED {e}", flush=True)
+    samples = {p: [r.get(p) for r in runs] for p in STALL_PARTS}
+    medians = {p: h.median(samples[p]) for p in STALL_PARTS}
+    derived = {"total_s": medians["total"], "medians": medians, "loadavg": os.getloadavg()}
+    total = medians["total"]
+    rows = [["part", "median s", "share", "samples s"]]
+    rows += [[p, h.fmt(medians[p], ".2f"), h.fmt(medians[p] / total if total else None, ".0%"),
+              h.fmt_all(samples[p], ".2f")] for p in STALL_PARTS]
+    table = (f"stall: conveyor run -n 2 digits (allreduce, CPU), worker:1 SIGKILLed after step {args.kill_step}, "
+             f"restart delay {args.restart_delay:g} s, {len(runs)} failure(s); load average "
+             f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} CPU(s)\n"
+             + h.format_rows(rows, underline=True))
+    return {"config": {"repeats": args.repeats, "kill_step": args.kill_step, "restart_delay": args.restart_delay},
+            "samples": samples, "runs": runs, "errors": errors, "derived": derived,
+            "goals": h.evaluate_goals(STALL_GOALS, derived), "table": table}
+
+
+SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {"async-save": async_save, "stall": stall}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -143,11 +201,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1: a task's share when several share a machine, conveyor run's "
                         "OMP_NUM_THREADS default)")
+    p.add_argument("--kill-step", type=int, default=9, help="stall: worker:1 is killed after this step (default 9)")
+    p.add_argument("--restart-delay", type=float, default=0.0,
+                   help="stall: conveyor run's --restart-delay (default 0: the mechanism alone; the run's is 1)")
     p.add_argument("--dir", type=Path, default=None, help="where checkpoints are written (default: the system's temp)")
     args = p.parse_args(argv)
     args.section = [s for s in SECTIONS if s in (args.section or SECTIONS)]
     return h.settle(p, args, {"repeats": (5, 1), "width": (2048, 256), "layers": (3, 2)},
-                    positive=("repeats", "width", "layers", "threads"))
+                    positive=("repeats", "width", "layers", "threads", "kill_step"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,21 +10,25 @@ of a save (`conveyor.train.checkpoint.store`): `part-written` (a task's part sta
 (the chief's files and every part in its temporary folder), `after-manifest` (COMPLETE written, not
 yet made durable), `after-seal` (the folder durable), `before-rename` (an older save of the step moved
 aside), `after-rename` (the commit point), `after-latest`, `during-rotation` (one old step moved to the
-trash). docs/training.md, "Checkpoints on disk", says what the job does after each. Under asynchronous
-saves (the default) the points after `part-written` fire in the writer thread: SIGKILL ends the process.
+trash); and `after-step` (the Trainer, once step N is done: the stall benchmark's failure). docs/training.md,
+"Checkpoints on disk", says what the job does after each. Under asynchronous saves (the default) the points
+after `part-written` fire in the writer thread: SIGKILL ends the process. Before it, the task says when on
+stderr (`conveyor fault: SIGKILL ... time T`): the launcher's record of the restart reads it (conveyor.recovery).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
+import time
 
 from conveyor.cluster.variables import FAULT_VAR, RESTART_COUNT_VAR, TASK_INDEX_VAR, TASK_TYPE_VAR
 
 __all__ = ["POINTS", "point"]
 
 POINTS = ("part-written", "after-parts", "after-manifest", "after-seal", "before-rename", "after-rename",
-          "after-latest", "during-rotation")
+          "after-latest", "during-rotation", "after-step")
 
 
 def point(name: str, step: int) -> None:
@@ -39,4 +43,5 @@ def point(name: str, step: int) -> None:
     task, steps = ":".join(fields[:at]), fields[at + 1:]
     me = f"{os.environ.get(TASK_TYPE_VAR, '')}:{os.environ.get(TASK_INDEX_VAR, '')}"
     if task in (me, "*") and (not steps or steps[0] == str(step)):
+        print(f"conveyor fault: SIGKILL at {name} step {step} time {time.time():.6f}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)

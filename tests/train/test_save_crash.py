@@ -6,7 +6,7 @@ The crash comes from the test-only hook `conveyor.fault` (CONVEYOR_FAULT="<task>
 first attempt only. Each case is two runs of the digits demo (2 epochs at batch 64: 22 steps, a checkpoint
 every 5). The default suite runs a fast subset under ps-sync (the issue's window: the chief killed after the
 rename, before `latest`; the ps killed after writing its shard); every point x every strategy runs with
-CONVEYOR_CRASH_MATRIX=1 (35 runs, about 15 minutes on 2 cores).
+CONVEYOR_CRASH_MATRIX=1 (39 runs, about 17 minutes on 2 cores).
 """
 
 from __future__ import annotations

@@ -135,7 +135,8 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(OUTPUT_LOCK_VAR, "the output folder's lock file, held by the launcher for the whole job",
              _RUN, f"{_INIT}, which then does not take the lock again (conveyor.cluster.output_lock)"),
     Variable(FAULT_VAR, "TEST ONLY: <task>:<point>[:<step>] kills that task at that point of a checkpoint "
-             "save, in the first attempt", "the crash tests (tests/train/test_save_crash.py)", "conveyor.fault"),
+             "save (or after-step), in the first attempt",
+             "the crash tests (tests/train/test_save_crash.py), benchmarks/elastic.py's stall", "conveyor.fault"),
     Variable(FSDP_BLOCKS_VAR, "the modules to shard one by one (named_modules names), comma-separated",
              f"{_RUN} (--fsdp-blocks), or the user", f"{_INIT} (job.settings), for the fsdp strategy"),
     Variable(FSDP_RESHARD_VAR, "0: keep the gathered parameters from forward to backward (ZeRO-2-like)",

@@ -51,6 +51,7 @@ from conveyor.launch.states import (
     TaskExit,
 )
 from conveyor.launch.tasks import Console, RunningTask, stop_tasks
+from conveyor.recovery import fault_time, note_restart
 
 __all__ = ["JobResult", "PeerError", "Peers", "Supervisor", "TaskExit"]
 
@@ -215,6 +216,7 @@ class Supervisor:
         self._first = (first_attempt, tuple(history))
         self._history: tuple[Failure, ...] = ()  # the failures restarted so far, oldest first
         self._next_peer_check = 0.0
+        self._recovery: dict = {}  # the failure being recovered from: its moments (conveyor/recovery.py)
         #: every data worker that exited while the job ran: task, attempt, status, restarted, log (summary.json)
         self.data_worker_exits: list[dict] = []
 
@@ -256,12 +258,16 @@ class Supervisor:
         start_step = latest_step(self.plan.checkpoint_dir)
         # restarts after failures differ from attempts only once an elastic job has changed its membership
         failures = {"failures": len(self._history)} if self._regroup_of() is not None else {}
+        started = time.time()
         for launch in self.plan.tasks:
             with contextlib.suppress(OSError):  # an earlier attempt's report would describe this one's failure
                 os.remove(report_path(launch.log_path))
             self._tasks.append(RunningTask.start(launch, s.attempt, self._console, **failures))
         pids = ", ".join(f"{r.name} pid {r.proc.pid}" for r in self._tasks)
         self._say(f"attempt {s.attempt}: started {pids}; logs in {self.plan.log_dir}")
+        recovering, self._recovery = self._recovery, {}
+        if "stopped" in recovering:  # summary.json's recovery block (the chief of this attempt reads it)
+            note_restart(self.plan.log_dir, attempt=s.attempt, started=started, **recovering)
         self._next_peer_check = 0.0
         return Running(s.attempt, tuple(self._tasks), start_step)
 
@@ -281,6 +287,7 @@ class Supervisor:
                 return self._data_worker_died(s, rt, code)  # go to the others (docs/data-service.md)
             if code is not None and code != 0:
                 failure = TaskExit(rt.name, code, rt.launch.log_path)
+                self._recovery = {"task": rt.name, "seen": time.time()}
                 self._report_failure(s.attempt, rt, failure)
                 return Failed(s.attempt, s.start_step, "task", failure)
         return self._ask_peers(s)
@@ -358,10 +365,13 @@ class Supervisor:
         has stopped before a restart."""
         tasks = self._tasks
         self._stop_tasks()
+        if self._recovery:
+            self._recovery["stopped"] = time.time()
         if isinstance(state, Failed) and state.kind == "task" and state.failure is not None:
             # The tail is complete only now that the pump threads have drained the pipes.
             rt = next(r for r in tasks if r.name == state.failure.task)
             state = replace(state, failure=replace(state.failure, last_lines=tuple(rt.tail)))
+            self._recovery["died"] = fault_time(rt.tail)
         if (self.peers is not None and isinstance(state, Failed) and state.kind != "final"
                 and len(self._history) < self.policy.max_restarts):
             state = self._sync_restart(self.peers, state)
@@ -389,6 +399,7 @@ class Supervisor:
                 return Failed(s.attempt, s.start_step, "final", message=reason)
             message = self.peers.failure(s.attempt)
             if message:
+                self._recovery = {"task": None, "seen": time.time()}
                 return Failed(s.attempt, s.start_step, "peer", message=message)
             if isinstance(s, Running) and self.peers.succeeded(s.attempt):  # the chief's node or every node
                 return Lingering(s.attempt, s.tasks, s.start_step, since=time.monotonic())

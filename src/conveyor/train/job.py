@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from conveyor import recovery
 from conveyor.cluster import Discovered, failure_report, validate
 from conveyor.cluster.argv import discover_with_flags
 from conveyor.cluster.output_lock import lock_for_script
@@ -71,6 +72,7 @@ def init(strategy: str | None = None, *, timeout: float | None = None, share_gpu
     ``ps-*`` strategy still join the gloo process group among themselves (the ps tasks are not in it)
     for ``barrier``/``all_gather_bytes``/``all_reduce``.
     """
+    recovery.mark("imports")  # the script has imported what it needs (the stall after a failure: conveyor.recovery)
     env: Mapping[str, str] = os.environ if environ is None else environ
     failure_report.install(env)  # under `conveyor run`: a fatal error tells the launcher what failed
     found = discover_with_flags(sys.argv[1:] if argv is None else argv, env)
@@ -100,6 +102,7 @@ def init(strategy: str | None = None, *, timeout: float | None = None, share_gpu
     # NCCL refuses two ranks on one GPU; sharing is allowed per job, so every rank picks the same backend
     backend = "nccl" if device.type == "cuda" and not settings.share_gpus else "gloo"
     owns_group = found.world_size > 1 and _join_group(found, backend, settings.timeout, env)
+    recovery.mark("group")
     job = Job(found, chosen, settings, device=device, backend=backend, owns_group=owns_group)
     job._output_lock = output_lock
     try:

@@ -7,7 +7,8 @@ Global figures (samples, input-wait and accelerator-idle fractions) are summed o
 (``conveyor.train.scaling_figures``). The chief adds the strategy's own figures (``communication``) and
 writes ``<output>/summary.json`` atomically. The keys: ``docs/training.md``, "Outputs". Where known, the
 run's tokens/s, mean TFLOPS per device and MFU (over ``wall``, as samples/s) and the peak memory (GiB, the
-largest rank's): ``conveyor.train.throughput``.
+largest rank's): ``conveyor.train.throughput``. After a restart, ``recovery``: where the stall went
+(``conveyor.recovery``; the task parts are the slowest rank's).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 
+from conveyor import recovery
 from conveyor.fileio import atomic_write
 from conveyor.train.plots import plot_step_breakdown, plot_timeline
 from conveyor.train.profiler import StepProfiler
@@ -64,6 +66,7 @@ def summarize(job: Any, prof: StepProfiler, *, wall: float, steps: int, epochs: 
         "steps_this_run": figures["steps"],
         "checkpoints": str(checkpoints),
         **({"checkpoint_saves": checkpoint_saves} if checkpoint_saves is not None else {}),
+        **({"recovery": _recovery(job)} if int(job.restart_count) > 0 else {}),
         "outputs": outputs,
     }
     # Strategies with more to say (parameter servers: push / pull / wait-for-servers seconds, bytes and
@@ -88,6 +91,13 @@ def _throughput(job: Any, meter: Throughput, wall: float) -> dict[str, Any]:
     world = int(job.world_size)
     figures = meter.figures(flops / world if flops_known else None, tokens if tokens_known else None, wall)
     return {**figures, "peak_memory_gib": memory.item() / 2**30}
+
+
+def _recovery(job: Any) -> list[dict[str, Any]]:
+    """The launcher's restart records with this attempt's task parts (collective: a max over ranks)."""
+    times = torch.tensor(recovery.task_times(), dtype=torch.float64, device=torch.device(job.device))
+    job.all_reduce(times, op="max")
+    return recovery.block(Path(job.output_dir) / "logs", int(job.restart_count), times.tolist())
 
 
 def _write_trace_and_plots(job: Any, prof: StepProfiler, out: Path) -> dict[str, Any]:

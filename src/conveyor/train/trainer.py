@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from conveyor import fault, recovery
 from conveyor.comm.process_group import collective_guard
 from conveyor.data.redistribute import leftover_iterator
 from conveyor.data.torch_adapter import to_torch
@@ -259,7 +260,9 @@ class _Run:
 
     def start(self) -> None:
         t = self.t
+        recovery.mark("fit")
         resumed = resume(self.job, t.checkpoints, self.items)
+        recovery.mark("restored")
         t.step = resumed.step if resumed else 0
         self.resumed_from = self.checkpointer.last_saved = resumed.step if resumed else None
         self.batches.start(resumed is not None, self.position)
@@ -289,6 +292,8 @@ class _Run:
             loss_fn = _zero_weight(self.loss_fn) if shadow else self.loss_fn
             loss = self.meter.train(step.train, t.model, t.optimizer, loss_fn, inputs, targets, self.prof.mark)
             t.step += 1
+            recovery.mark("first_step")  # the stall after a failure ends here (conveyor.recovery)
+            fault.point("after-step", t.step)
             self.guard.after_step(t.step, loss)
             if t.scheduler is not None:
                 t.scheduler.step()
