@@ -6,10 +6,9 @@ Rank r writes part ``fsdp-rank-<r>``: its local shard of every parameter (a DTen
 the buffers, under the model's own names, and its optimizer state (the state of each sharded parameter
 is sharded alike; its local shards are written). Nothing is gathered on one rank. The chief writes the
 header tree ``fsdp`` (format, world size, blocks, part names, each sharded tensor's whole shape). On
-resume every rank reads its own part back into its shards; :func:`full_model` joins every rank's
-shards into the whole model in memory (``conveyor checkpoint export`` reads the same layout a tensor at a time:
-``conveyor.train.checkpoint.sources``). A checkpoint of another number of ranks
-is re-split on load: every rank joins each sharded tensor (parameters and their per-element optimizer
+resume every rank reads its own part back into its shards; ``conveyor checkpoint export`` joins every
+rank's shards into the whole model a tensor at a time (``conveyor.train.checkpoint.sources``). A
+checkpoint of another number of ranks is re-split on load: every rank joins each sharded tensor (parameters and their per-element optimizer
 state) from all saved parts and keeps its own dim-0 chunk, as FSDP2 cuts it for this world (a copy:
 bit-identical; docs/strategies.md, "FSDP: resuming on another number of ranks"). Another strategy's
 checkpoint is refused naming why.
@@ -26,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from conveyor.train.checkpoint.items import Item, StepWrite
 from conveyor.train.checkpoint.read import Checkpoint, ResumeError
 
-__all__ = ["CHECKPOINT_FORMAT", "ShardsItem", "copy_into_shards", "full_model"]
+__all__ = ["CHECKPOINT_FORMAT", "ShardsItem", "copy_into_shards"]
 
 CHECKPOINT_FORMAT = "conveyor.fsdp.shards"
 
@@ -161,24 +160,3 @@ def _sharded_like(optimizer: Any, saved: dict[str, Any]) -> dict[str, Any]:
                      for k, v in entry.items()}
         state[index] = entry
     return {**saved, "state": state}
-
-
-def full_model(ckpt: Checkpoint, header: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The whole model's state from every rank's part: FSDP2 shards a tensor into dim-0 chunks, rank r holding
-    chunk r (``torch.chunk``; later ranks may hold none), so the shards in rank order concatenate to it."""
-    shards: dict[str, list[torch.Tensor]] = {}
-    state: dict[str, torch.Tensor] = {}
-    for rank, part in enumerate(header["parts"]):
-        model = ckpt.part_tree(part)["model"]
-        for k, v in model.items():
-            if k in header["sharded"]:
-                shards.setdefault(k, []).append(v)
-            elif rank == 0:
-                state[k] = v
-    for k, shape in header["sharded"].items():
-        whole = torch.cat(shards[k], dim=0)
-        if list(whole.shape) != list(shape):
-            raise ValueError(f"checkpoint {ckpt.path}: the shards of {k} join to {list(whole.shape)}, not the "
-                             f"{shape} the header says: the step is damaged")
-        state[k] = whole
-    return state
