@@ -5,12 +5,12 @@
 Rank r writes part ``fsdp-rank-<r>``: its local shard of every parameter (a DTensor's ``to_local()``) and
 the buffers, under the model's own names, and its optimizer state (the state of each sharded parameter
 is sharded alike; its local shards are written). Nothing is gathered on one rank. The chief writes the
-header tree ``fsdp`` (format, world size, blocks, part names, each sharded tensor's whole shape). On
-resume every rank reads its own part back into its shards; ``conveyor checkpoint export`` joins every
-rank's shards into the whole model a tensor at a time (``conveyor.train.checkpoint.sources``). A
-checkpoint of another number of ranks is re-split on load: every rank joins each sharded tensor (parameters and their per-element optimizer
-state) from all saved parts and keeps its own dim-0 chunk, as FSDP2 cuts it for this world (a copy:
-bit-identical; docs/strategies.md, "FSDP: resuming on another number of ranks"). Another strategy's
+header tree ``fsdp`` (format, world size, blocks, part names, each sharded tensor's whole shape). On resume
+every rank reads its own part back into its shards; ``conveyor checkpoint export`` joins every rank's shards
+into the whole model a tensor at a time (``conveyor.train.checkpoint.sources``). A checkpoint of another
+number of ranks is re-split on load: every rank joins each sharded tensor (parameters and their per-element
+optimizer state) from all saved parts and keeps its own dim-0 chunk, as FSDP2 cuts it for this world (a
+copy: bit-identical; docs/strategies.md, "FSDP: resuming on another number of ranks"). Another strategy's
 checkpoint is refused naming why.
 """
 
