@@ -65,32 +65,27 @@ def time_collectives(modules: Iterable[nn.Module], clock: CommClock) -> bool:
     return True
 
 
+class _Timed:
+    """FSDP2's default collective (the class this is mixed into), its wall time added to the clock as `kind`."""
+
+    kind = ""
+
+    def __init__(self, clock: CommClock) -> None:
+        super().__init__()
+        self._clock = clock
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return super().__call__(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self._clock.add(self.kind, time.perf_counter() - start)
+
+
 if DefaultAllGather is not None:
 
-    class _TimedAllGather(DefaultAllGather):  # type: ignore[misc,valid-type]
-        """FSDP2's default all-gather, its wall time added to the clock."""
+    class _TimedAllGather(_Timed, DefaultAllGather):  # type: ignore[misc,valid-type]
+        kind = "all_gather"
 
-        def __init__(self, clock: CommClock) -> None:
-            super().__init__()
-            self._clock = clock
-
-        def __call__(self, *args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return super().__call__(*args, **kwargs)
-            finally:
-                self._clock.add("all_gather", time.perf_counter() - start)
-
-    class _TimedReduceScatter(DefaultReduceScatter):  # type: ignore[misc,valid-type]
-        """FSDP2's default reduce-scatter, its wall time added to the clock."""
-
-        def __init__(self, clock: CommClock) -> None:
-            super().__init__()
-            self._clock = clock
-
-        def __call__(self, *args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return super().__call__(*args, **kwargs)
-            finally:
-                self._clock.add("reduce_scatter", time.perf_counter() - start)
+    class _TimedReduceScatter(_Timed, DefaultReduceScatter):  # type: ignore[misc,valid-type]
+        kind = "reduce_scatter"
