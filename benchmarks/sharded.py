@@ -138,9 +138,11 @@ def memory_worker(config: dict[str, Any]) -> dict[str, Any]:
     rss["model_built"] = rss_bytes()
     model, optimizer = _wrap(config["contender"], model)
     rss["wrapped"] = rss_bytes()
+    rss["peak_by_wrapped"] = rss_bytes("VmHWM")  # construction and sharding's own peak
     x = torch.randn(config["batch"], config["width"], generator=torch.Generator().manual_seed(dist.get_rank()))
     _step(model, optimizer, x)
     rss["after_first_step"] = rss_bytes()
+    rss["peak_by_first_step"] = rss_bytes("VmHWM")  # a step's transients (gathered blocks, gradients, Adam's)
     dist.barrier()
     times = []
     for _ in range(config["steps"]):
@@ -256,13 +258,14 @@ def derive(memory: dict[str, list[dict[str, Any]] | None], paired: list[dict[str
 def table(memory: dict[str, list[dict[str, Any]] | None], d: dict[str, Any]) -> str:
     """One row per contender and rank: measured RSS by phase and peak, held bytes by numel, steps/s."""
     gib = 2 ** 30
-    rows: list[Any] = [("contender", "rank", "RSS model GiB", "wrapped", "1st step", "PEAK RSS GiB",
+    rows: list[Any] = [("contender", "rank", "RSS model GiB", "wrapped", "peak so far", "1st step", "peak so far",
+                        "PEAK RSS GiB",
                         "params GiB", "grads GiB", "adam GiB", "steps/s")]
     for name, ranks in memory.items():
         for r in ranks or []:
             m, held = r["rss"], r["held"]
-            rows.append((name, str(r["rank"]), *(h.fmt(m[k] / gib, ".2f") for k in ("model_built", "wrapped",
-                                                                                   "after_first_step")),
+            phases = ("model_built", "wrapped", "peak_by_wrapped", "after_first_step", "peak_by_first_step")
+            rows.append((name, str(r["rank"]), *(h.fmt(m[k] / gib, ".2f") for k in phases),
                          h.fmt(r["peak_rss"] / gib, ".2f"),
                          *(h.fmt(held[k] / gib, ".2f") for k in ("parameters", "gradients", "optimizer_state")),
                          h.fmt(1 / h.median(r["seconds"]), ".3f")))
