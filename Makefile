@@ -60,6 +60,7 @@ bench: setup
 	$(PY) benchmarks/ps_training.py
 	$(PY) benchmarks/data_state.py
 	$(PY) benchmarks/pipeline_parallel.py
+	$(PY) benchmarks/sharded.py
 	$(PY) benchmarks/scaling_model.py
 	$(PY) benchmarks/hosts.py
 	$(PY) benchmarks/data_service.py

@@ -159,6 +159,10 @@ def test_the_trainer_runs_unchanged_evaluates_checkpoints_shards_and_resumes(tmp
         assert r["steps"] == STEPS and r["summary"]["fsdp"]["blocks"] == ["layers.0", "layers.1", "layers.2"]
         assert "eval_loss" in json.dumps(r["summary"]), r["summary"]
         assert torch.allclose(torch.tensor(r["trained"]), reference(1), rtol=0, atol=1e-5)
+        fsdp = r["summary"]["fsdp"]  # FSDP2's own collectives, timed: the step breakdown shows them
+        assert fsdp["all_gather_seconds"] > 0 and fsdp["reduce_scatter_seconds"] > 0, fsdp
+        assert fsdp["collectives"]["reduce_scatter"] >= STEPS and fsdp["all_gather_seconds_per_step"] > 0, fsdp
+        assert r["summary"]["step_breakdown"]["communication"] > 0, r["summary"]["step_breakdown"]
     again = launch("trainer", tmp_path, {"EPOCHS": "2"})  # resumes from the last step's shards
     assert all(r is not None and r.get("ok") for r in again), logs(tmp_path)
     assert f"resumed from step {STEPS} " in (tmp_path / "rank0.log").read_text(), logs(tmp_path)

@@ -11,6 +11,8 @@ script built is kept and its parameter groups point at the sharded parameters (D
 a scheduler built on it still works; it must not have state yet. ``reshard_after_forward`` True frees
 each block's gathered parameters after forward (ZeRO-3), False keeps them for backward (ZeRO-2-like).
 On CUDA, parameters compute in bf16 and gradients reduce in fp32 (``MixedPrecisionPolicy``).
+Communication: :class:`FSDPStep` times FSDP2's own all-gathers and reduce-scatters (``comm_seconds``, and
+per step in ``report()``'s ``fsdp`` block) through its ``set_custom_all_gather``/``set_custom_reduce_scatter``.
 Checkpoints: :mod:`conveyor.strategies.fsdp.checkpoint`. Why and how: docs/strategies.md, "FSDP".
 """
 
@@ -29,6 +31,7 @@ from conveyor.comm.process_group import collective_guard
 from conveyor.strategies.base import Step, Strategy, check_optimizer
 from conveyor.strategies.fsdp.check import check_gradients_averaged
 from conveyor.strategies.fsdp.checkpoint import ShardsItem
+from conveyor.strategies.fsdp.comm import CommClock, time_collectives
 from conveyor.train.checkpoint.items import Item
 
 __all__ = ["FSDPStep", "FSDPStrategy", "default_blocks"]
@@ -79,6 +82,7 @@ class FSDPStrategy(Strategy):
             fully_shard(modules[name], **options)
         fully_shard(model, **options)
         self.sharded = [*blocks, ""]
+        time_collectives([modules[name] for name in blocks] + [model], self.step.clock)
         _rebind(optimizer, names, model)
         return model, optimizer
 
@@ -100,23 +104,32 @@ class FSDPStrategy(Strategy):
         return {"fsdp": ShardsItem(self, module, optimizer)}
 
     def report(self, summary: dict[str, Any]) -> dict[str, Any] | None:
-        """``fsdp``: the blocks sharded, the resharding mode and the ranks sharing each parameter."""
+        """``fsdp``: the blocks sharded, the resharding mode, the ranks sharing each parameter, and this rank's
+        all-gather and reduce-scatter seconds (totals and per step of ``summary["steps"]``; :class:`CommClock`)."""
+        clock: CommClock = self.step.clock
+        steps = int(summary.get("steps_this_run") or summary.get("steps") or 0)
+        per_step = {f"{k}_per_step": (v / steps if steps else None) for k, v in clock.seconds().items()}
         return {"fsdp": {"blocks": [b for b in self.sharded if b], "reshard_after_forward": self.reshard_after_forward,
-                         "shards": int(self.job.world_size)}}
+                         "shards": int(self.job.world_size), **clock.seconds(), **per_step,
+                         "collectives": dict(clock.calls)}}
 
 
 class FSDPStep(Step):
     """The plain step on the sharded model: FSDP2 gathers parameters and reduce-scatters gradients in its hooks.
 
-    ``comm_seconds`` stays 0: FSDP2 issues its all-gathers and reduce-scatters from inside forward and backward
-    on its own streams (prefetching the next block's), with no per-collective hook to time in torch 2.13
-    short of replacing its collectives; the step's time shows them within ``forward_backward``.
+    ``comm_seconds`` is the wall time spent in FSDP2's all-gather and reduce-scatter calls so far
+    (:class:`CommClock`): on CPU/gloo the collectives themselves, all inside ``forward_backward``; on CUDA only
+    their launch (they run on FSDP2's own streams). 0 where torch has no custom-collective hooks (before 2.8).
     """
 
     shadows = True  # a zero-weight forward/backward gathers and reduce-scatters as a real one (FSDP2 has no Join)
 
     def __init__(self, job: Any) -> None:
         self._job = job
+        self.clock = CommClock()
+
+    def comm_seconds(self) -> float:
+        return self.clock.total()
 
     def check(self, model: nn.Module, train_data: Any) -> None:
         if not isinstance(model, FSDPModule):

@@ -1,0 +1,359 @@
+"""Sharded data parallelism: memory and speed of ``--strategy fsdp`` against DDP and a bare FSDP2 loop (2 ranks).
+
+    python benchmarks/sharded.py [--size-gb 1.0] [--steps 3] [--quick]    # table + results/sharded-*.json
+
+The model: ``--depth`` residual blocks ``relu(Linear(w, w)) + x`` (depth from ``--size-gb`` of fp32
+parameters), Adam, a batch of ``--batch`` rows per rank, gloo on CPU, 2 ranks as ``conveyor run -n 2
+--strategy fsdp`` starts them. Contenders, each in a FRESH pair of processes so that each rank's peak RSS
+(``VmHWM``) is its own: ``ddp`` (torch's DistributedDataParallel loop), ``conveyor`` (``conveyor.init``,
+``job.prepare``), ``bare_fsdp2`` (``fully_shard`` per block, then the root; Adam over the shards). Each rank
+reads its RSS after building the model, after wrapping it, after the first step and at the end (measured
+parts), and reports the parameter, gradient and Adam bytes its shard holds by numel (context only).
+Speed: ``paired``, one more pair holding a conveyor and a bare FSDP2 copy of the model, one step of each
+in turn (order alternating, a barrier after every step), rank 0 timing each; per pair bare / conveyor.
+Goals: largest-rank peak RSS of conveyor <= 0.6x DDP's; conveyor >= 0.97x bare FSDP2, paired median.
+Every pair runs with ``MALLOC_MMAP_THRESHOLD_=131072`` unless set: glibc's dynamic threshold otherwise keeps
+freed 8-16 MiB shard-sized blocks in its heap, and FSDP's peak RSS grew to DDP's (0.99x) on later steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by file path
+import harness as h  # noqa: E402
+
+HERE = Path(__file__).resolve()
+NAME = "sharded"
+WIDTH = 2048
+CONTENDERS = (
+    h.Contender("ddp", "torch DistributedDataParallel, Adam"),
+    h.Contender("conveyor", "conveyor.init('fsdp'); job.prepare(model, Adam)"),
+    h.Contender("bare_fsdp2", "fully_shard per block + root, Adam over the shards"),
+)
+GOALS = (
+    h.Goal("memory: conveyor fsdp largest-rank peak RSS / DDP's", "memory_ratio", 0.6, "<="),
+    h.Goal("speed: conveyor fsdp / bare FSDP2, paired median per-step ratio", "paired_median", 0.97),
+)
+
+
+# ==================================================================================================
+# Worker side: one process of a pair.
+# ==================================================================================================
+
+
+def rss_bytes(field: str = "VmRSS") -> int:
+    """This process's resident set (``VmRSS``) or its peak (``VmHWM``) in bytes, from /proc/self/status."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field} line: run the benchmark on Linux")
+
+
+def make_model(width: int, depth: int) -> Any:
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(width, width)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.linear(x)) + x
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(Block() for _ in range(depth))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    torch.manual_seed(0)
+    return Net()
+
+
+def _bare_fsdp2(model: Any) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _wrap(kind: str, model: Any) -> tuple[Any, Any]:
+    """(model, optimizer) of one contender; the default process group is up (conveyor's or torch's)."""
+    import torch
+    import torch.distributed as dist
+
+    if kind == "conveyor":
+        import conveyor
+
+        job = conveyor.init("fsdp")
+        return job.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-4))
+    dist.init_process_group("gloo")
+    if kind == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        model = _bare_fsdp2(model)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-4)
+
+
+def _step(model: Any, optimizer: Any, x: Any) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    model(x).square().mean().backward()
+    optimizer.step()
+
+
+def _held_bytes(model: Any, optimizer: Any) -> dict[str, int]:
+    """The bytes this rank's parameters, gradients and Adam state hold, counted by numel (local shards)."""
+    def local(t: Any) -> Any:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    params = [local(p) for p in model.parameters()]
+    state = [local(v) for s in optimizer.state.values() for v in s.values() if getattr(v, "dim", lambda: 0)() > 0]
+    return {"parameters": sum(p.numel() * p.element_size() for p in params),
+            "gradients": sum(local(p.grad).numel() * 4 for p in model.parameters() if p.grad is not None),
+            "optimizer_state": sum(t.numel() * t.element_size() for t in state)}
+
+
+def memory_worker(config: dict[str, Any]) -> dict[str, Any]:
+    """One contender alone in this process: RSS after each phase, peak RSS, seconds per step."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    rss = {"start": rss_bytes()}
+    model = make_model(config["width"], config["depth"])
+    rss["model_built"] = rss_bytes()
+    model, optimizer = _wrap(config["contender"], model)
+    rss["wrapped"] = rss_bytes()
+    rss["peak_by_wrapped"] = rss_bytes("VmHWM")  # construction and sharding's own peak
+    x = torch.randn(config["batch"], config["width"], generator=torch.Generator().manual_seed(dist.get_rank()))
+    _step(model, optimizer, x)
+    rss["after_first_step"] = rss_bytes()
+    rss["peak_by_first_step"] = rss_bytes("VmHWM")  # a step's transients (gathered blocks, gradients, Adam's)
+    dist.barrier()
+    times = []
+    for _ in range(config["steps"]):
+        start = time.perf_counter()
+        _step(model, optimizer, x)
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    rss["end"] = rss_bytes()
+    return {"rank": dist.get_rank(), "rss": rss, "peak_rss": rss_bytes("VmHWM"), "seconds": times,
+            "held": _held_bytes(model, optimizer)}
+
+
+def paired_worker(config: dict[str, Any]) -> dict[str, Any]:
+    """A conveyor fsdp and a bare FSDP2 copy of the model in this process, one step of each in turn."""
+    import torch
+    import torch.distributed as dist
+
+    import conveyor
+
+    torch.set_num_threads(1)
+    job = conveyor.init("fsdp")
+    model = make_model(config["width"], config["depth"])
+    conv, conv_opt = job.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-4))
+    bare = _bare_fsdp2(make_model(config["width"], config["depth"]))
+    bare_opt = torch.optim.Adam(bare.parameters(), lr=1e-4)
+    x = torch.randn(config["batch"], config["width"], generator=torch.Generator().manual_seed(dist.get_rank()))
+    sides = {"conveyor": (conv, conv_opt), "bare": (bare, bare_opt)}
+    seconds: dict[str, list[float]] = {"conveyor": [], "bare": []}
+    for i in range(1 + config["steps"]):  # the first pair warms both up and is not counted
+        order = ("conveyor", "bare") if i % 2 == 0 else ("bare", "conveyor")
+        for side in order:
+            dist.barrier()
+            start = time.perf_counter()
+            _step(*sides[side], x)
+            dist.barrier()
+            if i > 0:
+                seconds[side].append(time.perf_counter() - start)
+    comm = {k: v / (1 + config["steps"]) for k, v in job.strategy.step.clock.seconds().items()}  # per step
+    return {"rank": dist.get_rank(), "seconds": seconds, "conveyor_comm_per_step": comm}
+
+
+def worker_main(config: dict[str, Any]) -> None:
+    result = paired_worker(config) if config["contender"] == "paired" else memory_worker(config)
+    out = Path(config["result_dir"]) / f"rank{result['rank']}.json"
+    out.write_text(json.dumps(result))
+
+
+# ==================================================================================================
+# Parent side: starts each pair, collects, reports.
+# ==================================================================================================
+
+
+def _launches(config: dict[str, Any], workdir: Path) -> list[tuple[list[str], dict[str, str]]]:
+    """(argv, env) of each of the pair's processes, as `conveyor run -n 2 --strategy fsdp` gives them."""
+    from conveyor.launch import OWNED_VARS, RunOptions, free_ports, local_plan
+
+    env = {k: v for k, v in os.environ.items() if k not in OWNED_VARS and not k.startswith("CONVEYOR_")}
+    env |= {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # freed blocks go back to the OS (module docstring)
+    options = RunOptions(script=str(HERE), script_args=("--worker", json.dumps(config)), workers=2, strategy="fsdp",
+                         data_dir=str(workdir / "data"), output_dir=str(workdir / "output"), python=sys.executable)
+    ports = free_ports(3)
+    plan = local_plan(options, ports[:-1], master_port=ports[-1], secret=secrets.token_bytes(32), environ=env)
+    return [(list(t.argv), dict(t.env)) for t in plan.tasks]
+
+
+def run_pair(config: dict[str, Any], workdir: Path, timeout: float) -> list[dict[str, Any]]:
+    """Run one pair to its end; both ranks' results, or ``ContenderFailed`` with the logs' tails."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    config = {**config, "result_dir": str(workdir)}
+    procs = []
+    for r, (argv, env) in enumerate(_launches(config, workdir)):
+        log = open(workdir / f"rank{r}.log", "wb")  # closed below
+        procs.append((subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    end, codes = time.monotonic() + timeout, []
+    try:
+        for proc, _ in procs:
+            codes.append(proc.wait(timeout=max(0.1, end - time.monotonic())))
+    except subprocess.TimeoutExpired:
+        codes.append(None)
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+            log.close()
+    if codes != [0, 0]:
+        tails = " || ".join((workdir / f"rank{r}.log").read_text(errors="replace")[-600:] for r in range(2))
+        raise h.ContenderFailed(f"{config['contender']}: exit codes {codes} (None: timed out): {tails}")
+    return [json.loads((workdir / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def derive(memory: dict[str, list[dict[str, Any]] | None], paired: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """Largest-rank peak RSS and median steps/s per contender, the memory ratio and the paired ratios."""
+    out: dict[str, Any] = {"peak_rss_bytes": {}, "steps_per_second": {}}
+    for name, ranks in memory.items():
+        if ranks:
+            out["peak_rss_bytes"][name] = max(r["peak_rss"] for r in ranks)
+            out["steps_per_second"][name] = 1 / h.median(ranks[0]["seconds"])
+    peak = out["peak_rss_bytes"]
+    out["memory_ratio"] = h.ratio(peak.get("conveyor"), peak.get("ddp"))
+    out["memory_ratio_bare"] = h.ratio(peak.get("bare_fsdp2"), peak.get("ddp"))
+    rate = out["steps_per_second"]
+    out["speed_vs_ddp"] = h.ratio(rate.get("conveyor"), rate.get("ddp"))
+    if paired:
+        s = paired[0]["seconds"]
+        ratios = [b / c for c, b in zip(s["conveyor"], s["bare"], strict=True)]
+        out |= {"paired_ratios": ratios, "paired_median": h.median(ratios),
+                "paired_step_ms": {k: 1e3 * h.median(v) for k, v in s.items()},
+                "conveyor_comm_per_step": paired[0]["conveyor_comm_per_step"]}
+    return out
+
+
+def table(memory: dict[str, list[dict[str, Any]] | None], d: dict[str, Any]) -> str:
+    """One row per contender and rank: measured RSS by phase and peak, held bytes by numel, steps/s."""
+    gib = 2 ** 30
+    rows: list[Any] = [("contender", "rank", "RSS model GiB", "wrapped", "peak so far", "1st step", "peak so far",
+                        "PEAK RSS GiB",
+                        "params GiB", "grads GiB", "adam GiB", "steps/s")]
+    for name, ranks in memory.items():
+        for r in ranks or []:
+            m, held = r["rss"], r["held"]
+            phases = ("model_built", "wrapped", "peak_by_wrapped", "after_first_step", "peak_by_first_step")
+            rows.append((name, str(r["rank"]), *(h.fmt(m[k] / gib, ".2f") for k in phases),
+                         h.fmt(r["peak_rss"] / gib, ".2f"),
+                         *(h.fmt(held[k] / gib, ".2f") for k in ("parameters", "gradients", "optimizer_state")),
+                         h.fmt(1 / h.median(r["seconds"]), ".3f")))
+    lines = [h.format_rows(rows, left=(0,)), "",
+             f"largest-rank peak RSS / DDP's: conveyor {h.fmt(d['memory_ratio'], '.3f')}, bare FSDP2 "
+             f"{h.fmt(d['memory_ratio_bare'], '.3f')}; conveyor steps/s / DDP's {h.fmt(d['speed_vs_ddp'], '.3f')} "
+             f"(separate pairs)"]
+    if "paired_median" in d:
+        ms = d["paired_step_ms"]
+        lines.append(f"paired (same 2 processes, {len(d['paired_ratios'])} pairs): bare FSDP2 {ms['bare']:.0f} ms, "
+                     f"conveyor {ms['conveyor']:.0f} ms per step; bare / conveyor median {d['paired_median']:.3f}; "
+                     f"conveyor's timed collectives per step: " + ", ".join(
+                         f"{k} {v:.3f} s" for k, v in d["conveyor_comm_per_step"].items()))
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> Any:
+    p = h.parser(__doc__, "a tiny model (width 256, 4 blocks), 2 steps: a smoke run, not figures")
+    p.add_argument("--size-gb", type=float, default=None, help="fp32 parameter GiB of the model (default 1.0)")
+    p.add_argument("--width", type=int, default=None, help=f"block width (default {WIDTH})")
+    p.add_argument("--batch", type=int, default=None, help="rows per rank per step (default 8)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per contender and pairs (default 3)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per pair of processes (default 1200)")
+    p.add_argument("--contenders", type=h.contender_names([c.name for c in CONTENDERS]), default=None,
+                   help="memory contenders to run (default all)")
+    p.add_argument("--worker", help=argparse_hidden())
+    args = p.parse_args(argv)
+    if args.worker:
+        return args
+    args = h.settle(p, args, {"size_gb": (1.0, 0.001), "width": (WIDTH, 256), "batch": (8, 4), "steps": (3, 2),
+                              "timeout": (1200.0, 120.0), "repeats": (1, 1),
+                              "contenders": (tuple(c.name for c in CONTENDERS),) * 2},
+                    positive=("size_gb", "width", "batch", "steps", "timeout"))
+    args.depth = max(2, round(args.size_gb * 2 ** 30 / (4 * (args.width ** 2 + args.width))))
+    return args
+
+
+def argparse_hidden() -> str:
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker_main(json.loads(args.worker))
+        return 0
+    import tempfile
+
+    started, errors = time.perf_counter(), []
+    machine = h.machine_start(("torch",), uptime=_uptime())
+    config = {"width": args.width, "depth": args.depth, "batch": args.batch, "steps": args.steps}
+    params = args.depth * (args.width ** 2 + args.width)
+    print(f"model: {args.depth} blocks of width {args.width}: {params * 4 / 2 ** 30:.3f} GiB fp32 parameters; "
+          f"uptime: {machine['uptime']}")
+    memory: dict[str, list[dict[str, Any]] | None] = {}
+    paired = None
+    with tempfile.TemporaryDirectory(prefix="conveyor-sharded-") as tmp:
+        for name in [*args.contenders, "paired"]:
+            print(f"  {name} ...", flush=True)
+            try:
+                got = run_pair({**config, "contender": name}, Path(tmp) / name, args.timeout)
+            except h.ContenderFailed as e:
+                errors.append(str(e)[:2000])
+                got = None
+            if name == "paired":
+                paired = got
+            else:
+                memory[name] = got
+    d = derive(memory, paired)
+    goals = h.evaluate_goals(GOALS, d)
+    text = table(memory, d)
+    machine = h.machine_end(machine) | {"uptime_end": _uptime()}
+    report = {"benchmark": NAME, "command": h.command_line(NAME, argv), "config": {**config, "parameters": params},
+              "machine": machine, "contenders": [c.shown() for c in CONTENDERS], "memory_runs": memory,
+              "paired_run": paired, "derived": d, "goals": goals, "all_pass": all(g["pass"] for g in goals),
+              "errors": errors, "table": text, "wall_seconds": time.perf_counter() - started}
+    h.publish(NAME, report, h.format_goals(goals), args.out, details=f"uptime: {machine['uptime_end']}")
+    return 0
+
+
+def _uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True, timeout=10).stdout.strip()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

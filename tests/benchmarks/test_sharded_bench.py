@@ -1,0 +1,58 @@
+"""Smoke test of benchmarks/sharded.py: its pieces in this process, and `--quick` (conveyor and paired) end to end.
+
+Not a performance assertion: the quick model is tiny, so the memory and speed goals are not judged here;
+the run must measure every contender (peak RSS, steps/s, the paired ratios, the collectives timed).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+BENCHMARK = "sharded"
+
+
+def test_parse_args_sizes_the_model_from_its_gib(bench):
+    args = bench.parse_args([])
+    assert (args.size_gb, args.width, args.steps) == (1.0, 2048, 3)
+    assert 0.99 < args.depth * (args.width ** 2 + args.width) * 4 / 2 ** 30 < 1.01
+    quick = bench.parse_args(["--quick"])
+    assert (quick.width, quick.depth, quick.steps) == (256, 4, 2)
+    for bad in (["--size-gb", "0"], ["--steps", "0"], ["--contenders", "nope"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+
+
+def test_rss_is_read_from_proc(bench):
+    now, peak = bench.rss_bytes(), bench.rss_bytes("VmHWM")
+    assert 0 < now <= peak
+
+
+def test_derive_takes_the_largest_rank_and_the_paired_median(bench):
+    def rank(peak):
+        return {"peak_rss": peak, "seconds": [0.5, 0.5]}
+
+    memory = {"ddp": [rank(10), rank(12)], "conveyor": [rank(6), rank(5)], "bare_fsdp2": None}
+    paired = [{"seconds": {"conveyor": [1.0, 2.0, 1.0], "bare": [1.0, 1.0, 0.9]}, "conveyor_comm_per_step": {}}]
+    d = bench.derive(memory, paired)
+    assert d["memory_ratio"] == pytest.approx(0.5) and math.isnan(d["memory_ratio_bare"])
+    assert d["paired_median"] == pytest.approx(0.9) and d["steps_per_second"]["ddp"] == pytest.approx(2.0)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_quick_run_measures_every_contender(bench, tmp_path):
+    # conveyor's memory pair and the paired pair only (two pairs of processes, not four): the fast smoke run
+    assert bench.main(["--quick", "--contenders", "conveyor", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "sharded-latest.json").read_text())
+    assert not report["errors"], report["errors"]
+    d = report["derived"]
+    assert set(d["peak_rss_bytes"]) == {"conveyor"} and d["peak_rss_bytes"]["conveyor"] > 0
+    assert math.isfinite(d["steps_per_second"]["conveyor"]) and d["steps_per_second"]["conveyor"] > 0
+    assert not report["all_pass"], "DDP was not measured: the memory goal must fail, not pass"
+    assert len(d["paired_ratios"]) == 2 and all(r > 0 for r in d["paired_ratios"])
+    comm = d["conveyor_comm_per_step"]
+    assert comm["all_gather_seconds"] > 0 and comm["reduce_scatter_seconds"] > 0, comm
+    assert "uptime" in report["machine"] and {g["name"] for g in report["goals"]} == {g.name for g in bench.GOALS}
