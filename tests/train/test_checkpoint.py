@@ -352,7 +352,7 @@ def test_the_resuming_chief_removes_old_leftovers(tmp_path, caplog):
     old = _leftover(tmp_path, ".tmp-step-00000010-0badc0de", ckpt_mod.LEFTOVER_AGE + 5)
     fresh = _leftover(tmp_path, ".tmp-step-00000010-c0ffee00", 5)
     trash = _leftover(tmp_path, ".trash-step-00000001-12345678", 5)  # renamed for deletion: garbage at any age
-    job = SimpleNamespace(resume=True, is_chief=True, broadcast_bytes=lambda data, src: data)
+    job = SimpleNamespace(resume=True, is_chief=True, world_size=1, broadcast_bytes=lambda data, src: data)
     with caplog.at_level("WARNING", logger="conveyor.train.checkpoint"):
         assert resume(job, mgr, {}).step == 5
     assert not old.exists() and not trash.exists() and fresh.exists()
