@@ -690,7 +690,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker is not None:
         worker(json.loads(args.worker))
-        return 0
+        # The result is on disk and the process group destroyed: skip interpreter finalization, where gloo's
+        # threads can still hold work objects and abort the process ("terminate called without an active
+        # exception"; pytorch/pytorch PR 179291), which a round would count as a failed contender.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     started = time.perf_counter()
     config = {"model": args.model, "params": count_params(args.model), "batch": args.batch, "steps": args.steps,
               "warmup": args.warmup, "comm_steps": args.comm_steps, "paired_steps": args.paired_steps}

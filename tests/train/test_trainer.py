@@ -638,6 +638,10 @@ params = [p.detach().flatten().tolist() for p in model.module.parameters()]
 (out / f"result-{job.rank}.json").write_text(json.dumps(
     {"params": params, "summary": summary, "warnings": [str(w.message) for w in caught]}))
 job.shutdown()
+# everything is written and the group destroyed: skip interpreter finalization, where gloo's threads can still
+# hold work objects and abort a finished process (pytorch/pytorch PR 179291; Job.shutdown's docstring)
+sys.stdout.flush()
+os._exit(0)
 '''
 
 
