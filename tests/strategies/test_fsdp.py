@@ -23,7 +23,7 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_net import WORKER_PATH, Net
+from sharded_helpers import WORKER_PATH, Net
 
 WORLD = 2
 BATCH = 4  # per worker; the single-process reference uses WORLD * BATCH

@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_net import WORKER_PATH, Net
+from sharded_helpers import WORKER_PATH, Net, write_step
 
 SAVED_AT = 3
 LR = 0.01
@@ -99,7 +99,7 @@ def _whole(job, model: nn.Module, optimizer, out: Path) -> None:
 
 def _scenario(name: str, out: Path) -> dict:
     import conveyor
-    from conveyor.train.checkpoint import CheckpointManager, StepWrite, commit
+    from conveyor.train.checkpoint import CheckpointManager
     from conveyor.train.resume import restore
 
     job = conveyor.init("fsdp")
@@ -115,10 +115,7 @@ def _scenario(name: str, out: Path) -> dict:
             optimizer.zero_grad()
             nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True).sin()).backward()
             optimizer.step()
-        write = StepWrite(SAVED_AT, is_chief=bool(job.is_chief), root=manager.root)
-        for item_name, item in items.items():
-            item.save(item_name, write)
-        commit(manager, write, timeout=60)
+        write_step(job, items, manager, SAVED_AT)
     else:
         restore(job, manager.load(SAVED_AT), items)  # as the Trainer's resume does: the chief's one line
     _whole(job, model, optimizer, out)

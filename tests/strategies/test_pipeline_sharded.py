@@ -68,11 +68,12 @@ def reference(size: int = REPLICAS * BATCH) -> tuple[dict[str, torch.Tensor], nn
 
 def launch(scenario: str, out: Path, deadline: float = 150.0, world: int = WORLD) -> list[dict | None]:
     out.mkdir(parents=True, exist_ok=True)
+    from sharded_helpers import WORKER_PATH
     from taskrun import local_job_envs, wait_all  # here: this file also runs as the workers' script, outside pytest
 
     procs = []
     for rank, env in enumerate(local_job_envs(out, world, "pipeline")):
-        env |= {"CONVEYOR_TIMEOUT": "60", "CONVEYOR_PIPELINE_STAGES": str(STAGES),
+        env |= {"PYTHONPATH": WORKER_PATH, "CONVEYOR_TIMEOUT": "60", "CONVEYOR_PIPELINE_STAGES": str(STAGES),
                 "CONVEYOR_PIPELINE_MICROBATCHES": "4", "CONVEYOR_PIPELINE_SHARD_STAGES": "1"}
         log = open(out / f"rank{rank}.log", "wb")  # closed by wait_all
         procs.append((subprocess.Popen([sys.executable, __file__, scenario, str(out)], env=env, stdout=log,
@@ -348,8 +349,9 @@ def run_reshard(job, out: Path, save: bool) -> dict:
     """``save`` (2 replicas): RESUME_AT steps, a committed checkpoint in ``out/../ckpt`` (shared with the load
     launch), the whole state. Else (3 replicas): other parameters, the checkpoint restored, the whole state, the
     rest of the steps. Either on RESHARD_ROWS rows per step, split among the replicas."""
-    from conveyor.train.checkpoint import CheckpointManager, StepWrite, commit
+    from conveyor.train.checkpoint import CheckpointManager
     from conveyor.train.resume import restore
+    from sharded_helpers import write_step  # on the workers' PYTHONPATH (launch)
 
     replicas, replica = job.data_shard
     model = make_model()
@@ -364,10 +366,7 @@ def run_reshard(job, out: Path, save: bool) -> dict:
     if save:
         for x, y in mine[:RESUME_AT]:
             job.train_step(model, optimizer, nn.functional.mse_loss, x, y)
-        write = StepWrite(RESUME_AT, is_chief=bool(job.is_chief), root=manager.root)
-        for name, item in items.items():
-            item.save(name, write)
-        commit(manager, write, timeout=60)
+        write_step(job, items, manager, RESUME_AT)
     else:
         restore(job, manager.load(RESUME_AT), items)  # as the Trainer's resume does
     save_whole(job, model, optimizer, out)
