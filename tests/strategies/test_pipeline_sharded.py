@@ -3,7 +3,9 @@
 Each launch starts this file as a script on 4 processes (``python test_pipeline_sharded.py SCENARIO OUT_DIR``)
 with the environment ``conveyor run -n 4 --strategy pipeline --stages 2 --shard-stages`` gives each; every
 process writes its stage's whole parameters (gathered from the shards) to JSON, and the tests compare them
-with one process training the whole model with Adam on the replicas' combined batch (fp32).
+with one process training the whole model with Adam on the replicas' combined batch (fp32). The resume on
+another replica count launches 6 (2 × 3) on the checkpoint of 4; the kill -9 test runs sharded_pipeline_job.py
+under ``conveyor run`` itself, with the test-only fault hook (``CONVEYOR_FAULT``).
 
     pytest tests/strategies/test_pipeline_sharded.py -m multiprocess --durations=5
 """
