@@ -23,26 +23,12 @@ import pytest
 import torch
 from torch import nn
 
+from sharded_helpers import WORKER_PATH, Net
+
 WORLD = 2
 BATCH = 4  # per worker; the single-process reference uses WORLD * BATCH
 STEPS = 6
 LR = 0.01
-
-
-class Net(nn.Module):
-    """Repeated blocks in a ModuleList, with a head: the shape FSDP shards block by block."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Linear(4, 8)
-        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
-        self.head = nn.Linear(8, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.embed(x)
-        for layer in self.layers:
-            x = torch.tanh(layer(x)) + x
-        return self.head(x)
 
 
 def make_model(seed: int) -> nn.Module:
@@ -89,7 +75,7 @@ def launch(scenario: str, out: Path, extra_env: dict[str, str] | None = None) ->
 
     procs = []
     for rank, env in enumerate(local_job_envs(out, WORLD, "fsdp")):
-        env |= {"CONVEYOR_TIMEOUT": "60"} | (extra_env or {})
+        env |= {"PYTHONPATH": WORKER_PATH, "CONVEYOR_TIMEOUT": "60"} | (extra_env or {})
         log = open(out / f"rank{rank}.log", "wb")  # closed by wait_all
         procs.append((subprocess.Popen([sys.executable, __file__, scenario, str(out)], env=env, stdout=log,
                                        stderr=subprocess.STDOUT), log))

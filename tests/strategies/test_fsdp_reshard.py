@@ -22,24 +22,10 @@ import pytest
 import torch
 from torch import nn
 
+from sharded_helpers import WORKER_PATH, Net, write_step
+
 SAVED_AT = 3
 LR = 0.01
-
-
-class Net(nn.Module):
-    """Blocks FSDP shards one by one; 5 rows in the first layer: uneven chunks on 2 and 3 ranks."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Linear(4, 5)
-        self.layers = nn.ModuleList(nn.Linear(5, 5) for _ in range(2))
-        self.head = nn.Linear(5, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.embed(x)
-        for layer in self.layers:
-            x = torch.tanh(layer(x)) + x
-        return self.head(x)
 
 
 def launch(scenario: str, out: Path, world: int) -> list[dict | None]:
@@ -48,7 +34,7 @@ def launch(scenario: str, out: Path, world: int) -> list[dict | None]:
 
     procs = []
     for rank, env in enumerate(local_job_envs(out, world, "fsdp")):
-        env |= {"CONVEYOR_TIMEOUT": "60", "OMP_NUM_THREADS": "1"}
+        env |= {"PYTHONPATH": WORKER_PATH, "CONVEYOR_TIMEOUT": "60", "OMP_NUM_THREADS": "1"}
         log = open(out / f"{scenario}{world}-rank{rank}.log", "wb")  # closed by wait_all
         procs.append((subprocess.Popen([sys.executable, __file__, scenario, str(out)], env=env, stdout=log,
                                        stderr=subprocess.STDOUT), log))
@@ -113,12 +99,12 @@ def _whole(job, model: nn.Module, optimizer, out: Path) -> None:
 
 def _scenario(name: str, out: Path) -> dict:
     import conveyor
-    from conveyor.train.checkpoint import CheckpointManager, StepWrite, commit
+    from conveyor.train.checkpoint import CheckpointManager
     from conveyor.train.resume import restore
 
     job = conveyor.init("fsdp")
     torch.manual_seed(0 if name == "save" else 7)
-    model = Net()
+    model = Net(width=5, depth=2)  # 5 rows in the first layer: uneven chunks on 2 and 3 ranks
     model, optimizer = job.prepare(model, torch.optim.Adam(model.parameters(), lr=LR))
     items = job.strategy.checkpoint_items(model, optimizer)
     manager = CheckpointManager(out / "ckpt", fsync=False)
@@ -129,10 +115,7 @@ def _scenario(name: str, out: Path) -> dict:
             optimizer.zero_grad()
             nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True).sin()).backward()
             optimizer.step()
-        write = StepWrite(SAVED_AT, is_chief=bool(job.is_chief), root=manager.root)
-        for item_name, item in items.items():
-            item.save(item_name, write)
-        commit(manager, write, timeout=60)
+        write_step(job, items, manager, SAVED_AT)
     else:
         restore(job, manager.load(SAVED_AT), items)  # as the Trainer's resume does: the chief's one line
     _whole(job, model, optimizer, out)

@@ -3,7 +3,9 @@
 Each launch starts this file as a script on 4 processes (``python test_pipeline_sharded.py SCENARIO OUT_DIR``)
 with the environment ``conveyor run -n 4 --strategy pipeline --stages 2 --shard-stages`` gives each; every
 process writes its stage's whole parameters (gathered from the shards) to JSON, and the tests compare them
-with one process training the whole model with Adam on the replicas' combined batch (fp32).
+with one process training the whole model with Adam on the replicas' combined batch (fp32). The resume on
+another replica count launches 6 (2 × 3) on the checkpoint of 4; the kill -9 test runs sharded_pipeline_job.py
+under ``conveyor run`` itself, with the test-only fault hook (``CONVEYOR_FAULT``).
 
     pytest tests/strategies/test_pipeline_sharded.py -m multiprocess --durations=5
 """
@@ -27,6 +29,8 @@ BATCH = 8  # per replica
 STEPS = 6
 RESUME_AT = 3
 WORLD, STAGES, REPLICAS = 4, 2, 2
+RESHARD_ROWS = 24  # rows per step of the resume on 3 replicas: 12 per replica on 2, 8 on 3 (4 microbatches each)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_model() -> nn.Module:
@@ -38,25 +42,25 @@ def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.Adam(model.parameters(), lr=0.01)
 
 
-def make_data() -> tuple[torch.Tensor, torch.Tensor]:
+def make_data(rows: int = STEPS * REPLICAS * BATCH) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1234)
-    x = torch.randn(STEPS * REPLICAS * BATCH, 4, generator=g)
+    x = torch.randn(rows, 4, generator=g)
     return x, x.sum(dim=1, keepdim=True).sin() + 0.1 * torch.randn(len(x), 1, generator=g)
 
 
-def batches(replica: int):
+def batches(replica: int, replicas: int = REPLICAS, batch: int = BATCH):
     """Global batch k is rows [k*R*B, (k+1)*R*B), of which replica r takes its r-th B rows."""
-    x, y = make_data()
+    x, y = make_data(STEPS * replicas * batch)
     for k in range(STEPS):
-        rows = slice((k * REPLICAS + replica) * BATCH, (k * REPLICAS + replica + 1) * BATCH)
+        rows = slice((k * replicas + replica) * batch, (k * replicas + replica + 1) * batch)
         yield x[rows], y[rows]
 
 
-def reference() -> tuple[dict[str, torch.Tensor], nn.Module]:
+def reference(size: int = REPLICAS * BATCH) -> tuple[dict[str, torch.Tensor], nn.Module]:
+    """One process training the whole model on the replicas' combined batches of `size` rows."""
     model = make_model()
     optimizer = make_optimizer(model)
-    x, y = make_data()
-    size = REPLICAS * BATCH
+    x, y = make_data(STEPS * size)
     for k in range(STEPS):
         optimizer.zero_grad()
         nn.functional.mse_loss(model(x[k * size:(k + 1) * size]), y[k * size:(k + 1) * size]).backward()
@@ -64,25 +68,26 @@ def reference() -> tuple[dict[str, torch.Tensor], nn.Module]:
     return {k: v.detach() for k, v in model.state_dict().items()}, model
 
 
-def launch(scenario: str, out: Path, deadline: float = 150.0) -> list[dict | None]:
+def launch(scenario: str, out: Path, deadline: float = 150.0, world: int = WORLD) -> list[dict | None]:
     out.mkdir(parents=True, exist_ok=True)
+    from sharded_helpers import WORKER_PATH
     from taskrun import local_job_envs, wait_all  # here: this file also runs as the workers' script, outside pytest
 
     procs = []
-    for rank, env in enumerate(local_job_envs(out, WORLD, "pipeline")):
-        env |= {"CONVEYOR_TIMEOUT": "60", "CONVEYOR_PIPELINE_STAGES": str(STAGES),
+    for rank, env in enumerate(local_job_envs(out, world, "pipeline")):
+        env |= {"PYTHONPATH": WORKER_PATH, "CONVEYOR_TIMEOUT": "60", "CONVEYOR_PIPELINE_STAGES": str(STAGES),
                 "CONVEYOR_PIPELINE_MICROBATCHES": "4", "CONVEYOR_PIPELINE_SHARD_STAGES": "1"}
         log = open(out / f"rank{rank}.log", "wb")  # closed by wait_all
         procs.append((subprocess.Popen([sys.executable, __file__, scenario, str(out)], env=env, stdout=log,
                                        stderr=subprocess.STDOUT), log))
     wait_all(procs, deadline, f"{scenario}: sharded pipeline processes", lambda: logs(out))
     return [json.loads((out / f"rank{r}.json").read_text()) if (out / f"rank{r}.json").exists() else None
-            for r in range(WORLD)]
+            for r in range(world)]
 
 
 def logs(out: Path) -> str:
     return "\n".join(f"--- rank {r} ---\n{(out / f'rank{r}.log').read_text(errors='replace')[-4000:]}"
-                     for r in range(WORLD) if (out / f"rank{r}.log").exists())
+                     for r in range(8) if (out / f"rank{r}.log").exists())
 
 
 def merged(results: list[dict | None], replica: int, key: str = "params") -> dict[str, torch.Tensor]:
@@ -107,6 +112,29 @@ def launched_equal_to_one_process(scenario: str, out: Path) -> tuple[list[dict],
     for replica in range(REPLICAS):
         assert_equal_to(merged(results, replica), expected)
     return results, expected, model
+
+
+def conveyor_run(script: Path, out: Path, *flags: str, env: dict[str, str] | None = None) -> str:
+    """`conveyor run -n 4 --strategy pipeline --stages 2 --shard-stages FLAGS --output-dir OUT SCRIPT` in a clean
+    environment (no launcher's variables, no GPU, one thread a process); its output, once it succeeded."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("CONVEYOR_", "SLURM_", "TORCHELASTIC_"))
+             and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG")}
+    clean.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **(env or {}))
+    command = [sys.executable, "-m", "conveyor.cli.main", "run", "-n", "4", "--strategy", "pipeline", "--stages", "2",
+               "--shard-stages", "--output-dir", str(out), "--timeout", "120", *flags, str(script)]
+    proc = subprocess.run(command, env=clean, capture_output=True, text=True, timeout=300)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 0, said[-4000:]
+    return said
+
+
+def final_step(out: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the run's last checkpoint (the chief's trees and every process's shard part), by file."""
+    from safetensors.torch import load_file
+
+    step = sorted((out / "checkpoints").glob("step-*"))[-1]
+    assert (step / "COMPLETE").is_file(), step
+    return {f"{step.name}/{p.name}:{k}": v for p in sorted(step.glob("*.safetensors")) for k, v in load_file(p).items()}
 
 
 # -- tests --------------------------------------------------------------------------------------------------------
@@ -151,23 +179,66 @@ def test_a_trainer_run_resumes_its_shard_parts_from_disk_and_evaluates_alike(tmp
     """tests/train/export_job.py (a Trainer with checkpoints and evaluation, a BatchNorm's buffers) under
     `conveyor run -n 4 --strategy pipeline --stages 2 --shard-stages`, then again on the same output folder: the
     second run restores every process's shard part from disk, trains nothing and evaluates as the first ended."""
-    job = Path(__file__).resolve().parents[1] / "train" / "export_job.py"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("CONVEYOR_", "SLURM_", "TORCHELASTIC_"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG")}
-    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    command = [sys.executable, "-m", "conveyor.cli.main", "run", "-n", "4", "--strategy", "pipeline", "--stages", "2",
-               "--shard-stages", "--output-dir", str(tmp_path / "out"), "--timeout", "120", str(job)]
     found, said = [], []
     for _ in range(2):
-        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        said.append(conveyor_run(ROOT / "tests" / "train" / "export_job.py", tmp_path / "out"))
         found.append(json.loads((tmp_path / "out" / "probe.json").read_text()))
-        said.append(proc.stdout + proc.stderr)
     parts = sorted(p.name for p in (tmp_path / "out" / "checkpoints").glob("step-*/stage-*-shard-*.safetensors"))
     assert {p[len("stage-0-shard-0"):] for p in parts} == {".safetensors"} and len(parts) % 4 == 0, parts
     assert found[0]["eval_loss"] is not None
     assert found[1] == pytest.approx(found[0], rel=1e-12)
     assert "resumed from" not in said[0] and "resumed from" in said[1], said[1][-3000:]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_shard_killed_mid_run_restarts_from_its_checkpoint_and_ends_bit_identical(tmp_path: Path) -> None:
+    """sharded_pipeline_job.py (a Trainer, 12 steps, a checkpoint every 4) on 2 stages x 2 shards, uninterrupted and
+    with worker 3 (stage 1's shard 1) killed by SIGKILL after step 6: the launcher restarts the job, which resumes
+    from step 4, and its last checkpoint equals the uninterrupted run's bit for bit. On CPU with gloo every step is
+    deterministic: the same shards, microbatches and reduce-scatter order on both runs."""
+    job = ROOT / "tests" / "strategies" / "sharded_pipeline_job.py"
+    conveyor_run(job, tmp_path / "want")
+    said = conveyor_run(job, tmp_path / "got", "--max-restarts", "1", "--restart-delay", "0",
+                        env={"CONVEYOR_FAULT": "worker:3:after-step:6"})
+    assert "conveyor fault: SIGKILL at after-step step 6" in said, said[-3000:]
+    summary = json.loads((tmp_path / "got" / "summary.json").read_text())
+    assert summary["restarts"] == 1 and summary["resumed_from_step"] == 4, summary
+    got, want = final_step(tmp_path / "got"), final_step(tmp_path / "want")
+    assert got.keys() == want.keys() and any("stage-1-shard-1.safetensors" in k for k in got), sorted(got)[:8]
+    assert sorted(got)[0].startswith("step-00000012/"), sorted(got)[:2]
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), f"{name} differs from the uninterrupted run"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_shards_of_two_replicas_resume_on_three_with_the_same_whole_state_and_train_on(tmp_path: Path) -> None:
+    """2 stages x 2 shards train RESUME_AT steps and commit a checkpoint; 2 stages x 3 shards (6 processes, other
+    starting parameters) restore it as the Trainer does: each stage's shards re-split. The whole state (every
+    stage's parameters and Adam state, gathered) equals the saved one bit for bit, and the rest of the steps end
+    where one process training on the combined batches ends. Model side only: the Trainer's data positions refuse
+    another replica count for pipeline jobs (a stage's processes share a data shard)."""
+    from safetensors.torch import load_file
+
+    saved = launch("reshard-save", tmp_path / "save")
+    assert all(r is not None for r in saved), logs(tmp_path / "save")
+    loaded = launch("reshard-load", tmp_path / "load", deadline=300.0, world=6)
+    assert all(r is not None for r in loaded), logs(tmp_path / "load")
+    for stage in range(STAGES):
+        before = load_file(tmp_path / "save" / f"whole-stage{stage}.safetensors")
+        after = load_file(tmp_path / "load" / f"whole-stage{stage}.safetensors")
+        assert before.keys() == after.keys() and any(k.endswith("/exp_avg_sq") for k in before), sorted(before)
+        for key in before:
+            assert torch.equal(before[key], after[key]), (stage, key)
+    log = (tmp_path / "load" / "rank0.log").read_text()
+    assert f"resumed step {RESUME_AT}, written with 2 shard(s) per stage, on 3" in log, log[-3000:]
+    assert [r["local"]["0.weight"] for r in loaded[0::STAGES]] == [[5, 4], [5, 4], [5, 4]]  # 15 rows as 5 + 5 + 5
+    expected, _ = reference(RESHARD_ROWS)
+    for replica in range(3):
+        assert_equal_to(merged(loaded, replica), expected)
 
 
 def test_shard_stages_needs_the_pipeline_strategy_and_two_replicas_per_stage() -> None:
@@ -263,8 +334,55 @@ def run_resume(job, out: Path) -> dict:
             "outputs": None if outputs is None else outputs.tolist()}
 
 
+def save_whole(job, model, optimizer, out: Path) -> None:
+    """Replica 0's process of each stage writes the stage's whole state (parameters gathered from the shards, and
+    the optimizer's state likewise: collectives every replica joins) as ``whole-stage<s>.safetensors``."""
+    from safetensors.torch import save_file
+
+    state, optim = gathered(model.model_state_dict()), gathered(optimizer.state_dict())
+    if job.strategy.replica == 0:
+        tensors = {f"model/{k}": v.detach().clone() for k, v in state.items()}
+        tensors |= {f"state/{i}/{k}": torch.as_tensor(v).clone() for i, entry in optim["state"].items()
+                    for k, v in entry.items()}
+        save_file(tensors, str(out / f"whole-stage{job.strategy.stage}.safetensors"))
+
+
+def run_reshard(job, out: Path, save: bool) -> dict:
+    """``save`` (2 replicas): RESUME_AT steps, a committed checkpoint in ``out/../ckpt`` (shared with the load
+    launch), the whole state. Else (3 replicas): other parameters, the checkpoint restored, the whole state, the
+    rest of the steps. Either on RESHARD_ROWS rows per step, split among the replicas."""
+    from conveyor.train.checkpoint import CheckpointManager
+    from conveyor.train.resume import restore
+    from sharded_helpers import write_step  # on the workers' PYTHONPATH (launch)
+
+    replicas, replica = job.data_shard
+    model = make_model()
+    if not save:
+        with torch.no_grad():  # the restore must overwrite every parameter
+            for p in model.parameters():
+                p.add_(1.0)
+    model, optimizer = job.prepare(model, make_optimizer(model))
+    items = job.strategy.checkpoint_items(model, optimizer)
+    manager = CheckpointManager(out.parent / "ckpt", fsync=False)
+    mine = list(batches(replica, replicas, RESHARD_ROWS // replicas))
+    if save:
+        for x, y in mine[:RESUME_AT]:
+            job.train_step(model, optimizer, nn.functional.mse_loss, x, y)
+        write_step(job, items, manager, RESUME_AT)
+    else:
+        restore(job, manager.load(RESUME_AT), items)  # as the Trainer's resume does
+    save_whole(job, model, optimizer, out)
+    if not save:
+        for x, y in mine[RESUME_AT:]:
+            job.train_step(model, optimizer, nn.functional.mse_loss, x, y)
+    params, local = whole_params(model)
+    return {"params": params, "local": local, "stage": job.strategy.stage}
+
+
 def worker_main(scenario: str, out: Path) -> None:
-    run = run_resume if scenario == "resume" else run_train
+    runs = {"resume": run_resume, "reshard-save": lambda job, out: run_reshard(job, out, save=True),
+            "reshard-load": lambda job, out: run_reshard(job, out, save=False)}
+    run = runs.get(scenario, run_train)
     with conveyor.init() as job:  # the JSON written inside: the job's rank is this process's
         (out / f"rank{job.rank}.json").write_text(json.dumps(run(job, out)))
     sys.stdout.flush()

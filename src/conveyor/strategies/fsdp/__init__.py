@@ -4,7 +4,8 @@
     model, optimizer = job.prepare(model, optimizer)  # each block sharded, then the root; optimizer rebound
 
 :mod:`.strategy` holds the strategy and its step, :mod:`.check` the start-up check that gradients are
-averaged (pytorch#162338), :mod:`.checkpoint` the checkpoint item (one part per rank). Imported when
+averaged (pytorch#162338), :mod:`.checkpoint` the checkpoint item (one part per rank),
+:mod:`.shards` the shard helpers it shares with pipeline × FSDP (``pipeline/sharded.py``). Imported when
 asked for (``conveyor.strategies.get_strategy("fsdp")``): FSDP2 brings in DTensor at import.
 """
 

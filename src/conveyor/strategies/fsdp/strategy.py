@@ -32,6 +32,7 @@ from conveyor.strategies.base import Step, Strategy, check_optimizer
 from conveyor.strategies.fsdp.check import check_gradients_averaged
 from conveyor.strategies.fsdp.checkpoint import ShardsItem
 from conveyor.strategies.fsdp.comm import CommClock, time_collectives
+from conveyor.strategies.fsdp.shards import rebind_optimizer
 from conveyor.train.checkpoint.items import Item
 
 __all__ = ["FSDPStep", "FSDPStrategy", "default_blocks"]
@@ -83,7 +84,7 @@ class FSDPStrategy(Strategy):
         fully_shard(model, **options)
         self.sharded = [*blocks, ""]
         time_collectives([modules[name] for name in blocks] + [model], self.step.clock)
-        _rebind(optimizer, names, model)
+        rebind_optimizer(optimizer, names, model)
         return model, optimizer
 
     def _blocks(self, model: nn.Module) -> list[str]:
@@ -163,13 +164,3 @@ def _broadcast_from_rank0(job: Any, model: nn.Module) -> None:
     with torch.no_grad(), collective_guard(job, "FSDP setup (parameter broadcast from rank 0)"):
         for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor.data, src=0)
-
-
-def _rebind(optimizer: Any, names: dict[int, str], model: nn.Module) -> None:
-    """Point ``optimizer``'s parameter groups at the sharded parameters that replaced the ones it was built with."""
-    groups = getattr(optimizer, "param_groups", None)
-    if groups is None:
-        return
-    now = dict(model.named_parameters())
-    for group in groups:
-        group["params"] = [now[names[id(p)]] for p in group["params"]]

@@ -15,7 +15,7 @@ replicas, and reshards. That replaces step.py's gradient all-reduce among replic
 Checkpoints: the process of stage s and replica r writes part ``stage-<s>-shard-<r>`` (its local shards under
 the whole model's names, and its optimizer state's shards); the chief's header adds ``shards`` and each
 stage's sharded tensors with their whole shapes (from the meta model). A resume on another number of
-replicas re-splits each stage's shards as the fsdp strategy does (``fsdp/checkpoint.py``); a checkpoint of
+replicas re-splits each stage's shards as the fsdp strategy does (``fsdp/shards.py``); a checkpoint of
 unsharded stages loads into shards the same way (one saved part per stage). Export: ``checkpoint/sources.py``.
 """
 
@@ -30,8 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from conveyor.strategies.fsdp.check import check_gradients_averaged
-from conveyor.strategies.fsdp.checkpoint import _local, _resharded, _sharded_like, copy_into_shards
-from conveyor.strategies.fsdp.strategy import _rebind
+from conveyor.strategies.fsdp.shards import copy_into_shards, local_shards, rebind_optimizer, resharded, sharded_like
 from conveyor.train.checkpoint.items import StepWrite
 from conveyor.train.checkpoint.read import Checkpoint, ResumeError
 
@@ -60,7 +59,7 @@ def shard_stage(job: Any, module: nn.Module, optimizer: Any, mesh: DeviceMesh) -
         if any(True for _ in layer.parameters()):
             fully_shard(layer, **options)
     fully_shard(module, **options)
-    _rebind(optimizer, names, module)
+    rebind_optimizer(optimizer, names, module)
 
 
 def sharded_header(strategy: Any) -> dict[str, Any]:
@@ -76,8 +75,8 @@ def save_shard(strategy: Any, optimizer: Any, out: StepWrite) -> None:
     """This process's part: its shards of the stage's parameters (and the buffers) and of the optimizer state."""
     s = strategy
     out.part_tree(shard_part(s.stage, s.replica), {"stage": s.stage, "shard": s.replica, "shards": s.replicas,
-                                                   "model": _local(s.module.model_state_dict()),
-                                                   "optimizer": _local(optimizer.state_dict())})
+                                                   "model": local_shards(s.module.model_state_dict()),
+                                                   "optimizer": local_shards(optimizer.state_dict())})
 
 
 def restore_shard(strategy: Any, optimizer: Any, header: dict[str, Any], ckpt: Checkpoint) -> None:
@@ -93,12 +92,12 @@ def restore_shard(strategy: Any, optimizer: Any, header: dict[str, Any], ckpt: C
         else:  # written without --shard-stages: one whole part per stage
             parts = [ckpt.part_tree(f"stage-{s.stage}")]
             sharded = s.module.model_parameters()
-        state = _resharded(parts, {"sharded": sharded}, s.module, optimizer, s.replica, s.replicas, ckpt)
+        state = resharded(parts, sharded, s.module.model_state_dict(), optimizer, s.replica, s.replicas, ckpt)
         if s.job.is_chief:
             print(f"resumed step {ckpt.step}, written with {shards or 'unsharded'} shard(s) per stage, on "
                   f"{s.replicas}: each stage's shards re-split", file=sys.stderr, flush=True)
     _load_local(s.module, state["model"], ckpt)
-    optimizer.load_state_dict(_sharded_like(optimizer, state["optimizer"]))
+    optimizer.load_state_dict(sharded_like(optimizer, state["optimizer"]))
 
 
 def _load_local(module: Any, saved: dict[str, Any], ckpt: Checkpoint) -> None:
