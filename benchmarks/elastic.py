@@ -15,6 +15,7 @@ Sections:
               (CONVEYOR_FAULT's `after-step`), once per round; each run's summary.json `recovery` block
               (conveyor.recovery: detect, stop, pause, process start, imports, group init, the script's setup,
               restore, first step): the median of each part and of the total. Goal: total <= 10 s.
+  exactly-once  benchmarks/elastic_exactly_once.py: ids skipped/repeated over 5 world changes in one epoch, accuracy.
 
 The goodput section of the issue comes later, as a section of this script.
 Writes ``<out>/elastic-<timestamp>.json`` and ``elastic-latest.json`` (default benchmarks/results/).
@@ -37,6 +38,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import elastic_exactly_once  # noqa: E402
 import harness as h  # noqa: E402
 from conveyor.train.checkpoint import (  # noqa: E402
     BackgroundSaves,
@@ -190,6 +192,7 @@ def stall(args: argparse.Namespace) -> dict[str, Any]:
 
 
 SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {"async-save": async_save, "stall": stall}
+SECTIONS["exactly-once"] = elastic_exactly_once.section
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

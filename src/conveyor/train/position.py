@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, ClassVar
 
 from conveyor.data.errors import StateError
@@ -31,7 +31,9 @@ __all__ = ["DataPosition", "TrainerPosition", "optimizer_name"]
 @dataclass(frozen=True)
 class DataPosition:
     """One worker's place in its training data (module docstring); `rng` is `rng_to_json(rng_state())` or None;
-    `leftover` this worker's share of an epoch begun by another number of workers (None: the pipeline's own)."""
+    `leftover` this worker's share of an epoch begun by another number of workers (None: the pipeline's own);
+    `shard` the [shards, shard] it read (`job.data_shard`: pipeline stages of a replica share one; None: a
+    checkpoint from before positions named it, read as [world, rank])."""
 
     FORMAT: ClassVar[str] = "conveyor.trainer.data"
     VERSION: ClassVar[int] = 1
@@ -42,6 +44,7 @@ class DataPosition:
     iterator: Any
     rng: dict[str, Any] | None = None
     leftover: dict[str, Any] | None = None
+    shard: list[int] | None = None
 
     @classmethod
     def now(cls, *, epoch: int, batches: int, root_seed: int, iterator: Any,
@@ -68,18 +71,20 @@ class DataPosition:
         if doc.get("version") != cls.VERSION:
             raise ResumeError(f"{where}: Trainer data state version {doc.get('version')}, this conveyor reads "
                               f"{cls.VERSION}; resume with the conveyor version that wrote it")
+        shard = doc.get("shard")
         return cls(int(doc["epoch"]), int(doc["batches"]), int(doc["root_seed"]), doc["iterator"], doc.get("rng"),
-                   doc.get("leftover"))
+                   doc.get("leftover"), [int(v) for v in shard] if isinstance(shard, list) else None)
 
     @classmethod
     def for_rank(cls, ckpt: Checkpoint, rank: int, world: int, tolerates_missing: Callable[[Any], bool],
-                 train_data: Any = None) -> DataPosition | None:
+                 train_data: Any = None, shard: tuple[int, int] | None = None) -> DataPosition | None:
         """Worker `rank`'s position in `ckpt`, after checking that `ckpt` holds one for each of `world` workers
         (None: `tolerates_missing` let this worker start its data over). A checkpoint of another number of
-        workers is redistributed when `train_data` (this worker's pipeline) is given, else refused."""
+        workers is redistributed when `train_data` (this worker's pipeline, reading `shard`: (world, rank) if
+        None) is given, else refused."""
         saved = ckpt.extra.get("world_size")
         if saved != world and train_data is not None and isinstance(saved, int) and saved >= 1:
-            return cls.redistributed(ckpt, rank, world, saved, train_data)
+            return cls.redistributed(ckpt, rank, world, saved, train_data, shard or (world, rank))
         if saved != world:
             raise ResumeError(f"checkpoint {ckpt.path} was written by a job of {saved} worker(s); this job has "
                               f"{world}. Its data positions describe {saved} shards, so resuming would lose or repeat "
@@ -98,9 +103,12 @@ class DataPosition:
         return cls.from_doc(doc, f"{ckpt.path}/data/worker-{rank}.json")
 
     @classmethod
-    def redistributed(cls, ckpt: Checkpoint, rank: int, world: int, saved: int, train_data: Any) -> DataPosition:
-        """Worker `rank`'s share of what the `saved` workers that wrote `ckpt` left of their epoch (every rank
-        computes the same deal from the same documents)."""
+    def redistributed(cls, ckpt: Checkpoint, rank: int, world: int, saved: int, train_data: Any,
+                      shard: tuple[int, int]) -> DataPosition:
+        """Worker `rank`'s share (that of its `shard`: (shards, index)) of what the `saved` workers that wrote
+        `ckpt` left of their epoch, dealt by shard: the processes that read one shard (a pipeline replica's
+        stages) count once, and those that share a new one get the same share. Every rank computes the same
+        deal from the same documents."""
         docs = ckpt.group("data")
         missing = [f"worker-{r}" for r in range(saved) if f"worker-{r}" not in docs]
         if missing:
@@ -112,14 +120,38 @@ class DataPosition:
             raise ResumeError(f"checkpoint {ckpt.path}: its {saved} workers were in different epochs "
                               f"({sorted({p.epoch for p in old})}), so their data cannot be dealt over {world} "
                               f"workers: " + _fix(saved, ckpt))
+        per_shard = _one_per_shard(old, ckpt, saved, shared=tuple(shard) != (world, rank))
         try:
-            shares = plan(train_data, [Saved(p.iterator, p.leftover) for p in old], world)
+            shares = plan(train_data, [Saved(p.iterator, p.leftover) for p in per_shard], int(shard[0]))
         except (StateError, OSError) as e:
             raise ResumeError(f"checkpoint {ckpt.path} was written by a job of {saved} worker(s); this job has "
                               f"{world}, and the rest of its epoch cannot be redistributed over them: {e}. "
                               + _fix(saved, ckpt)) from e
         return cls(old[0].epoch, max(p.batches for p in old), old[0].root_seed, None,
-                   old[rank].rng if rank < saved else None, shares[rank])
+                   old[rank].rng if rank < saved else None, shares[int(shard[1])], [int(v) for v in shard])
+
+
+def _one_per_shard(old: list[DataPosition], ckpt: Checkpoint, saved: int, shared: bool) -> list[DataPosition]:
+    """The old positions by shard, in shard order: of the processes that read one shard (a pipeline replica's
+    stages, in step: the same batches), the lowest rank's. Positions that do not name their shard were each
+    a worker's own, unless this job's processes `shared` shards: then which ones shared cannot be told."""
+    if all(p.shard is None for p in old) and not shared:
+        return old
+    readers: dict[int, list[DataPosition]] = {}
+    for p in old:
+        if p.shard is not None:
+            readers.setdefault(p.shard[1], []).append(p)
+    shards = {p.shard[0] for p in old if p.shard is not None}
+    if any(p.shard is None for p in old) or len(shards) != 1 or sorted(readers) != list(range(shards.pop())):
+        raise ResumeError(f"checkpoint {ckpt.path}: its data positions do not say which of its {saved} processes "
+                          f"read which shard of the data ({[p.shard for p in old]}), so the rest of its epoch "
+                          f"cannot be dealt over this job's shards: " + _fix(saved, ckpt))
+    for index, ps in readers.items():
+        if len({p.batches for p in ps}) > 1:
+            raise ResumeError(f"checkpoint {ckpt.path}: the processes that read shard {index} of the data were at "
+                              f"different batches ({sorted(p.batches for p in ps)}), so what they had read cannot "
+                              f"be told: " + _fix(saved, ckpt))
+    return [readers[index][0] for index in sorted(readers)]
 
 
 def _fix(world: Any, ckpt: Checkpoint) -> str:
@@ -146,7 +178,7 @@ class TrainerPosition(Item):
         self.steps_per_epoch: int | None = None
 
     def save(self, name: str, out: StepWrite) -> None:
-        gathered = self.coord.positions(self.current().to_bytes(), out.final)
+        gathered = self.coord.positions(self._current().to_bytes(), out.final)
         if out.is_chief:
             out.extra.update({"world_size": int(self.job.world_size), "strategy": self.job.strategy.name,
                               "restarts": int(self.job.restart_count), "optimizer": optimizer_name(self.optimizer),
@@ -156,14 +188,18 @@ class TrainerPosition(Item):
 
     def meet(self, final: bool) -> None:
         """Give the others this worker's position at a save it has written already (a meeting at the end)."""
-        self.coord.positions(self.current().to_bytes(), final)
+        self.coord.positions(self._current().to_bytes(), final)
+
+    def _current(self) -> DataPosition:
+        """This worker's position, naming the shard it reads (so that a change of world deals by shard)."""
+        return replace(self.current(), shard=[int(v) for v in self.job.data_shard])
 
     def restore(self, name: str, ckpt: Checkpoint) -> None:
         rank, world = int(self.job.rank), int(self.job.world_size)
-        # Redistribution deals by worker: strategies whose processes share a shard (pipeline stages) keep the refusal.
-        by_worker = tuple(self.job.data_shard) == (world, rank)
+        # Redistribution deals by shard: the processes that share one (a pipeline replica's stages) get one share.
+        shard = (int(self.job.data_shard[0]), int(self.job.data_shard[1]))
         self.data = DataPosition.for_rank(ckpt, rank, world, self.coord.tolerates_missing_positions,
-                                          self.train_data if by_worker else None)
+                                          self.train_data, shard)
         saved_world = ckpt.extra.get("world_size")
         saved, mine = ckpt.extra.get("optimizer"), optimizer_name(self.optimizer)
         if saved is not None and saved != mine:  # torch would load it and fail on the first step, or not at all

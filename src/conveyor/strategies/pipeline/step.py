@@ -33,6 +33,9 @@ class PipelineStep(Step):
     sets ``runner`` and ``module`` (this process's stage); until then training is refused."""
 
     shares_batches = True  # the stages of a replica share each batch
+    # A replica without a batch runs the schedule on its last one with the loss times zero: its stages' gradients
+    # are zero in the replicas' mean, as under allreduce, so a redistributed epoch's uneven shares lose nothing.
+    shadows = True
 
     def __init__(self, job: Any, *, name: str, stage: int, replicas: int, stage_group: Any,
                  sharded: bool = False) -> None:
