@@ -154,10 +154,6 @@ class TrainerPosition(Item):
             out.docs.update(DataPosition.docs(gathered))
             out.tree("rng", rng_state())
 
-    def meet(self, final: bool) -> None:
-        """Give the others this worker's position at a save it has written already (a meeting at the end)."""
-        self.coord.positions(self.current().to_bytes(), final)
-
     def restore(self, name: str, ckpt: Checkpoint) -> None:
         rank, world = int(self.job.rank), int(self.job.world_size)
         # Redistribution deals by worker: strategies whose processes share a shard (pipeline stages) keep the refusal.
