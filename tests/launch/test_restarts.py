@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 
 import pytest
@@ -208,6 +210,28 @@ def test_no_hook_outside_conveyor_run(monkeypatch):
     assert not failure_report.install({"CONVEYOR_OUTPUT_DIR": "/x", "CONVEYOR_TASK_TYPE": "worker",
                                        "CONVEYOR_TASK_INDEX": "0"})
     assert sys.excepthook is sys.__excepthook__
+
+
+@pytest.mark.parametrize(("body", "recorded"), [
+    ("pass", True),  # the script ran to its end
+    ("sys.excepthook = lambda *a: None; raise RuntimeError('boom')", False),  # whichever hook prints it
+    # a forked child running the inherited handler at its exit records nothing; os._exit runs no handler
+    ("c = os.fork(); c == 0 and sys.exit(0); os.waitpid(c, 0); os._exit(0)", False),
+])
+def test_a_training_task_records_that_its_script_ran_to_its_end(tmp_path, body, recorded):
+    env = {**os.environ, "CONVEYOR_OUTPUT_DIR": str(tmp_path), "CONVEYOR_TASK_TYPE": "worker",
+           "CONVEYOR_TASK_INDEX": "1", "CONVEYOR_RESTART_COUNT": "0"}
+    (tmp_path / "logs").mkdir()
+    script = ("import os, sys; from conveyor.cluster import failure_report as f; f.install_finish(os.environ); "
+              "print(os.getpid(), flush=True); " + body)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    path = failure_report.finished_path(str(tmp_path / "logs" / "worker-1.log"))
+    assert path.endswith("logs/worker-1.finished.json")
+    assert failure_report.finished_by(path, int(proc.stdout.split()[0])) is recorded, proc.stderr
+    assert os.path.exists(path) is recorded
+    assert not failure_report.finished_by(path, os.getpid()), "another process's record is not this one's"
+    assert not failure_report.install_finish({"CONVEYOR_OUTPUT_DIR": "/x", "CONVEYOR_TASK_TYPE": "worker",
+                                              "CONVEYOR_TASK_INDEX": "0"}), "no record outside conveyor run"
 
 
 def test_a_malformed_report_is_none(tmp_path):

@@ -216,6 +216,38 @@ def test_the_same_error_on_alternating_ranks_is_the_same_failure(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("when", ["after the end", "before the end"])
+def test_a_task_that_aborts_after_its_script_ran_to_its_end_finished_one_that_aborts_before_failed(tmp_path, when):
+    # gloo can abort a finished process in the interpreter's finalization (pytorch/pytorch PR 179291, ~1 run in
+    # 20): os.abort() from an atexit handler registered before conveyor.init() runs after init's record of the end
+    early = when == "before the end"
+    write_script(tmp_path, f"""
+        import atexit
+        import conveyor
+        atexit.register(os.abort)  # the finalization's abort; registered first, it runs last of conveyor's
+        job = conveyor.init()
+        job.barrier()
+        job.shutdown()
+        if {early}:
+            os.abort()  # the script had not finished its work: a failure
+        print("results written", flush=True)
+    """)
+    code, out, err = finish(launcher(tmp_path, "-n", "2", "--max-restarts", "1", "--restart-delay", "0.1",
+                                     "--timeout", "60", "task.py"), tmp_path, timeout=200)
+    if early:
+        assert code == 1, err
+        assert "worker:0 was killed by SIGABRT" in err or "worker:1 was killed by SIGABRT" in err, err
+        assert "restarting the job" in err and "counted as finished" not in err, err
+    else:
+        assert code == 0, err
+        assert out.count("results written") == 2 and "restarting the job" not in err, err
+        for rank in (0, 1):
+            assert f"worker:{rank} was killed by SIGABRT after its script ran to its end (an abort in the " \
+                   f"interpreter's finalization" in err and "counted as finished" in err, err
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_ctrl_c_or_sigterm_stops_every_task_and_its_children(tmp_path, signum):
     # Each task starts a child (in its process group) and both sleep: nothing may survive the launcher.

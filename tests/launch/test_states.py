@@ -35,6 +35,9 @@ class FakeTask:
         self.pump = SimpleNamespace(join=lambda timeout: None)
         self.name = f"{kind}:{index}"
 
+    def poll(self) -> int | None:  # RunningTask.poll: the status as the job counts it
+        return self.proc.returncode
+
     def exit(self, code: int) -> None:
         self.proc.returncode = code
 

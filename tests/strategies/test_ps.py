@@ -149,7 +149,9 @@ def apart_main(job, out: Path) -> None:
                                eval_data=held_out, metric_fn=lambda out, target: 0.0, eval_every_steps=7,
                                checkpoint_every_steps=10, callbacks=[slow], progress=False)
     summary = trainer.fit()
-    (out / f"rank{job.rank}.json").write_text(json.dumps({"steps": trainer.step, "summary": summary}))
+    params = [p.detach().flatten().tolist() for p in trainer.module.parameters()]
+    (out / f"rank{job.rank}.json").write_text(json.dumps({"steps": trainer.step, "summary": summary,
+                                                          "params": params}))
     job.shutdown()
 
 
@@ -567,6 +569,9 @@ def test_ps_ssp_bounds_staleness(tmp_path: Path) -> None:
 def test_trainer_lets_async_workers_run_apart_and_stops_on_the_shared_step_count(tmp_path: Path) -> None:
     results, codes = launch("apart", "ps-async", tmp_path)
     assert codes == [0] * (WORLD + NUM_PS), logs(tmp_path)
+    # The fast worker's last pull came long before the slow one's last commit; fit() ends on both with a pull after
+    # every commit (Step.finish), so both hold the servers' final state, the one the last checkpoint's shards hold.
+    assert results[0]["params"] == results[1]["params"]
     fast, slow = results[0]["steps"], results[1]["steps"]
     planned = 2 * 20 * WORLD  # epochs x steps per epoch x workers
     assert fast > 1.5 * slow, (fast, slow)  # worker 1 sleeps 50 ms a step; worker 0 does not wait for it

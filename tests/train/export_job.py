@@ -6,7 +6,8 @@ A Sequential (so that the pipeline can cut it) whose first weight is over the pa
 piece size (the ps tasks split it between them) and with a BatchNorm (buffers the servers do not hold),
 trained with the Trainer for 2 epochs on fixed random data. At the end the chief writes `probe.json`:
 the summary's eval figures (every strategy computes them, the pipeline's last stage included) and, where
-the chief holds the whole model, its outputs on `probe()` in eval mode. Run again on the same output
+the chief holds the whole model, its outputs on `probe()` in eval mode (ps-async too: the trainer's end of
+run pulls the servers' final state, `Step.finish`). Run again on the same output
 folder, it resumes from the last step, trains nothing, and writes what the restored model computes.
 """
 

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import IO, Protocol
 
-from conveyor.cluster.failure_report import read_report, report_path
+from conveyor.cluster.failure_report import finished_path, read_report, report_path
 from conveyor.cluster.spec import DATA_JOBS
 from conveyor.errors import PeerError  # re-exported: its old home
 from conveyor.launch.failures import exit_status, peer_signature, signature, signature_line
@@ -149,9 +149,9 @@ def _ended(running: list[RunningTask]) -> bool:
     """
     chief = [rt for rt in running if rt.launch.task.type == "chief"]
     if chief:
-        return chief[0].proc.poll() == 0
+        return chief[0].poll() == 0
     training = [rt for rt in running if rt.launch.task.is_training]
-    return bool(training) and all(rt.proc.poll() == 0 for rt in training)
+    return bool(training) and all(rt.poll() == 0 for rt in training)
 
 
 def _has_chief(running: list[RunningTask]) -> bool:
@@ -260,8 +260,9 @@ class Supervisor:
         failures = {"failures": len(self._history)} if self._regroup_of() is not None else {}
         started = time.time()
         for launch in self.plan.tasks:
-            with contextlib.suppress(OSError):  # an earlier attempt's report would describe this one's failure
-                os.remove(report_path(launch.log_path))
+            for stale in (report_path(launch.log_path), finished_path(launch.log_path)):
+                with contextlib.suppress(OSError):  # an earlier attempt's record would describe this one
+                    os.remove(stale)
             self._tasks.append(RunningTask.start(launch, s.attempt, self._console, **failures))
         pids = ", ".join(f"{r.name} pid {r.proc.pid}" for r in self._tasks)
         self._say(f"attempt {s.attempt}: started {pids}; logs in {self.plan.log_dir}")
@@ -282,7 +283,7 @@ class Supervisor:
             self._tell_peers_trained(s.attempt)  # the job has succeeded once every node's have (Peers.succeeded)
             s = replace(s, trained=True)
         for rt in s.tasks:
-            code = rt.proc.poll()
+            code = rt.poll()
             if code is not None and rt.launch.task.type == "data_worker":  # not the job's failure: its splits
                 return self._data_worker_died(s, rt, code)  # go to the others (docs/data-service.md)
             if code is not None and code != 0:
@@ -416,7 +417,7 @@ class Supervisor:
         """Say which tasks failed after the job had succeeded (or in the same instant): not a failure of the
         job, whose outcome the chief decides, but worth a line in case it hides a problem."""
         for rt in running:
-            code = rt.proc.returncode
+            code = rt.poll()
             if code is not None and code != 0:
                 self._say(f"{TaskExit(rt.name, code, rt.launch.log_path).describe()} after "
                           f"{_end_condition(self.plan)}; the job succeeded all the same (see {rt.launch.log_path})")

@@ -29,6 +29,7 @@ from typing import IO
 
 import psutil
 
+from conveyor.cluster.failure_report import finished_by, finished_path
 from conveyor.launch.binding import format_cpus
 from conveyor.launch.plan import RESTART_COUNT_VAR, RESUME_VAR, TORCHRUN_RESTART_VAR, TTY_VAR, TaskLaunch
 
@@ -214,6 +215,8 @@ class RunningTask:
     pump: threading.Thread
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
     group_gone: bool = False
+    say: Callable[[str], None] | None = None
+    aborted_after_end: bool = False  # killed by SIGABRT after its script's end: said once, counted as 0
 
     @property
     def name(self) -> str:
@@ -238,7 +241,7 @@ class RunningTask:
         except BaseException:
             log.close()
             raise
-        task = cls(launch, proc, log, threading.Thread())
+        task = cls(launch, proc, log, threading.Thread(), say=console.say)
         task.pump = threading.Thread(target=task._pump, args=(console,), name=f"conveyor-log-{launch.name}",
                                      daemon=True)
         task.pump.start()
@@ -263,6 +266,22 @@ class RunningTask:
         finally:
             self.proc.stdout.close()
             self.log.close()
+
+    def poll(self) -> int | None:
+        """The task's exit status as the job counts it (None: still running). Killed by SIGABRT after its script
+        ran to its end (the record of ``failure_report.install_finish``, for this pid) counts as 0, with one
+        line: gloo can abort a finished process in the interpreter's finalization (pytorch/pytorch PR 179291).
+        An abort before that record stays a failure."""
+        code = self.proc.poll()
+        if code != -signal.SIGABRT:
+            return code
+        if not self.aborted_after_end and finished_by(finished_path(self.launch.log_path), self.proc.pid):
+            self.aborted_after_end = True
+            if self.say is not None:
+                self.say(f"{self.name} was killed by SIGABRT after its script ran to its end (an abort in the "
+                         f"interpreter's finalization, as gloo's threads can cause: pytorch/pytorch PR 179291); "
+                         f"counted as finished")
+        return 0 if self.aborted_after_end else code
 
     def signal_group(self, signum: int) -> None:
         if self.group_gone:

@@ -13,7 +13,7 @@
 ``conveyor.init()`` does the first two lines and ``job.prepare`` the third. A :class:`Strategy` says how
 workers hold the model and keep together (``setup``, ``prepare``, ``coordinator``, ``data_shard``,
 ``checkpoint_items``, ``report``, ``shutdown``); its :class:`Step` says how one step runs (``train``,
-``eval_forward``, ``counted_samples``, ``comm_seconds``, ``check``). The trainer calls only these, and
+``eval_forward``, ``counted_samples``, ``comm_seconds``, ``check``, ``finish``). The trainer calls only these, and
 never asks which strategy it runs.
 """
 
@@ -76,6 +76,11 @@ class Step:
     def check(self, model: nn.Module, train_data: Any) -> None:
         """Raise when the trainer's ``model`` is not what ``prepare`` returned, or ``train_data`` is not read the
         way this strategy needs, and training would go wrong silently."""
+        return None
+
+    def finish(self, module: nn.Module, job: Any) -> None:
+        """After a run's last training step, on every rank at once (before the final evaluation and save):
+        leave in ``module`` the parameters the run ends with. Default: they are there already."""
         return None
 
 

@@ -88,7 +88,8 @@ class Coordinator:
         return "all"
 
     def meets_for(self, final: bool) -> bool:
-        """Whether this save is a meeting of all workers even when this worker saved the step already."""
+        """Whether this save is made even when this worker saved the step already: a meeting of all workers
+        that writes the step again (workers running apart changed the state since)."""
         return False
 
     def positions(self, mine: bytes, final: bool) -> list[bytes | None]:

@@ -74,7 +74,7 @@ def init(strategy: str | None = None, *, timeout: float | None = None, share_gpu
     """
     recovery.mark("imports")  # the script has imported what it needs (the stall after a failure: conveyor.recovery)
     env: Mapping[str, str] = os.environ if environ is None else environ
-    failure_report.install(env)  # under `conveyor run`: a fatal error tells the launcher what failed
+    failure_report.install(env)  # under `conveyor run`: a fatal error tells the launcher what failed, the end too
     found = discover_with_flags(sys.argv[1:] if argv is None else argv, env)
     settings = JobSettings.from_environ(env)  # every setting the launcher gave, read and checked once
     if timeout is not None:
@@ -262,7 +262,8 @@ class Job:
 
         ``wait_for_peers`` (the normal end): first wait until every rank is shutting down too. Rank 0
         hosts the rendezvous store, and a rank whose peers tear the group down while it still uses
-        it can abort at exit ("terminate called without an active exception", seen in 1 of 20 runs).
+        it can abort at exit ("terminate called without an active exception", seen in 1 of 20 runs); an abort
+        in finalization after the script's end is counted as finished by ``conveyor run`` (docs/launcher.md).
         A failing rank skips the wait (``with job:`` does on an exception), so it exits at once and
         the launcher sees it.
         """

@@ -186,10 +186,6 @@ class TrainerPosition(Item):
             out.docs.update(DataPosition.docs(gathered))
             out.tree("rng", rng_state())
 
-    def meet(self, final: bool) -> None:
-        """Give the others this worker's position at a save it has written already (a meeting at the end)."""
-        self.coord.positions(self._current().to_bytes(), final)
-
     def _current(self) -> DataPosition:
         """This worker's position, naming the shard it reads (so that a change of world deals by shard)."""
         return replace(self.current(), shard=[int(v) for v in self.job.data_shard])

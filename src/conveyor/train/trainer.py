@@ -314,6 +314,7 @@ class _Run:
 
     def finish(self) -> None:
         self._log()
+        self.strategy.step.finish(self.t.module, self.job)  # workers running apart: the servers' final state
         self.evaluator.run(self.t.step, final=True)
         self.checkpointer.save(self.t.step, final=True)  # complete on disk when it returns
         self.summary = summarize(self.job, self.prof, wall=time.perf_counter() - self.started, steps=self.t.step,
@@ -537,10 +538,9 @@ class _Checkpointer:
                 self.saves.finish()
             return
         with self.run.prof.span("checkpoint", step=step):
-            if self.last_saved == step:  # a meeting at the end for a step written already
-                self.run.position.meet(final)
-            else:
-                self.saves.save(step, lambda: self._stage(step, final))
+            # A meeting at the end writes a step saved already again: workers running apart committed since
+            # (the servers' state, every worker's position), and the last checkpoint must hold the run's end.
+            self.saves.save(step, lambda: self._stage(step, final))
             if final:
                 self.saves.finish()
         self.last_saved = step

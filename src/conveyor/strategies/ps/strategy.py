@@ -229,6 +229,19 @@ class _PSStep(Step):
         client = self._strategy.client
         return 0.0 if client is None else float(sum(client.seconds.values()))
 
+    def finish(self, module: nn.Module, job: Any) -> None:
+        """Workers running apart (``ps-async``/``ps-ssp``): the pull sent by a worker's last ``step()`` may have
+        been answered before another worker's last commit, so after a barrier (every ``step()`` returned with
+        its commit applied: nothing changes on the servers any more) every worker pulls again. The final
+        evaluation, the final checkpoint's ``model`` and the model after ``fit()`` are then the servers' final
+        state, the one the checkpoint's shards (and an export of them) hold."""
+        client = self._strategy.client
+        if client is None or not self._strategy.prefetch or int(job.world_size) == 1:
+            return  # ps-sync: step() returned with every worker's last step in place
+        job.barrier()
+        client.finish_pull()  # the pull in flight, possibly stale, is collected first (one per connection)
+        client.pull()
+
 
 class PSOptimizer(torch.optim.Optimizer):
     """What ``job.prepare`` returns for the optimizer: the servers update; ``step()`` commits and pulls.
