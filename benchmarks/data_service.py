@@ -362,7 +362,8 @@ def format_table(res: dict[str, Any], d: dict[str, Any], args: argparse.Namespac
     rows += tf_rows(d["tf"], args)
     lines = [f"data service: chexnet-like JPEG 256² -> 224 crop, batch {args.batch}, {args.images} images repeated, "
              f"trainer link {link}, cores trainer {args.cores[0]}, workers {','.join(map(str, args.cores[1:]))}, "
-             f"{args.warmup:g} s warm-up + {args.seconds:g} s window, {args.repeats} round(s), medians",
+             f"{args.warmup:g} s warm-up + {args.seconds:g} s window, {args.repeats} round(s), medians"
+             + ("" if d["tf"]["skipped"] else f"; tf.data service compression {args.tf_compression}"),
              h.format_rows(rows, left=(0,), underline=True)]
     m = d["memory"]
     if m:
@@ -392,8 +393,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=float, default=None, help="seconds before the window (default 5; --quick 3)")
     p.add_argument("--seconds", type=float, default=None, help="the measured window (default 10; --quick 4)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds a trainer may run past its window")
-    p.add_argument("--tf-compression", choices=("AUTO", "none"), default="AUTO",
-                   help="tf-kK rows: distribute(compression=...) (default AUTO, TensorFlow's default)")
+    p.add_argument("--tf-compression", choices=("AUTO", "none"), default="none",
+                   help="tf-kK rows: distribute(compression=...); default none: TensorFlow's default AUTO compresses "
+                        "each batch on the worker's one core and measured slower here")
     p.add_argument("--trainer", metavar="JSON", help=argparse.SUPPRESS)
     args = h.settle(p, p.parse_args(argv), {"images": (256, 64), "repeats": (2, 1), "warmup": (5.0, 3.0),
                                             "seconds": (10.0, 4.0)},
