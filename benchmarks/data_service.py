@@ -299,7 +299,12 @@ def measure(bench: Bench, name: str, singles: dict[str, float]) -> tuple[float, 
         bench.stop()
 
 
-def derive_tf(res: dict[str, Any], med: dict[str, float]) -> dict[str, Any]:
+def tf_skip(args: argparse.Namespace) -> str | None:
+    """Why the tf.data service rows are not run, or None when they are."""
+    return "left out (--no-tf)" if args.no_tf else tfds.skip_reason()
+
+
+def derive_tf(res: dict[str, Any], med: dict[str, float], skipped: str | None) -> dict[str, Any]:
     """Per K TensorFlow's rate and conveyor's over it; ``min_ratio`` (NaN when any K failed) or the skip reason."""
     rows = {}
     for k in range(1, len(WORKERS) + 1):
@@ -311,7 +316,7 @@ def derive_tf(res: dict[str, Any], med: dict[str, float]) -> dict[str, Any]:
     ratios = [r["conveyor_vs_tf"] for r in rows.values()]
     measured = bool(ratios) and len(h.finite(ratios)) == len(ratios)
     return {"rows": rows, "min_ratio": min(ratios) if measured else math.nan,
-            "skipped": None if rows else (tfds.skip_reason() or "not run")}
+            "skipped": None if rows else (skipped or "not run")}
 
 
 def derive(res: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -330,7 +335,7 @@ def derive(res: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
                       "link_share": link_share, "limit": limit,
                       "pass": bool(limit == "link" or (ratio == ratio and ratio >= 0.9))}
     memory = next((r for r in res["runs"]["memory"] if r and "within_bound" in r), None)
-    return {"medians": med, "service": rows, "memory": memory, "tf": derive_tf(res, med),
+    return {"medians": med, "service": rows, "memory": memory, "tf": derive_tf(res, med, tf_skip(args)),
             "scaling_pass": all(r["pass"] for r in rows.values()),
             "memory_pass": bool(memory and memory["within_bound"])}
 
@@ -396,6 +401,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tf-compression", choices=("AUTO", "none"), default="none",
                    help="tf-kK rows: distribute(compression=...); default none: TensorFlow's default AUTO compresses "
                         "each batch on the worker's one core and measured slower here")
+    p.add_argument("--no-tf", action="store_true", help="leave the tf.data service rows out (they start TensorFlow)")
     p.add_argument("--trainer", metavar="JSON", help=argparse.SUPPRESS)
     args = h.settle(p, p.parse_args(argv), {"images": (256, 64), "repeats": (2, 1), "warmup": (5.0, 3.0),
                                             "seconds": (10.0, 4.0)},
@@ -418,7 +424,7 @@ def make_data(tmp: Path, images: int) -> list[str]:
 def run_all(args: argparse.Namespace) -> dict[str, Any]:
     from conveyor.testing.hosts import Hosts
 
-    names = contenders(len(WORKERS), tf=tfds.skip_reason() is None)
+    names = contenders(len(WORKERS), tf=tf_skip(args) is None)
     singles: dict[str, float] = {}
     names_of_hosts = ["trainer", "worker1", "worker2", "worker3", "dispatcher"]
     with tempfile.TemporaryDirectory(prefix="conveyor-bench-ds-") as tmp, \
