@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from conveyor import recovery
+from conveyor.data.service.report import dispatcher_report
 from conveyor.fileio import atomic_write
 from conveyor.train.plots import plot_step_breakdown, plot_timeline
 from conveyor.train.profiler import StepProfiler
@@ -75,6 +76,9 @@ def summarize(job: Any, prof: StepProfiler, *, wall: float, steps: int, epochs: 
     if added:
         summary.update(added)
     if job.is_chief:
+        data_service = dispatcher_report()  # the job's data service's figures (conveyor k8s: none merges them later)
+        if data_service is not None:
+            summary["data_service"] = data_service
         write_json_atomic(out / "summary.json", summary)
     return summary
 
