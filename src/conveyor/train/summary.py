@@ -8,7 +8,8 @@ Global figures (samples, input-wait and accelerator-idle fractions) are summed o
 writes ``<output>/summary.json`` atomically. The keys: ``docs/training.md``, "Outputs". Where known, the
 run's tokens/s, mean TFLOPS per device and MFU (over ``wall``, as samples/s) and the peak memory (GiB, the
 largest rank's): ``conveyor.train.throughput``. After a restart, ``recovery``: where the stall went
-(``conveyor.recovery``; the task parts are the slowest rank's).
+(``conveyor.recovery``; the task parts are the slowest rank's). With a data service (``CONVEYOR_DATA_SERVICE``),
+``data_service``: the dispatcher's report (``conveyor.data.service.report.dispatcher_report``).
 """
 
 from __future__ import annotations
