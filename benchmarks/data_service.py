@@ -87,26 +87,8 @@ def trainer_role(config: dict[str, Any]) -> None:
         ds = ds.distribute(service, processing_mode="parallel_epochs", **OPTIONS)
     reset_peak("self")
     base = vm_kib("self", "VmRSS")
-    images = nbytes = 0
-    t0 = time.perf_counter()
-    start = t0 + config["warmup"]
-    end = start + config["seconds"]
-    first = None
-    for images_batch, labels in ds:
-        now = time.perf_counter()
-        if first is None:
-            first = now - t0
-        if now >= start:
-            images += len(images_batch)
-            nbytes += images_batch.nbytes + labels.nbytes
-        if now >= end:
-            break
-        if config["sleep"]:
-            time.sleep(config["sleep"])
-    window = time.perf_counter() - start
-    print(json.dumps({"images": images, "bytes": nbytes, "window_s": window, "first_element_s": first,
-                      "images_per_s": images / window, "bytes_per_s": nbytes / window,
-                      "base_rss_kib": base, "peak_rss_kib": vm_kib("self", "VmHWM")}), flush=True)
+    figures = tfds.consume(ds, config)
+    print(json.dumps({**figures, "base_rss_kib": base, "peak_rss_kib": vm_kib("self", "VmHWM")}), flush=True)
 
 
 # ---------------------------------------------------------------------------------- the driver

@@ -26,7 +26,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 TF_SKIP = "tensorflow is not importable here (pip install tensorflow-cpu in the benchmark's environment)"
@@ -91,6 +91,30 @@ def worker_role(dispatcher: str, host: str, port: int, lifetime: float) -> None:
     _serve_until(server, lifetime)
 
 
+def consume(batches: Iterable[tuple[Any, Any]], config: dict[str, Any]) -> dict[str, Any]:
+    """Take (images, labels) numpy batches for ``warmup`` + ``seconds`` (sleeping ``sleep`` s after each, when
+    given); the images and bytes (images + labels) of the window after the warm-up: both trainers' figures."""
+    images = nbytes = 0
+    t0 = time.perf_counter()
+    start = t0 + config["warmup"]
+    end = start + config["seconds"]
+    first = None
+    for images_batch, labels in batches:
+        now = time.perf_counter()
+        if first is None:
+            first = now - t0
+        if now >= start:
+            images += len(images_batch)
+            nbytes += images_batch.nbytes + labels.nbytes
+        if now >= end:
+            break
+        if config.get("sleep"):
+            time.sleep(config["sleep"])
+    window = time.perf_counter() - start
+    return {"images": images, "bytes": nbytes, "window_s": window, "first_element_s": first,
+            "images_per_s": images / window, "bytes_per_s": nbytes / window}
+
+
 def trainer_role(config: dict[str, Any]) -> None:
     """Consume for warmup + seconds from the service; print one JSON line as conveyor's trainer does."""
     tf = _import_tf()
@@ -99,25 +123,9 @@ def trainer_role(config: dict[str, Any]) -> None:
     ds = ds.apply(tf.data.experimental.service.distribute(
         processing_mode="parallel_epochs", service=f"grpc://{config['service']}",
         compression=None if config["compression"] == "none" else config["compression"]))
-    images = nbytes = 0
-    t0 = time.perf_counter()
-    start = t0 + config["warmup"]
-    end = start + config["seconds"]
-    first = None
-    for images_batch, labels in ds:
-        images_np, labels_np = images_batch.numpy(), labels.numpy()  # in the trainer's memory, as conveyor's
-        now = time.perf_counter()
-        if first is None:
-            first = now - t0
-        if now >= start:
-            images += len(images_np)
-            nbytes += images_np.nbytes + labels_np.nbytes
-        if now >= end:
-            break
-    window = time.perf_counter() - start
-    print(json.dumps({"images": images, "bytes": nbytes, "window_s": window, "first_element_s": first,
-                      "images_per_s": images / window, "bytes_per_s": nbytes / window,
-                      "compression": config["compression"], "tensorflow": tf.__version__}), flush=True)
+    # numpy arrays in the trainer's memory, as conveyor's trainer gets them
+    figures = consume(((images.numpy(), labels.numpy()) for images, labels in ds), config)
+    print(json.dumps({**figures, "compression": config["compression"], "tensorflow": tf.__version__}), flush=True)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
