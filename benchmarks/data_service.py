@@ -15,18 +15,21 @@ with ``taskset -c``: ``--cores T,W1,W2,W3`` (default: 0,1,2,3 modulo this machin
 4 cores some share one, and the table says which and that the K-worker rows are then bounded by cores).
 
 Contenders, per round: ``local`` (the trainer runs the pipeline itself, no service), ``single-wI`` (worker
-I alone: its single-host rate), ``service-kK`` (workers 1..K), ``tf-data-service`` (skipped unless
-``tensorflow`` is importable; not built yet either way), and ``memory``: one worker, the trainer
+I alone: its single-host rate), ``service-kK`` (workers 1..K), ``tf-kK`` (TensorFlow's tf.data service on the
+same hosts, cores and files, ``data_service_tf.py``; skipped with the reason unless ``tensorflow`` imports), and
+``memory``: one worker, the trainer
 sleeping per element so the worker could produce >= 10x faster; the trainer's and the dispatcher's peak
 RSS (VmHWM, after ``clear_refs`` reset it at the start) against the bound the queue sizes give. Figures:
-images/s the trainer took in a window after a warm-up. Goal: service-kK >= 0.9 x the sum of the single
-rates of workers 1..K, unless the trainer's link carries >= 0.85 x its cap (then "link" is the limit).
+images/s the trainer took in a window after a warm-up. Goals: service-kK >= 0.9 x the sum of the single
+rates of workers 1..K, unless the trainer's link carries >= 0.85 x its cap (then "link" is the limit), and
+service-kK >= 1.0 x tf-kK at every K.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import secrets
 import subprocess
@@ -38,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by file path
+import data_service_tf as tfds  # noqa: E402
 import harness as h  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +51,6 @@ TRAINER, WORKERS, DISPATCHER = 0, (1, 2, 3), 4
 OPTIONS = {"max_outstanding": 2, "per_request": 1, "buffer": 4}  # the trainer's credit and queue
 WORKER_BUFFER = 4  # elements a worker produces ahead per job (`conveyor data worker --buffer`)
 LINK_BOUND_SHARE = 0.85  # the trainer's link carrying this share of its cap: the link is the limit
-TF_SKIP = "tensorflow is not importable here (pip install tensorflow-cpu in the benchmark's environment)"
 
 
 # ---------------------------------------------------------------------------------- the pipeline (workers)
@@ -84,26 +87,8 @@ def trainer_role(config: dict[str, Any]) -> None:
         ds = ds.distribute(service, processing_mode="parallel_epochs", **OPTIONS)
     reset_peak("self")
     base = vm_kib("self", "VmRSS")
-    images = nbytes = 0
-    t0 = time.perf_counter()
-    start = t0 + config["warmup"]
-    end = start + config["seconds"]
-    first = None
-    for images_batch, labels in ds:
-        now = time.perf_counter()
-        if first is None:
-            first = now - t0
-        if now >= start:
-            images += len(images_batch)
-            nbytes += images_batch.nbytes + labels.nbytes
-        if now >= end:
-            break
-        if config["sleep"]:
-            time.sleep(config["sleep"])
-    window = time.perf_counter() - start
-    print(json.dumps({"images": images, "bytes": nbytes, "window_s": window, "first_element_s": first,
-                      "images_per_s": images / window, "bytes_per_s": nbytes / window,
-                      "base_rss_kib": base, "peak_rss_kib": vm_kib("self", "VmHWM")}), flush=True)
+    figures = tfds.consume(ds, config)
+    print(json.dumps({**figures, "base_rss_kib": base, "peak_rss_kib": vm_kib("self", "VmHWM")}), flush=True)
 
 
 # ---------------------------------------------------------------------------------- the driver
@@ -145,9 +130,11 @@ def parse_link(text: str) -> float | None:
     return value
 
 
-def contenders(workers: int) -> list[str]:
+def contenders(workers: int, tf: bool = False) -> list[str]:
+    """The rounds' contenders; ``tf``: with TensorFlow's tf.data service rows (``tf-kK``)."""
     return ["local", *(f"single-w{i}" for i in range(1, workers + 1)),
-            *(f"service-k{k}" for k in range(1, workers + 1)), "memory"]
+            *(f"service-k{k}" for k in range(1, workers + 1)), *(f"tf-k{k}" for k in range(1, workers + 1) if tf),
+            "memory"]
 
 
 def memory_bound_kib(element_bytes: int, workers: int = 1) -> dict[str, int]:
@@ -205,12 +192,30 @@ class Bench:
             self.wait_for(proc, wlog, "serving on")
         return dispatcher, address
 
-    def trainer(self, address: str | None, sleep: float = 0.0) -> dict[str, Any]:
+    def tf_service(self, workers: Sequence[int]) -> str:
+        """TensorFlow's dispatcher and ``workers`` (1-based) on the same hosts and cores; its address."""
+        self.runs += 1
+        port = 6100 + 2 * (self.runs % 400)  # apart from conveyor's ports: no reuse of a port just closed
+        address = f"{self.hosts[DISPATCHER].address}:{port}"
+        script = str(HERE / "data_service_tf.py")
+        log = f"tf-dispatcher-{self.runs}.log"
+        self.wait_for(self.start(DISPATCHER, [script, "dispatcher", "--port", str(port)], None, log), log, "listening")
+        for w in workers:
+            wlog = f"tf-worker{w}-{self.runs}.log"
+            proc = self.start(WORKERS[w - 1], [script, "worker", "--dispatcher", address, "--host",
+                                               self.hosts[WORKERS[w - 1]].address, "--port", str(port + 1)],
+                              self.args.cores[w], wlog)
+            self.wait_for(proc, wlog, "serving on")
+        return address
+
+    def trainer(self, address: str | None, sleep: float = 0.0, tf: bool = False) -> dict[str, Any]:
+        """Run the trainer (conveyor's, or with ``tf`` TensorFlow's) on its core; its JSON line."""
         config = {"service": address, "secret": self.secret, "warmup": self.args.warmup,
-                  "seconds": self.args.seconds, "sleep": sleep}
+                  "seconds": self.args.seconds, "sleep": sleep, "compression": self.args.tf_compression}
         log = f"trainer-{self.runs}-{int(time.time() * 1e3)}.log"
-        proc = self.start(TRAINER, [str(Path(__file__).resolve()), "--trainer", json.dumps(config)],
-                          self.args.cores[0], log)
+        argv = ([str(HERE / "data_service_tf.py"), "trainer", json.dumps(config)] if tf
+                else [str(Path(__file__).resolve()), "--trainer", json.dumps(config)])
+        proc = self.start(TRAINER, argv, self.args.cores[0], log)
         try:
             proc.wait(timeout=self.args.warmup + self.args.seconds + self.args.timeout)
         except subprocess.TimeoutExpired:
@@ -262,6 +267,8 @@ def measure(bench: Bench, name: str, singles: dict[str, float]) -> tuple[float, 
         elif name == "memory":
             run = measure_memory(bench, singles.get("single-w1"))
             return float(run["within_bound"]), run
+        elif name.startswith("tf-k"):
+            run = bench.trainer(bench.tf_service(range(1, int(name[-1]) + 1)), tf=True)
         else:
             workers = [int(name[-1])] if name.startswith("single") else list(range(1, int(name[-1]) + 1))
             _, address = bench.service(workers)
@@ -274,12 +281,24 @@ def measure(bench: Bench, name: str, singles: dict[str, float]) -> tuple[float, 
         bench.stop()
 
 
-def tf_skip_reason() -> str:
-    import importlib.util
+def tf_skip(args: argparse.Namespace) -> str | None:
+    """Why the tf.data service rows are not run, or None when they are."""
+    return "left out (--no-tf)" if args.no_tf else tfds.skip_reason()
 
-    if importlib.util.find_spec("tensorflow") is None:
-        return TF_SKIP
-    return "tensorflow is importable, but the tf.data service contender is not built yet"
+
+def derive_tf(res: dict[str, Any], med: dict[str, float], skipped: str | None) -> dict[str, Any]:
+    """Per K TensorFlow's rate and conveyor's over it; ``min_ratio`` (NaN when any K failed) or the skip reason."""
+    rows = {}
+    for k in range(1, len(WORKERS) + 1):
+        name = f"tf-k{k}"
+        if name in res["samples"]:
+            rows[name] = {"images_per_s": med.get(name),
+                          "conveyor_vs_tf": h.ratio(med.get(f"service-k{k}"), med.get(name)),
+                          "bytes_per_s": h.median(r.get("bytes_per_s") for r in res["runs"][name] if r)}
+    ratios = [r["conveyor_vs_tf"] for r in rows.values()]
+    measured = bool(ratios) and len(h.finite(ratios)) == len(ratios)
+    return {"rows": rows, "min_ratio": min(ratios) if measured else math.nan,
+            "skipped": None if rows else (skipped or "not run")}
 
 
 def derive(res: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -298,28 +317,40 @@ def derive(res: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
                       "link_share": link_share, "limit": limit,
                       "pass": bool(limit == "link" or (ratio == ratio and ratio >= 0.9))}
     memory = next((r for r in res["runs"]["memory"] if r and "within_bound" in r), None)
-    return {"medians": med, "service": rows, "memory": memory,
+    return {"medians": med, "service": rows, "memory": memory, "tf": derive_tf(res, med, tf_skip(args)),
             "scaling_pass": all(r["pass"] for r in rows.values()),
             "memory_pass": bool(memory and memory["within_bound"])}
+
+
+def tf_rows(tf: dict[str, Any], args: argparse.Namespace) -> list[list[str]]:
+    """The tf.data service rows of the table: each with conveyor's service-kK over it, or one skipped row."""
+    if tf["skipped"]:
+        return [["tf-data-service", f"skipped: {tf['skipped']}"]]
+    cap_bytes = None if args.link_mbit is None else args.link_mbit * 1e6 / 8
+    return [[f"{name} (tf.data service, workers 1..{name[-1]})", h.fmt(r["images_per_s"], ".1f"),
+             h.fmt(r["bytes_per_s"], ".1f", 1e-6), "", "", h.fmt(h.ratio(r["bytes_per_s"], cap_bytes), ".2f"), "",
+             h.fmt(r["conveyor_vs_tf"], ".2f")] for name, r in tf["rows"].items()]
 
 
 def format_table(res: dict[str, Any], d: dict[str, Any], args: argparse.Namespace, uptime: str) -> str:
     med, svc = d["medians"], d["service"]
     link = "uncapped" if args.link_mbit is None else f"{args.link_mbit:g} Mbit/s"
-    rows: list[Any] = [["contender", "images/s", "MB/s", "sum of singles", "/ sum", "link share", "limit"]]
-    rows.append(["local (trainer runs the pipeline, no service)", h.fmt(med.get("local"), ".1f"), "", "", "", "", ""])
+    rows: list[Any] = [["contender", "images/s", "MB/s", "sum of singles", "/ sum", "link share", "limit",
+                        "conveyor / tf"]]
+    rows.append(["local (trainer runs the pipeline, no service)", h.fmt(med.get("local"), ".1f"), *[""] * 6])
     for i in range(1, len(WORKERS) + 1):
         bps = h.median(r.get("bytes_per_s") for r in res["runs"][f"single-w{i}"] if r)
         rows.append([f"single-w{i} (worker {i} alone, core {args.cores[i]})", h.fmt(med.get(f"single-w{i}"), ".1f"),
-                     h.fmt(bps, ".1f", 1e-6), "", "", "", ""])
+                     h.fmt(bps, ".1f", 1e-6), *[""] * 5])
     for name, r in svc.items():
         rows.append([f"{name} (workers 1..{name[-1]})", h.fmt(r["images_per_s"], ".1f"),
                      h.fmt(r["bytes_per_s"], ".1f", 1e-6), h.fmt(r["sum_single"], ".1f"), h.fmt(r["vs_sum"], ".2f"),
-                     h.fmt(r["link_share"], ".2f"), r["limit"]])
-    rows.append(["tf-data-service", f"skipped: {tf_skip_reason()}"])
+                     h.fmt(r["link_share"], ".2f"), r["limit"], ""])
+    rows += tf_rows(d["tf"], args)
     lines = [f"data service: chexnet-like JPEG 256² -> 224 crop, batch {args.batch}, {args.images} images repeated, "
              f"trainer link {link}, cores trainer {args.cores[0]}, workers {','.join(map(str, args.cores[1:]))}, "
-             f"{args.warmup:g} s warm-up + {args.seconds:g} s window, {args.repeats} round(s), medians",
+             f"{args.warmup:g} s warm-up + {args.seconds:g} s window, {args.repeats} round(s), medians"
+             + ("" if d["tf"]["skipped"] else f"; tf.data service compression {args.tf_compression}"),
              h.format_rows(rows, left=(0,), underline=True)]
     m = d["memory"]
     if m:
@@ -349,6 +380,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=float, default=None, help="seconds before the window (default 5; --quick 3)")
     p.add_argument("--seconds", type=float, default=None, help="the measured window (default 10; --quick 4)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds a trainer may run past its window")
+    p.add_argument("--tf-compression", choices=("AUTO", "none"), default="none",
+                   help="tf-kK rows: distribute(compression=...); default none: TensorFlow's default AUTO compresses "
+                        "each batch on the worker's one core and measured slower here")
+    p.add_argument("--no-tf", action="store_true", help="leave the tf.data service rows out (they start TensorFlow)")
     p.add_argument("--trainer", metavar="JSON", help=argparse.SUPPRESS)
     args = h.settle(p, p.parse_args(argv), {"images": (256, 64), "repeats": (2, 1), "warmup": (5.0, 3.0),
                                             "seconds": (10.0, 4.0)},
@@ -371,7 +406,7 @@ def make_data(tmp: Path, images: int) -> list[str]:
 def run_all(args: argparse.Namespace) -> dict[str, Any]:
     from conveyor.testing.hosts import Hosts
 
-    names = contenders(len(WORKERS))
+    names = contenders(len(WORKERS), tf=tf_skip(args) is None)
     singles: dict[str, float] = {}
     names_of_hosts = ["trainer", "worker1", "worker2", "worker3", "dispatcher"]
     with tempfile.TemporaryDirectory(prefix="conveyor-bench-ds-") as tmp, \
@@ -405,20 +440,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     res = run_all(args)
     d = derive(res, args)
     uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    goals = [GOAL_SCALING.row(1.0 if d["scaling_pass"] else 0.0), GOAL_MEMORY.row(1.0 if d["memory_pass"] else 0.0)]
+    goals = goal_rows(d)
     report = {"benchmark": "data_service", "command": h.command_line("data_service", argv),
               "machine": h.machine_end(machine), "uptime": uptime,
               "config": {"cores": list(args.cores), "shared_cores": shared_cores(args.cores),
                          "link_mbit": args.link_mbit, "images": args.images, "batch": args.batch,
                          "warmup": args.warmup, "seconds": args.seconds, "repeats": args.repeats, "quick": args.quick,
-                         "options": OPTIONS, "worker_buffer": WORKER_BUFFER, "tf_data_service": tf_skip_reason()}}
+                         "options": OPTIONS, "worker_buffer": WORKER_BUFFER, "tf_data_service": d["tf"]["skipped"],
+                         "tf_compression": args.tf_compression}}
     h.publish_run("data_service", report, res, d, goals, format_table(res, d, args, uptime), started,
-                  h.format_goals(goals, show=lambda g: "yes" if g["pass"] else "no"), args.out)
+                  goal_lines(goals, d), args.out)
     return 0
+
+
+def goal_rows(d: dict[str, Any]) -> list[dict[str, Any]]:
+    """Scaling and memory as yes/no; conveyor over tf.data service (the lowest K) unless TF was skipped."""
+    goals = [GOAL_SCALING.row(1.0 if d["scaling_pass"] else 0.0), GOAL_MEMORY.row(1.0 if d["memory_pass"] else 0.0)]
+    if not d["tf"]["skipped"]:
+        ratio = d["tf"]["min_ratio"]
+        goals.append(GOAL_TF.row(ratio, shown=f"{ratio:.2f}x at the lowest K"))
+    return goals
+
+
+def goal_lines(goals: list[dict[str, Any]], d: dict[str, Any]) -> str:
+    lines = h.format_goals(goals, show=lambda g: g.get("shown") or ("yes" if g["pass"] else "no"))
+    if d["tf"]["skipped"]:
+        lines += f"\nSKIP {GOAL_TF.name}: {d['tf']['skipped']}"
+    return lines
 
 
 GOAL_SCALING = h.Goal("K workers >= 0.9 x the sum of their single rates, or the link the limit", "scaling", 1.0)
 GOAL_MEMORY = h.Goal("trainer and dispatcher peak RSS within the queue-size bound, worker >= 10x faster", "memory", 1.0)
+GOAL_TF = h.Goal("service-kK >= 1.0 x TensorFlow's tf.data service (tf-kK) at every K", "vs_tf", 1.0)
 
 
 if __name__ == "__main__":

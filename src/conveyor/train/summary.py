@@ -8,7 +8,8 @@ Global figures (samples, input-wait and accelerator-idle fractions) are summed o
 writes ``<output>/summary.json`` atomically. The keys: ``docs/training.md``, "Outputs". Where known, the
 run's tokens/s, mean TFLOPS per device and MFU (over ``wall``, as samples/s) and the peak memory (GiB, the
 largest rank's): ``conveyor.train.throughput``. After a restart, ``recovery``: where the stall went
-(``conveyor.recovery``; the task parts are the slowest rank's).
+(``conveyor.recovery``; the task parts are the slowest rank's). With a data service (``CONVEYOR_DATA_SERVICE``),
+``data_service``: the dispatcher's report (``conveyor.data.service.report.dispatcher_report``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from conveyor import recovery
+from conveyor.data.service.report import dispatcher_report
 from conveyor.fileio import atomic_write
 from conveyor.train.plots import plot_step_breakdown, plot_timeline
 from conveyor.train.profiler import StepProfiler
@@ -75,6 +77,9 @@ def summarize(job: Any, prof: StepProfiler, *, wall: float, steps: int, epochs: 
     if added:
         summary.update(added)
     if job.is_chief:
+        data_service = dispatcher_report()  # the job's data service's figures (conveyor k8s: none merges them later)
+        if data_service is not None:
+            summary["data_service"] = data_service
         write_json_atomic(out / "summary.json", summary)
     return summary
 

@@ -4,16 +4,25 @@
 from __future__ import annotations
 
 import importlib
+import json
 import re
 import time
 
 import numpy as np
 import pytest
-from svc_pipelines import FILES, PER_FILE
+import torch
+from svc_pipelines import FILES, PER_FILE, free_port
 
+from conveyor.cluster.variables import DATA_SERVICE_VAR, JOB_SECRET_FILE_VAR
 from conveyor.comm.transport import Client
 from conveyor.data.service.protocol import DISPATCHER, WORKER
-from conveyor.data.service.report import INPUT_BOUND_SHARE, service_report, trainer_figures, worker_figures
+from conveyor.data.service.report import (
+    INPUT_BOUND_SHARE,
+    dispatcher_report,
+    service_report,
+    trainer_figures,
+    worker_figures,
+)
 
 
 @pytest.mark.multiprocess
@@ -46,6 +55,42 @@ def test_a_worker_joining_mid_epoch_gets_work_at_once(roles, record_dir, monkeyp
     assert [w["elements"] > 0 for w in report["workers"]] == [True, True]
     [trainer] = report["trainers"]
     assert trainer["elements"] == FILES * -(-PER_FILE // 2) and trainer["input_wait_share"] < 1
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_the_chief_trainer_puts_the_dispatchers_figures_in_summary_json_without_a_launcher(roles, tmp_path,
+                                                                                          record_dir, monkeypatch):
+    """`conveyor k8s` has no launcher to merge the figures: the chief trainer asks the dispatcher at its end."""
+    from conveyor.data import Dataset
+    from conveyor.train.job import init
+    from conveyor.train.trainer import Trainer
+
+    monkeypatch.setenv("SVC_TEST_DIR", str(record_dir))
+    pipelines = importlib.import_module("svc_pipelines")
+    roles.serve()
+    roles.worker()
+    ids = [int(x) for b in pipelines.records().distribute(roles.service, processing_mode="distributed_epoch")
+           for x in np.asarray(b).ravel()]
+    assert sorted(ids) == list(range(FILES * PER_FILE))
+    env = {DATA_SERVICE_VAR: roles.dispatcher, JOB_SECRET_FILE_VAR: str(roles.secret_file)}
+    block = dispatcher_report(env)
+    assert [t["elements"] for t in block["trainers"]] == [FILES * -(-PER_FILE // 4)] and block["advice"]
+    assert dispatcher_report({}) is None
+    gone = dispatcher_report({**env, DATA_SERVICE_VAR: f"127.0.0.1:{free_port()}"}, timeout=1.0)
+    assert list(gone) == ["unavailable"] and "127.0.0.1" in gone["unavailable"]
+
+    for var in ("TF_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CONVEYOR_STRATEGY"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in {**env, "CONVEYOR_OUTPUT_DIR": str(tmp_path / "out")}.items():
+        monkeypatch.setenv(var, value)
+    job = init()
+    model = torch.nn.Linear(4, 2)
+    data = Dataset.from_tensor_slices((np.ones((8, 4), np.float32), np.zeros(8, np.int64))).batch(4)
+    Trainer(job, *job.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1)), torch.nn.functional.cross_entropy,
+            data, epochs=1, progress=False).fit()
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["data_service"]["trainers"] == block["trainers"] and summary["samples"] == 8
 
 
 def _worker(wid: int, produced: int, run_s: float, blocked_s: float) -> dict:

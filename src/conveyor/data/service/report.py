@@ -2,6 +2,7 @@
 
     block = service_report(workers, trainers, lost)     # the dispatcher's `stats` "report", summary.json's
     block["input_bound"], block["more_workers"]        # data_service block (docs/data-service.md)
+    block = dispatcher_report()                         # the chief trainer asks the job's dispatcher at its end
 
 Inputs are what the roles send the dispatcher: each worker's heartbeat carries, per job, the elements it
 produced and the bytes it sent, the seconds its task ran and the seconds it was blocked (a full queue: the
@@ -17,10 +18,17 @@ rate / the mean capacity of a worker).
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
+
+from conveyor.cluster.variables import DATA_SERVICE_VAR
+from conveyor.comm.transport import Client, TransportError
+from conveyor.data.service.protocol import DISPATCHER, DataServiceError, from_env
 
 #: Input wait above this share of a trainer's time: the trainer is input-bound (more data workers would help)
 INPUT_BOUND_SHARE = 0.1
+#: Seconds the chief trainer waits for the dispatcher's figures at its end (summary.json)
+REPORT_TIMEOUT_S = 5.0
 
 
 def _rate(amount: float, seconds: float) -> float:
@@ -76,3 +84,21 @@ def service_report(workers: list[dict[str, Any]], trainers: list[dict[str, Any]]
             "input_bound_share": INPUT_BOUND_SHARE, "per_worker_elements_per_s": round(per_worker, 2),
             "trainer_could_consume_per_s": round(demand, 2), "workers_needed": needed, "more_workers": more,
             "advice": advice}
+
+
+def dispatcher_report(environ: Any = None, timeout: float = REPORT_TIMEOUT_S) -> dict[str, Any] | None:
+    """summary.json's ``data_service`` block as the chief trainer writes it: the job's dispatcher's report
+    (``stats``) when ``CONVEYOR_DATA_SERVICE`` is set (every launcher sets it for a job with data workers), None
+    without; ``{"unavailable": why}`` when it does not answer within ``timeout`` s. Under ``conveyor k8s`` no
+    launcher merges the figures later, so this block is the one; ``conveyor run``'s launcher replaces it at the
+    end with the dispatcher's last figures and the data workers' exits (``data_service_summary``)."""
+    env = os.environ if environ is None else environ
+    if not env.get(DATA_SERVICE_VAR):
+        return None
+    try:
+        service = from_env(env)
+        with Client(service.address, service.secret, name=DISPATCHER, timeout=timeout,
+                    sender="data-summary") as client:
+            return client.request("stats").header["report"]
+    except (DataServiceError, TransportError) as e:
+        return {"unavailable": f"the data service's figures: {e}"}
