@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from conveyor.launch.ports import free_ports
+from conveyor.strategies.ps.applied import AppliedLog
 from conveyor.strategies.ps.server import ParameterServer
 
 SECRET = b"ps-rejoin-test-secret"
@@ -165,3 +166,60 @@ def test_a_ps_sync_server_refuses_a_rejoin_naming_the_whole_job_restart() -> Non
         client.close()
     finally:
         server.close()
+
+
+def test_the_applied_log_drops_exactly_what_a_server_applied_of_a_redone_step() -> None:
+    log = AppliedLog()
+    log.pushed(1, 5, ["a", "b"])  # step 5's pieces a and b applied, then worker 1 died before committing
+    assert log.fresh(1, 5, {"a": 1, "c": 3}) == {"a": 1, "c": 3}  # no rejoin yet: an honest worker's push
+    assert log.rejoin(1, clock=5) is None  # no position ever sent: its data starts over
+    assert log.fresh(1, 5, {"a": 1, "b": 2, "c": 3}) == {"c": 3}
+    assert log.duplicate(1, 4, clock=5) and not log.duplicate(1, 5, clock=5) and not log.duplicate(0, 4, clock=5)
+    log.committed(1, 5, b"p5")
+    assert log.fresh(1, 6, {"a": 1}) == {"a": 1} and log.positions == {1: b"p5"}
+    log.committed(1, 6, None)  # the position did not change: the one kept stays
+    assert log.rejoin(1, clock=7) == b"p5" and log.duplicate(1, 6, clock=7) and not log.duplicate(1, 5, clock=7)
+    restored = AppliedLog()
+    restored.load_json({"positions": {"1": log.to_json()["positions"]["1"], "9": "eA==", "x": 3}}, num_workers=2)
+    assert restored.positions == {1: b"p5"}
+    restored.load_json(None, num_workers=2)  # a shard written before the log existed
+    assert restored.positions == {1: b"p5"}
+
+
+@pytest.mark.timeout(120)
+def test_applied_positions_travel_in_the_checkpoint_shard_and_answer_a_rejoin_after_a_restore(tmp_path) -> None:
+    from conveyor.strategies.ps.client import PSClient
+    from conveyor.strategies.ps.task import shard_stores
+    from conveyor.train.checkpoint import CheckpointManager
+
+    stores = shard_stores(tmp_path, CheckpointManager)
+    root = str(tmp_path / "checkpoints")
+    servers, clients = [], []
+
+    def serve_and_connect(rank: int) -> tuple[PSClient, torch.nn.Module]:
+        port = free_ports(1)[0]
+        servers.append(ParameterServer(f"127.0.0.1:{port}", SECRET, index=0, num_workers=2, mode="async",
+                                       shards=stores).start())
+        model = torch.nn.Linear(2, 1)
+        client = PSClient([f"127.0.0.1:{port}"], SECRET, rank=rank, num_workers=2, sender=f"worker:{rank}",
+                          timeout=30.0)
+        clients.append(client)
+        client.connect(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        return client, model
+
+    try:
+        client, model = serve_and_connect(0)
+        for position in (b"p1", b"p2", b"p2"):  # the last commit carries none: unchanged
+            model(torch.ones(1, 2)).sum().backward()
+            client.position = position
+            client.finish_step()
+        assert servers[0].applied.positions == {0: b"p2"} and servers[0].clock[0] == 3
+        CheckpointManager(root).finalize(7, client.save_shards(7, root))
+        fresh, _ = serve_and_connect(0)  # a full restart: a fresh ps restored from the step
+        fresh.restore_shards(7, root)
+        assert fresh.rejoin() == b"p2" and fresh.step == 0  # the position that matches the restored parameters
+    finally:
+        for c in clients:
+            c.close()
+        for s in servers:
+            s.close()

@@ -1,11 +1,10 @@
 """What a ps task applied from each worker, so that a worker restarted alone redoes exactly what was not applied.
 
     log = AppliedLog()
-    log.pushed(rank, step, keys)                 # pieces of (rank, step) just applied (a push, async/ssp)
+    grads = log.applying(rank, step, grads, counters)   # a push's pieces to apply now (a redone push: the rest)
     log.committed(rank, step, position)          # the commit of (rank, step): its data position, if it sent one
-    clock_floor, position = log.rejoin(rank, clock)   # a replacement of worker `rank` asks where it stands
-    log.duplicate(rank, step, clock)             # a redone step this server applied already: acknowledged, dropped
-    grads = log.fresh(rank, step, grads)         # a redone push: the pieces of that step not applied yet
+    position = log.rejoin(rank, clock, mode, counters)  # a replacement of worker `rank` asks where it stands
+    log.redone(rank, step, clock, counters)      # a redone step this server committed already: acknowledged, dropped
 
 A worker's data position (the iterator state after the batch of step ``s``) travels with its commit of ``s``
 (only when it changed) and is kept per worker, with the keys of the uncommitted step applied on arrival
@@ -20,8 +19,11 @@ task's checkpoint shard and restored with it (JSON; positions as base64). docs/p
 from __future__ import annotations
 
 import base64
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
+
+from conveyor.strategies.ps import protocol as wire
 
 __all__ = ["AppliedLog"]
 
@@ -52,11 +54,36 @@ class AppliedLog:
         if held is not None and held[0] <= step:
             del self._step_keys[rank]
 
-    def rejoin(self, rank: int, clock: int) -> bytes | None:
+    def rejoin(self, rank: int, clock: int, mode: str = "async", counters: Counter[str] | None = None) -> bytes | None:
         """A replacement of worker ``rank`` starts (this server has ``clock`` of its steps): it may redo the step
-        before (another server may lack that commit); the newest applied position (None: none was sent)."""
+        before (another server may lack that commit); the newest applied position (None: none was sent).
+        Refused under ``ps-sync``, whose every step waits for every worker."""
+        if mode == "sync":
+            raise wire.Refused("'rejoin'", "rank", "arrived at a ps-sync server: a worker restarted alone cannot "
+                                                   "rejoin a step the others wait for; the launcher restarts the "
+                                                   "whole job from its latest checkpoint instead", reason="sync")
+        if counters is not None:
+            counters["rejoins"] += 1
         self._floor[rank] = max(0, clock - 1)
         return self.positions.get(rank)
+
+    def redone(self, rank: int, step: int, clock: int, counters: Counter[str]) -> bool:
+        """:meth:`duplicate`, counted as ``steps_redone_dropped``."""
+        if not self.duplicate(rank, step, clock):
+            return False
+        counters["steps_redone_dropped"] += 1
+        return True
+
+    def applying(self, rank: int, step: int, grads: Mapping[str, T] | None,
+                 counters: Counter[str]) -> dict[str, T] | None:
+        """What the update rule let through of a push (None: held back, ``ps-sync``), less the pieces a rejoined
+        worker's step had applied already (counted as ``pieces_redone_dropped``); recorded as applied."""
+        if grads is None:
+            return None
+        now = self.fresh(rank, step, grads)
+        counters["pieces_redone_dropped"] += len(grads) - len(now)
+        self.pushed(rank, step, now)
+        return now or None
 
     def duplicate(self, rank: int, step: int, clock: int) -> bool:
         """Whether ``step`` of a rejoined worker is one this server committed already (drop it, acknowledged)."""

@@ -178,7 +178,10 @@ def _check_step(clocks: Clocks, label: str, rank: int, step: int) -> None:
 
 
 class ParameterServer:
-    """One ps task's state and request handler (docs/ps.md, "The parameter-server protocol")."""
+    """One ps task's state and request handler (docs/ps.md, "The parameter-server protocol").
+
+    Long because it is the protocol's one handler: a method per request kind (fifteen), each a few lines
+    delegating to the update rule, the optimizer, the shard files or the applied log."""
 
     def __init__(self, address: str, secret: bytes, *, index: int, num_workers: int, mode: str,
                  staleness: int = 0, max_skew: float = 300.0,
@@ -310,22 +313,18 @@ class ParameterServer:
         return wire.InitReply(self.version)
 
     def _on_push(self, push: wire.Push) -> wire.OkReply:
-        if self._duplicate(push.rank, push.step):
+        if self.applied.redone(push.rank, push.step, self.rule.clocks.clock[push.rank], self.counters):
             return wire.OkReply()
         _check_push(self.name, self.opt.params, self.rule.clocks, push)
         grads = {k: _own(g) for k, g in zip(push.keys, push.grads, strict=True)}
         self.counters["pushes"] += 1
         now = self.rule.push(push.rank, push.step, push.read, grads)
-        if now is not None:  # async/ssp: applied on arrival; a redone push only with the pieces not applied yet
-            now = self.applied.fresh(push.rank, push.step, now)
-            self.counters["pieces_redone_dropped"] += len(grads) - len(now)
-            self.applied.pushed(push.rank, push.step, now)
-        self._apply(now or None)
+        self._apply(self.applied.applying(push.rank, push.step, now, self.counters))
         return wire.OkReply()
 
     def _on_commit(self, commit: wire.Commit) -> wire.CommitReply:
         clocks = self.rule.clocks
-        if self._duplicate(commit.rank, commit.step):
+        if self.applied.redone(commit.rank, commit.step, clocks.clock[commit.rank], self.counters):
             return wire.CommitReply(self.version, clocks.total, clocks.plan)
         _check_step(clocks, "'commit'", commit.rank, commit.step)
         if commit.hyper is not None:
@@ -336,24 +335,11 @@ class ParameterServer:
         self.applied.committed(commit.rank, commit.step, commit.position)
         return wire.CommitReply(self.version, clocks.total, clocks.plan)
 
-    def _duplicate(self, rank: int, step: int) -> bool:
-        """Whether a worker restarted alone redoes a step this server committed already (acknowledged, dropped)."""
-        if not self.applied.duplicate(rank, step, self.rule.clocks.clock[rank]):
-            return False
-        self.counters["steps_redone_dropped"] += 1
-        return True
-
     def _on_rejoin(self, rejoin: wire.Rejoin) -> wire.RejoinReply:
-        if self.mode == "sync":
-            raise wire.Refused("'rejoin'", "rank", "arrived at a ps-sync server: a worker restarted alone cannot "
-                                                   "rejoin a step the others wait for; the launcher restarts the "
-                                                   "whole job from its latest checkpoint instead", reason="sync")
-        rank = rejoin.rank
-        clock = self.rule.clocks.clock[rank]
-        self.rule.clocks.done.discard(rank)
-        self.counters["rejoins"] += 1
-        log.info("%s: worker %d rejoins after %d of its steps applied here", self.name, rank, clock)
-        return wire.RejoinReply(clock, self.applied.rejoin(rank, clock))
+        clock = self.rule.clocks.clock[rejoin.rank]
+        position = self.applied.rejoin(rejoin.rank, clock, self.mode, self.counters)
+        log.info("%s: worker %d rejoins after %d of its steps applied here", self.name, rejoin.rank, clock)
+        return wire.RejoinReply(clock, position)
 
     def _apply(self, grads: Mapping[str, torch.Tensor] | None) -> None:
         """One optimizer update with what the rule let through (None: it held everything back)."""
