@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from conveyor.comm.framing import decode, encode
 from conveyor.strategies.ps.packing import PACK_BYTES
 from conveyor.strategies.ps.protocol import (
+    MAX_POSITION_BYTES,
     REQUESTS,
     Commit,
     CommitReply,
@@ -27,6 +28,9 @@ from conveyor.strategies.ps.protocol import (
     ProtocolError,
     Pull,
     Push,
+    Refused,
+    Rejoin,
+    RejoinReply,
     Restore,
     Save,
     SaveReply,
@@ -83,6 +87,8 @@ def messages(draw):
         Save(draw(ranks), draw(wholes), draw(st.text(max_size=30))),
         Restore(draw(ranks), draw(wholes), draw(st.text(max_size=30))),
         Position(draw(ranks), draw(positions)),
+        Commit(draw(ranks), draw(wholes), draw(wholes), None, None, draw(positions)),
+        Rejoin(draw(ranks)), RejoinReply(draw(wholes), draw(st.none() | positions)),
         OkReply(), WaitReply(draw(st.none() | wholes)), InitReply(draw(wholes)),
         CommitReply(draw(wholes), draw(wholes), draw(st.none() | wholes)),
         SaveReply(pieces), ParamsReply(draw(wholes), pieces, _values(pieces)),
@@ -135,13 +141,15 @@ _VALID = {
     "save": ({"rank": 0, "step": 3, "root": "/c"}, 0),
     "restore": ({"rank": 0, "step": 3, "root": "/c"}, 0),
     "positions": ({"rank": 0}, 0),
+    "rejoin": ({"rank": 0}, 0),
     "done": ({"rank": 0}, 0),
     "stats": ({"rank": 0}, 0),
     "state": ({"rank": 0}, 0),
 }
 _REQUIRED = {"init": ["fingerprint", "rank"], "push": ["rank", "step", "keys"], "commit": ["rank", "step"],
              "pull": ["rank", "step"], "load_state": ["rank", "meta", "names"], "save": ["rank", "step", "root"],
-             "restore": ["rank", "step", "root"], "positions": ["rank"], "done": ["rank"]}
+             "restore": ["rank", "step", "root"], "positions": ["rank"], "rejoin": ["rank"],
+             "done": ["rank"]}
 _BAD = {  # a value of the wrong type or range for each field
     "rank": [-1, WORKERS, True, "0", 1.0, [0]], "step": [-1, False, "3", 2.5], "read": [-2, "x", True],
     "plan": [-1, "10", True], "fingerprint": [7, ["fp"]], "spec": [{"a": 1}, 3], "keys": ["a", [1], [None], {}],
@@ -229,7 +237,17 @@ def test_an_unknown_kind_is_refused_listing_the_known_ones() -> None:
         read_request("fetch", {}, [])
     assert caught.value.field == "kind" and set(REQUESTS) == {
         "init", "push", "commit", "pull", "stats", "state", "load_state", "save", "restore", "position",
-        "positions", "ping", "done"}
+        "positions", "rejoin", "ping", "done"}
+
+
+def test_a_commit_carrying_a_data_position_over_the_bound_is_refused_naming_it() -> None:
+    header = {"rank": 0, "step": 1, "read": 1}
+    with pytest.raises(Refused, match="data position of .* bytes, over") as caught:
+        read_request("commit", header, [torch.zeros(MAX_POSITION_BYTES + 1, dtype=torch.uint8)])
+    assert caught.value.reason == "position_too_large"
+    with pytest.raises(ProtocolError, match="tensors are not one 1-d uint8 tensor"):
+        read_request("commit", header, [torch.zeros(3)])
+    assert read_request("commit", header, [torch.tensor([123, 125], dtype=torch.uint8)]).position == b"{}"
 
 
 class _Reply:

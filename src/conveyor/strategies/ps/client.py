@@ -180,6 +180,11 @@ class PSClient(PSConnections):
         self.global_steps = 0
         self.plan: int | None = None
         self.announce: int | None = None  # a plan to send with the next commit
+        #: the data position after this step's batch (the caller sets it before ``finish_step``), sent with the
+        #: commit when it changed: what a replacement of this worker resumes from (:meth:`rejoin`)
+        self.position: bytes | None = None
+        self._sent_position: bytes | None = None
+        self._bucket_bytes = bucket_bytes
         self._params: dict[str, nn.Parameter] = {}
         self._trained: set[str] = set()
         self._optimizer: torch.optim.Optimizer | None = None
@@ -234,6 +239,20 @@ class PSClient(PSConnections):
         return wire.Init(self.placement.fingerprint, self.rank, spec.to_json(), [p.key for p in pieces],
                     [flat[p.param][p.start:p.stop].clone() for p in pieces])
 
+    def rejoin(self) -> bytes | None:
+        """Take over where this worker's previous process left (it died; ps-async/ps-ssp): after :meth:`connect`,
+        continue with the oldest step some server lacks, with the current parameters; returns the data position
+        that server applied last (None: it was never sent; the data then starts over). The step is redone:
+        servers that applied it, or some of its pieces, drop what they have (docs/ps.md, "A worker restarted
+        alone")."""
+        replies = self._ask_all([wire.Rejoin(self.rank)] * self.num_servers, wire.RejoinReply, what="rejoin")
+        oldest = min(replies, key=lambda reply: reply.clock)
+        self._step = StepState(oldest.clock, [0] * self.num_servers,
+                               GradientBuckets(self.num_servers, self._bucket_bytes))
+        self.position = self._sent_position = oldest.position
+        self.pull()
+        return oldest.position
+
     # -- pushing ----------------------------------------------------------------------------------
 
     def _hook(self, name: str):
@@ -277,7 +296,9 @@ class PSClient(PSConnections):
         hyper = group_hyperparameters(self._optimizer) if self._optimizer is not None else None
         changed = hyper if hyper != self._hyper else None
         self._hyper = hyper
-        commits = [self._send(s, wire.Commit(self.rank, step.number, step.read[s], changed, self.announce))
+        position = self.position if self.position != self._sent_position else None
+        self._sent_position = self.position
+        commits = [self._send(s, wire.Commit(self.rank, step.number, step.read[s], changed, self.announce, position))
                    for s in range(self.num_servers)]
         self._step = step.next()
         # Right behind the commit, not after its reply: a server handles a connection's requests in order,

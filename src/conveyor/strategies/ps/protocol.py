@@ -5,7 +5,7 @@
     reply = read_reply(message, CommitReply, what="commit")
 
 Requests go from a worker to a ps task: ``init``, ``push``, ``commit``, ``pull``, ``stats``, ``state``,
-``load_state``, ``save``, ``restore``, ``position``, ``positions``, ``ping``, ``done``; each class says
+``load_state``, ``save``, ``restore``, ``position``, ``positions``, ``rejoin``, ``ping``, ``done``; each class says
 its fields, and the table of requests, replies and their fields is in docs/ps.md, "The
 parameter-server protocol".
 
@@ -32,8 +32,9 @@ from conveyor.strategies.ps.packing import pack, unpack
 
 __all__ = [
     "REQUESTS", "CommitReply", "Commit", "Done", "Init", "InitReply", "LoadState", "OkReply", "ParamsReply",
-    "Ping", "Position", "Positions", "PositionsReply", "ProtocolError", "Pull", "Push", "Refused", "Restore", "Save",
-    "SaveReply", "State", "StateReply", "Stats", "StatsReply", "WaitReply", "read_reply", "read_request",
+    "MAX_POSITION_BYTES", "Ping", "Position", "Positions", "PositionsReply", "ProtocolError", "Pull", "Push", "Refused",
+    "Rejoin", "RejoinReply", "Restore", "Save", "SaveReply", "State", "StateReply", "Stats", "StatsReply", "WaitReply",
+    "read_reply", "read_request",
 ]
 
 
@@ -243,21 +244,45 @@ class Push(_Packed):
         return cls(f.rank(), step, _read_version(f, step), keys, _pieces(f, keys, tensors))
 
 
+#: The largest data position a commit may carry (a worker restarted alone resumes from it; docs/ps.md).
+MAX_POSITION_BYTES = 1 << 20
+
+
 @dataclass(frozen=True)
 class Commit(_Message):
     KIND = "commit"
+    TENSORS = "position"
     rank: int
     step: int
     read: int
     hyper: list[dict[str, Any]] | None = None  # each group's changed hyperparameters, when they changed
     plan: int | None = None  # the total step count this worker announces it stops at
+    position: bytes | None = None  # the data position after this step's batch, when it changed (one uint8 tensor)
+
+    def tensors(self) -> list[Any]:
+        return [] if self.position is None else [_uint8(self.position)]
 
     @classmethod
     def _read(cls, f: _Fields, tensors: list[Any]) -> Commit:
         step = f.whole("step")
         hyper = f.items("hyper", dict, "maps", optional=True)
         _check_finite_hyper(f, hyper)
-        return cls(f.rank(), step, _read_version(f, step), hyper, f.whole("plan", optional=True))
+        return cls(f.rank(), step, _read_version(f, step), hyper, f.whole("plan", optional=True),
+                   _read_position(f, tensors))
+
+
+def _read_position(f: _Fields, tensors: list[Any]) -> bytes | None:
+    """A commit's data position: no tensor, or one 1-d uint8 tensor of at most ``MAX_POSITION_BYTES``."""
+    if not tensors:
+        return None
+    if len(tensors) != 1 or not _is_bytes(tensors[0]):
+        raise f.fail("tensors", "are not one 1-d uint8 tensor (the data position's bytes)")
+    if tensors[0].numel() > MAX_POSITION_BYTES:
+        raise Refused(f.label, "tensors", f"carry a data position of {tensors[0].numel()} bytes, over "
+                                          f"{MAX_POSITION_BYTES}: a worker restarted alone resumes from it, so it must "
+                                          f"stay small (an iterator state without the data itself)",
+                      reason="position_too_large")
+    return tensors[0].numpy().tobytes()
 
 
 def _check_finite_hyper(f: _Fields, hyper: list[dict[str, Any]] | None) -> None:
@@ -334,6 +359,12 @@ class Done(_FromRank):
     KIND = "done"
 
 
+class Rejoin(_FromRank):
+    """A replacement of worker ``rank`` (restarted alone) asks where that worker stands on this server."""
+
+    KIND = "rejoin"
+
+
 @dataclass(frozen=True)
 class Ping(_Message):
     KIND = "ping"
@@ -405,7 +436,7 @@ def _is_bytes(tensor: Any) -> bool:
 
 
 REQUESTS: dict[str, type[_Message]] = {cls.KIND: cls for cls in (
-    Init, Push, Commit, Pull, Stats, State, LoadState, Save, Restore, Position, Positions, Ping, Done)}
+    Init, Push, Commit, Pull, Stats, State, LoadState, Save, Restore, Position, Positions, Rejoin, Ping, Done)}
 
 
 def read_request(kind: str, header: Any, tensors: Sequence[Any], *, num_workers: int | None = None,
@@ -563,6 +594,25 @@ class PositionsReply(_Message):
         if not all(_is_bytes(t) for t in tensors):
             raise f.fail("tensors", "are not all 1-d uint8 tensors (the positions' bytes)")
         return cls({r: t.numpy().tobytes() for r, t in zip(ranks, tensors, strict=True)})
+
+
+@dataclass(frozen=True, eq=False)
+class RejoinReply(_Message):
+    """Where a worker stands on one server: ``clock`` steps of it applied, and the data position its newest
+    applied commit carried (None: it sent none)."""
+
+    KIND = "rejoin"
+    LABEL = "'rejoin' reply"
+    TENSORS = "position"
+    clock: int
+    position: bytes | None = None
+
+    def tensors(self) -> list[Any]:
+        return [] if self.position is None else [_uint8(self.position)]
+
+    @classmethod
+    def _read(cls, f: _Fields, tensors: list[Any]) -> RejoinReply:
+        return cls(f.whole("clock"), _read_position(f, tensors))
 
 
 def read_reply(message: Message, *expected: type[_Message], what: str, num_workers: int | None = None) -> Any:

@@ -38,6 +38,7 @@ from conveyor.comm.framing import MAX_HEADER_BYTES, MAX_TRAILER_BYTES, Message
 from conveyor.comm.transport import MAX_ASSEMBLY_BYTES, Deferred, Server
 from conveyor.errors import ConveyorError
 from conveyor.strategies.ps import protocol as wire
+from conveyor.strategies.ps.applied import AppliedLog
 from conveyor.strategies.ps.held import HeldPulls
 from conveyor.strategies.ps.optim import OptimizerSpec, ServerOptimizer
 from conveyor.strategies.ps.packing import PACK_BYTES
@@ -113,14 +114,15 @@ class ShardFiles:
         return [self.tensors_name, self.meta_name]
 
     def restore(self, root: str, step: int, fingerprint: str | None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """The tensors and optimizer meta of this task's shard in step ``step``, refused if another placement's."""
+        """The tensors and JSON half (``optimizer``, ``applied``, ...) of this task's shard in step ``step``,
+        refused if another placement's."""
         store = self._store(root)
         shard = self._read_meta(store, step)
         if shard.get("fingerprint") != fingerprint:
             raise ValueError(f"checkpoint step {step} holds a shard of another model or ps layout (placement "
                              f"{shard.get('fingerprint')}, this job {fingerprint}): resume with the same model "
                              f"and number of ps tasks, or start over with --no-resume")
-        return load_safetensors(store.read_part(step, self.tensors_name)), shard["optimizer"]
+        return load_safetensors(store.read_part(step, self.tensors_name)), shard
 
     def read(self, store: ShardStore, step: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The tensors and optimizer meta of this task's shard in step ``step`` of ``store``, whatever its placement
@@ -176,7 +178,10 @@ def _check_step(clocks: Clocks, label: str, rank: int, step: int) -> None:
 
 
 class ParameterServer:
-    """One ps task's state and request handler (docs/ps.md, "The parameter-server protocol")."""
+    """One ps task's state and request handler (docs/ps.md, "The parameter-server protocol").
+
+    Long because it is the protocol's one handler: a method per request kind (fifteen), each a few lines
+    delegating to the update rule, the optimizer, the shard files or the applied log."""
 
     def __init__(self, address: str, secret: bytes, *, index: int, num_workers: int, mode: str,
                  staleness: int = 0, max_skew: float = 300.0,
@@ -194,6 +199,7 @@ class ParameterServer:
         self.opt: ServerOptimizer | None = None
         self.counters: Counter[str] = Counter()
         self.positions: dict[int, bytes] = {}  # each worker's newest data position (workers running apart)
+        self.applied = AppliedLog()  # async/ssp: what was applied from whom, for a worker restarted alone
         self.shard_files = ShardFiles(index, shards)
         self._held = HeldPulls(per_peer=MAX_HELD_PER_PEER, total=MAX_HELD_PER_PEER * 2 * num_workers)  # till ready
         #: a pull from a peer with more reply bytes than this still unsent is answered 'wait' (set at init:
@@ -307,21 +313,33 @@ class ParameterServer:
         return wire.InitReply(self.version)
 
     def _on_push(self, push: wire.Push) -> wire.OkReply:
+        if self.applied.redone(push.rank, push.step, self.rule.clocks.clock[push.rank], self.counters):
+            return wire.OkReply()
         _check_push(self.name, self.opt.params, self.rule.clocks, push)
         grads = {k: _own(g) for k, g in zip(push.keys, push.grads, strict=True)}
         self.counters["pushes"] += 1
-        self._apply(self.rule.push(push.rank, push.step, push.read, grads))
+        now = self.rule.push(push.rank, push.step, push.read, grads)
+        self._apply(self.applied.applying(push.rank, push.step, now, self.counters))
         return wire.OkReply()
 
     def _on_commit(self, commit: wire.Commit) -> wire.CommitReply:
-        _check_step(self.rule.clocks, "'commit'", commit.rank, commit.step)
+        clocks = self.rule.clocks
+        if self.applied.redone(commit.rank, commit.step, clocks.clock[commit.rank], self.counters):
+            return wire.CommitReply(self.version, clocks.total, clocks.plan)
+        _check_step(clocks, "'commit'", commit.rank, commit.step)
         if commit.hyper is not None:
             self.opt.update_hyperparameters(commit.hyper)
-        clocks = self.rule.clocks
         if commit.plan is not None:
             clocks.announce(commit.rank, commit.plan)
         self._apply(self.rule.commit(commit.rank, commit.step, commit.read, self.keys))
+        self.applied.committed(commit.rank, commit.step, commit.position)
         return wire.CommitReply(self.version, clocks.total, clocks.plan)
+
+    def _on_rejoin(self, rejoin: wire.Rejoin) -> wire.RejoinReply:
+        clock = self.rule.clocks.clock[rejoin.rank]
+        position = self.applied.rejoin(rejoin.rank, clock, self.mode, self.counters)
+        log.info("%s: worker %d rejoins after %d of its steps applied here", self.name, rejoin.rank, clock)
+        return wire.RejoinReply(clock, position)
 
     def _apply(self, grads: Mapping[str, torch.Tensor] | None) -> None:
         """One optimizer update with what the rule let through (None: it held everything back)."""
@@ -395,14 +413,16 @@ class ParameterServer:
     def _on_save(self, save: wire.Save) -> wire.SaveReply:
         tensors, meta = self.opt.state_dict()
         parts = self.shard_files.save(save.root, save.step, tensors, {"fingerprint": self.fingerprint,
-                                                                      "keys": self.keys, "optimizer": meta})
+                                                                      "keys": self.keys, "optimizer": meta,
+                                                                      "applied": self.applied.to_json()})
         self.counters["checkpoints"] += 1
         return wire.SaveReply(parts)
 
     def _on_restore(self, restore: wire.Restore) -> wire.OkReply:
-        tensors, meta = self.shard_files.restore(restore.root, restore.step, self.fingerprint)
+        tensors, shard = self.shard_files.restore(restore.root, restore.step, self.fingerprint)
         self._writable()
-        self.opt.load_state_dict(tensors, meta)
+        self.opt.load_state_dict(tensors, shard["optimizer"])
+        self.applied.load_json(shard.get("applied"), self.num_workers)
         log.info("%s: restored its shard from checkpoint step %d", self.name, restore.step)
         return wire.OkReply()
 
