@@ -17,6 +17,7 @@ import sys
 from collections.abc import Sequence
 from importlib import metadata
 
+from conveyor import exiting
 from conveyor.cli import Command, CommandError
 from conveyor.cli import checkpoint as checkpoint_command
 from conveyor.cli import data as data_command
@@ -57,6 +58,7 @@ def build_parser(commands: Sequence[Command] = COMMANDS) -> argparse.ArgumentPar
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line `argv` (default: sys.argv[1:]); return the exit status."""
+    exiting.install()  # a launcher's rendezvous and several commands import torch: a quick exit (conveyor.exiting)
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conveyor import recovery
+from conveyor import exiting, recovery
 from conveyor.cluster import Discovered, failure_report, validate
 from conveyor.cluster.argv import discover_with_flags
 from conveyor.cluster.output_lock import lock_for_script
@@ -47,6 +47,10 @@ from conveyor.train.devices import share_gpus_from, task_device
 __all__ = ["DEFAULT_TIMEOUT", "RESTART_COUNT_VAR", "RESUME_VAR", "TIMEOUT_VAR", "Job", "init", "threads_per_worker"]
 
 DEFAULT_TIMEOUT = 300.0
+
+# A process that imports this trains or serves parameters, with torch loaded: its exit skips the collector's
+# passes over torch's modules (conveyor.exiting).
+exiting.install()
 
 _OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
 
