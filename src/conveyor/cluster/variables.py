@@ -18,6 +18,7 @@ __all__ = [
     "CHECKPOINT_ASYNC_VAR",
     "DATA_DIR_VAR",
     "DATA_SERVICE_VAR",
+    "FAST_EXIT_VAR",
     "FAULT_VAR",
     "FSDP_BLOCKS_VAR",
     "FSDP_RESHARD_VAR",
@@ -73,6 +74,7 @@ FSDP_RESHARD_VAR = "CONVEYOR_FSDP_RESHARD"
 DATA_SERVICE_VAR = "CONVEYOR_DATA_SERVICE"
 CHECKPOINT_ASYNC_VAR = "CONVEYOR_CHECKPOINT_ASYNC"
 PORT_RANGE_VAR = "CONVEYOR_PORT_RANGE"
+FAST_EXIT_VAR = "CONVEYOR_FAST_EXIT"
 #: ``conveyor run --stages/--microbatches/--schedule/--split``, by flag (read by the pipeline strategy)
 PIPELINE_VARS = {"stages": PIPELINE_STAGES_VAR, "microbatches": PIPELINE_MICROBATCHES_VAR,
                  "schedule": PIPELINE_SCHEDULE_VAR, "split": PIPELINE_SPLIT_VAR}
@@ -151,6 +153,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(PORT_RANGE_VAR, "LOW-HIGH: take the tasks' free ports from this range, not the kernel's ephemeral one",
              "the user; the parallel test suite, one range per worker (tests/conftest.py)",
              f"{_RUN} and conveyor.launch.free_ports"),
+    Variable(FAST_EXIT_VAR, "1: a training task leaves without the garbage collector's passes over what it imported "
+             "(conveyor.exiting; objects still reachable at exit are not finalized one by one)",
+             "the user; the test suite (tests/conftest.py)", "conveyor.init (conveyor.train.job)"),
 )
 
 #: The names alone, in the table's order.
