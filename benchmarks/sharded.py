@@ -384,7 +384,8 @@ def parse_args(argv: list[str] | None = None) -> Any:
     p.add_argument("--width", type=int, default=None, help=f"block width (default {WIDTH})")
     p.add_argument("--batch", type=int, default=None, help="rows per rank per step (default 8)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per contender and pairs (default 3)")
-    p.add_argument("--timeout", type=float, default=None, help="seconds per pair of processes (default 1200)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds per pair of processes (default 3600: a 1 GiB fsdp pair took >1200 s at load 25-40)")
     p.add_argument("--contenders", type=h.contender_names([c.name for c in CONTENDERS]), default=None,
                    help="memory contenders to run (default all)")
     p.add_argument("--worker", help=argparse_hidden())
@@ -392,7 +393,7 @@ def parse_args(argv: list[str] | None = None) -> Any:
     if args.worker:
         return args
     args = h.settle(p, args, {"size_gb": (1.0, 0.001), "width": (WIDTH, 256), "batch": (8, 4), "steps": (3, 2),
-                              "timeout": (1200.0, 120.0), "repeats": (1, 1),
+                              "timeout": (3600.0, 120.0), "repeats": (1, 1),
                               "contenders": (tuple(c.name for c in CONTENDERS),) * 2},
                     positive=("size_gb", "width", "batch", "steps", "timeout"))
     args.depth = max(2, round(args.size_gb * 2 ** 30 / (4 * (args.width ** 2 + args.width))))
