@@ -7,8 +7,9 @@ parameters), Adam, a batch of ``--batch`` rows per rank, gloo on CPU, 2 ranks as
 --strategy fsdp`` starts them. Contenders, each in a FRESH pair of processes so that each rank's peak RSS
 (``VmHWM``) is its own: ``ddp`` (torch's DistributedDataParallel loop), ``conveyor`` (``conveyor.init``,
 ``job.prepare``), ``bare_fsdp2`` (``fully_shard`` per block, then the root; Adam over the shards). Each rank
-reads its RSS after building the model, after wrapping it, after the first step and at the end (measured
-parts), and reports the parameter, gradient and Adam bytes its shard holds by numel (context only).
+measures its memory parts from RSS at phase boundaries of three untimed steps (``measured_parts``: parameters,
+gradients, Adam state, activations, communication buffers), the peak reset per phase (/proc/self/clear_refs);
+the bytes its shard holds by numel are shown beside them as a check. Then ``--steps`` timed steps.
 Speed: ``paired``, one more pair holding a conveyor and a bare FSDP2 copy of the model, one step of each
 in turn (order alternating, a barrier after every step), rank 0 timing each; per pair bare / conveyor.
 Goals: largest-rank peak RSS of conveyor <= 0.6x DDP's; conveyor >= 0.97x bare FSDP2, paired median.
@@ -93,17 +94,26 @@ def _bare_fsdp2(model: Any) -> Any:
     return fully_shard(model, mesh=mesh)
 
 
-def _wrap(kind: str, model: Any) -> tuple[Any, Any]:
-    """(model, optimizer) of one contender; the default process group is up (conveyor's or torch's)."""
-    import torch
+def _init(kind: str) -> Any:
+    """Bring the default process group up (conveyor's job for ``conveyor``, else torch's), imports included."""
     import torch.distributed as dist
 
     if kind == "conveyor":
         import conveyor
 
-        job = conveyor.init("fsdp")
-        return job.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-4))
+        return conveyor.init("fsdp")
+    import torch.distributed.fsdp  # noqa: F401  (FSDP2/DTensor imports belong to the baseline, not the parameters)
+
     dist.init_process_group("gloo")
+    return None
+
+
+def _wrap(kind: str, model: Any, job: Any) -> tuple[Any, Any]:
+    """(model, optimizer) of one contender; ``_init`` brought the default process group up."""
+    import torch
+
+    if kind == "conveyor":
+        return job.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-4))
     if kind == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
     else:
@@ -129,31 +139,96 @@ def _held_bytes(model: Any, optimizer: Any) -> dict[str, int]:
             "optimizer_state": sum(t.numel() * t.element_size() for t in state)}
 
 
+class Meter:
+    """RSS at named marks and the peak RSS since the previous ``reset`` (VmHWM, which writing 5 to
+    /proc/self/clear_refs resets), keeping the process's peak over all resets in ``peak``."""
+
+    def __init__(self) -> None:
+        self.level: dict[str, int] = {}
+        self.high: dict[str, int] = {}
+        self.peak = rss_bytes("VmHWM")
+
+    def reset(self) -> None:
+        self.peak = max(self.peak, rss_bytes("VmHWM"))
+        Path("/proc/self/clear_refs").write_text("5")
+
+    def mark(self, name: str) -> None:
+        self.level[name], self.high[name] = rss_bytes(), rss_bytes("VmHWM")
+        self.peak = max(self.peak, self.high[name])
+
+
+def phased_step(model: Any, optimizer: Any, x: Any, meter: Meter, step: int) -> None:
+    """One step cut at its phase boundaries, the peak reset before each phase (forward, backward, optimizer)."""
+    meter.reset()
+    loss = model(x).square().mean()
+    meter.mark(f"forward{step}")
+    meter.reset()
+    loss.backward()
+    del loss  # the graph, and with it the saved activations, goes with the loss
+    meter.mark(f"backward{step}")
+    meter.reset()
+    optimizer.step()
+    meter.mark(f"optimizer{step}")
+    optimizer.zero_grad(set_to_none=True)
+    meter.mark(f"zeroed{step}")
+
+
+def measured_parts(level: dict[str, int], high: dict[str, int]) -> dict[str, int]:
+    """Memory parts from RSS at the phase boundaries of ``memory_worker``'s three untimed steps, in bytes.
+
+    parameters: RSS growth from before the model is built to the lesser of built and wrapped (FSDP's
+    sharding frees the whole blocks; DDP's wrapping adds buckets); optimizer_state: growth during the first
+    ``optimizer.step`` (Adam's moments are created there); the third step is the steady one (DDP rebuilds its
+    buckets in the second's forward): activations, its forward's growth; gradients, growth from before its
+    forward to after its backward (the graph freed); standing buffers, what its start holds besides the
+    baseline, parameters and optimizer state (DDP: its gradient buckets); transients, each phase's peak
+    above the larger of its start and end; communication_buffers: the standing buffers plus the larger
+    forward/backward transient (FSDP: the all-gathered blocks and reduce-scatter buffers).
+    """
+    start = level["zeroed2"]
+
+    def transient(phase: str, before: int) -> int:
+        return max(0, high[phase] - max(before, level[phase]))
+
+    parts = {"baseline": level["base"], "parameters": min(level["built"], level["wrapped"]) - level["base"],
+             "optimizer_state": level["optimizer1"] - level["backward1"],
+             "activations": level["forward3"] - start, "gradients": level["backward3"] - start,
+             "forward_transient": transient("forward3", start),
+             "backward_transient": transient("backward3", level["forward3"]),
+             "optimizer_transient": transient("optimizer1", level["backward1"])}
+    parts["standing_buffers"] = start - level["base"] - parts["parameters"] - parts["optimizer_state"]
+    parts["communication_buffers"] = parts["standing_buffers"] + max(parts["forward_transient"],
+                                                                     parts["backward_transient"])
+    return parts
+
+
 def memory_worker(config: dict[str, Any]) -> dict[str, Any]:
-    """One contender alone in this process: RSS after each phase, peak RSS, seconds per step."""
+    """One contender alone in this process: RSS by phase, the measured parts, peak RSS, seconds per step."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    rss = {"start": rss_bytes()}
+    job = _init(config["contender"])
+    meter = Meter()
+    meter.mark("base")  # the interpreter, torch and the process group: what every part is measured above
     model = make_model(config["width"], config["depth"])
-    rss["model_built"] = rss_bytes()
-    model, optimizer = _wrap(config["contender"], model)
-    rss["wrapped"] = rss_bytes()
-    rss["peak_by_wrapped"] = rss_bytes("VmHWM")  # construction and sharding's own peak
+    meter.mark("built")
+    model, optimizer = _wrap(config["contender"], model, job)
+    meter.mark("wrapped")  # construction and sharding's own peak is high["wrapped"]
     x = torch.randn(config["batch"], config["width"], generator=torch.Generator().manual_seed(dist.get_rank()))
-    _step(model, optimizer, x)
-    rss["after_first_step"] = rss_bytes()
-    rss["peak_by_first_step"] = rss_bytes("VmHWM")  # a step's transients (gathered blocks, gradients, Adam's)
+    for step in (1, 2, 3):  # not timed: the 1st creates Adam's state, the 3rd is a steady step (measured_parts)
+        phased_step(model, optimizer, x, meter, step)
     dist.barrier()
+    meter.reset()
     times = []
     for _ in range(config["steps"]):
         start = time.perf_counter()
         _step(model, optimizer, x)
         dist.barrier()
         times.append(time.perf_counter() - start)
-    rss["end"] = rss_bytes()
-    return {"rank": dist.get_rank(), "rss": rss, "peak_rss": rss_bytes("VmHWM"), "seconds": times,
+    meter.mark("end")
+    return {"rank": dist.get_rank(), "rss": meter.level, "rss_peak_in_phase": meter.high,
+            "parts": measured_parts(meter.level, meter.high), "peak_rss": meter.peak, "seconds": times,
             "held": _held_bytes(model, optimizer)}
 
 
@@ -240,9 +315,12 @@ def run_pair(config: dict[str, Any], workdir: Path, timeout: float) -> list[dict
 def derive(memory: dict[str, list[dict[str, Any]] | None], paired: list[dict[str, Any]] | None) -> dict[str, Any]:
     """Largest-rank peak RSS and median steps/s per contender, the memory ratio and the paired ratios."""
     out: dict[str, Any] = {"peak_rss_bytes": {}, "steps_per_second": {}}
+    out["parts_bytes"] = {}  # the measured parts of each contender's largest rank (the one its goal judges)
     for name, ranks in memory.items():
         if ranks:
-            out["peak_rss_bytes"][name] = max(r["peak_rss"] for r in ranks)
+            largest = max(ranks, key=lambda r: r["peak_rss"])
+            out["peak_rss_bytes"][name] = largest["peak_rss"]
+            out["parts_bytes"][name] = largest["parts"]
             out["steps_per_second"][name] = 1 / h.median(ranks[0]["seconds"])
     peak = out["peak_rss_bytes"]
     out["memory_ratio"] = h.ratio(peak.get("conveyor"), peak.get("ddp"))
@@ -258,30 +336,45 @@ def derive(memory: dict[str, list[dict[str, Any]] | None], paired: list[dict[str
     return out
 
 
+PARTS = ("parameters", "gradients", "optimizer_state", "activations", "communication_buffers")
+HOW = """parts measured from RSS at phase boundaries (MALLOC_MMAP_THRESHOLD_ frees large blocks to the OS), GiB:
+  base = after imports and the process group, before the model; params = growth from base to the lesser of
+  built and wrapped; adam = growth in the 1st optimizer.step; grads = growth from before the 3rd (steady)
+  step's forward to after its backward (graph freed); activations = growth in its forward; comm = the steady
+  step's standing RSS less base, params and adam (DDP's buckets) + its largest forward/backward peak above the
+  phase's ends (FSDP: gathered blocks, reduce-scatter buffers); adam tmp = the 1st optimizer.step's peak above
+  its end; (n) = the same by numel;
+  sum = base + the five parts; PEAK = VmHWM over the whole run"""
+
+
 def table(memory: dict[str, list[dict[str, Any]] | None], d: dict[str, Any]) -> str:
-    """One row per contender and rank: measured RSS by phase and peak, held bytes by numel, steps/s."""
+    """One row per contender and rank: the measured parts (numel's figure beside), their sum, peak RSS, steps/s."""
     gib = 2 ** 30
-    rows: list[Any] = [("contender", "rank", "RSS model GiB", "wrapped", "peak so far", "1st step", "peak so far",
-                        "PEAK RSS GiB",
-                        "params GiB", "grads GiB", "adam GiB", "steps/s")]
+    rows: list[Any] = [("contender", "rank", "base", "params (n)", "grads (n)", "adam (n)", "activations", "comm",
+                        "adam tmp", "sum", "PEAK RSS", "steps/s")]
     for name, ranks in memory.items():
         for r in ranks or []:
-            m, held = r["rss"], r["held"]
-            phases = ("model_built", "wrapped", "peak_by_wrapped", "after_first_step", "peak_by_first_step")
-            rows.append((name, str(r["rank"]), *(h.fmt(m[k] / gib, ".2f") for k in phases),
-                         h.fmt(r["peak_rss"] / gib, ".2f"),
-                         *(h.fmt(held[k] / gib, ".2f") for k in ("parameters", "gradients", "optimizer_state")),
-                         h.fmt(1 / h.median(r["seconds"]), ".3f")))
-    lines = [h.format_rows(rows, left=(0,)), "",
+            parts, held = r["parts"], r["held"]
+
+            def both(k: str, parts: dict[str, int] = parts, held: dict[str, int] = held) -> str:
+                return f"{parts[k] / gib:.2f} ({held[k] / gib:.2f})"
+
+            rows.append((name, str(r["rank"]), h.fmt(parts["baseline"] / gib, ".2f"),
+                         *(both(k) for k in ("parameters", "gradients", "optimizer_state")),
+                         h.fmt(parts["activations"] / gib, ".3f"), h.fmt(parts["communication_buffers"] / gib, ".2f"),
+                         h.fmt(parts["optimizer_transient"] / gib, ".2f"),
+                         h.fmt((parts["baseline"] + sum(parts[k] for k in PARTS)) / gib, ".2f"),
+                         h.fmt(r["peak_rss"] / gib, ".2f"), h.fmt(1 / h.median(r["seconds"]), ".3f")))
+    lines = [h.format_rows(rows, left=(0,)), HOW, "",
              f"largest-rank peak RSS / DDP's: conveyor {h.fmt(d['memory_ratio'], '.3f')}, bare FSDP2 "
              f"{h.fmt(d['memory_ratio_bare'], '.3f')}; conveyor steps/s / DDP's {h.fmt(d['speed_vs_ddp'], '.3f')} "
              f"(separate pairs)"]
     if "paired_median" in d:
         ms = d["paired_step_ms"]
         lines.append(f"paired (same 2 processes, {len(d['paired_ratios'])} pairs): bare FSDP2 {ms['bare']:.0f} ms, "
-                     f"conveyor {ms['conveyor']:.0f} ms per step; bare / conveyor median {d['paired_median']:.3f}; "
-                     f"conveyor's timed collectives per step: " + ", ".join(
-                         f"{k} {v:.3f} s" for k, v in d["conveyor_comm_per_step"].items()))
+                     f"conveyor {ms['conveyor']:.0f} ms per step; bare / conveyor median {d['paired_median']:.3f} "
+                     f"(each pair: {h.fmt_all(d['paired_ratios'], '.3f')}); conveyor's timed collectives per step: "
+                     + ", ".join(f"{k} {v:.3f} s" for k, v in d["conveyor_comm_per_step"].items()))
     return "\n".join(lines)
 
 
@@ -291,7 +384,8 @@ def parse_args(argv: list[str] | None = None) -> Any:
     p.add_argument("--width", type=int, default=None, help=f"block width (default {WIDTH})")
     p.add_argument("--batch", type=int, default=None, help="rows per rank per step (default 8)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per contender and pairs (default 3)")
-    p.add_argument("--timeout", type=float, default=None, help="seconds per pair of processes (default 1200)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds per pair of processes (default 3600: a 1 GiB fsdp pair took >1200 s at load 25-40)")
     p.add_argument("--contenders", type=h.contender_names([c.name for c in CONTENDERS]), default=None,
                    help="memory contenders to run (default all)")
     p.add_argument("--worker", help=argparse_hidden())
@@ -299,7 +393,7 @@ def parse_args(argv: list[str] | None = None) -> Any:
     if args.worker:
         return args
     args = h.settle(p, args, {"size_gb": (1.0, 0.001), "width": (WIDTH, 256), "batch": (8, 4), "steps": (3, 2),
-                              "timeout": (1200.0, 120.0), "repeats": (1, 1),
+                              "timeout": (3600.0, 120.0), "repeats": (1, 1),
                               "contenders": (tuple(c.name for c in CONTENDERS),) * 2},
                     positive=("size_gb", "width", "batch", "steps", "timeout"))
     args.depth = max(2, round(args.size_gb * 2 ** 30 / (4 * (args.width ** 2 + args.width))))

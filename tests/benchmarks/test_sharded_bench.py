@@ -32,13 +32,27 @@ def test_rss_is_read_from_proc(bench):
 
 def test_derive_takes_the_largest_rank_and_the_paired_median(bench):
     def rank(peak):
-        return {"peak_rss": peak, "seconds": [0.5, 0.5]}
+        return {"peak_rss": peak, "seconds": [0.5, 0.5], "parts": {"parameters": peak}}
 
     memory = {"ddp": [rank(10), rank(12)], "conveyor": [rank(6), rank(5)], "bare_fsdp2": None}
     paired = [{"seconds": {"conveyor": [1.0, 2.0, 1.0], "bare": [1.0, 1.0, 0.9]}, "conveyor_comm_per_step": {}}]
     d = bench.derive(memory, paired)
     assert d["memory_ratio"] == pytest.approx(0.5) and math.isnan(d["memory_ratio_bare"])
     assert d["paired_median"] == pytest.approx(0.9) and d["steps_per_second"]["ddp"] == pytest.approx(2.0)
+    assert d["parts_bytes"] == {"ddp": {"parameters": 12}, "conveyor": {"parameters": 6}}  # the largest rank's
+
+
+def test_parts_are_read_from_the_phase_boundaries(bench):
+    mib = 2 ** 20
+    level = {"base": 300, "built": 400, "wrapped": 350, "forward1": 351, "backward1": 400, "optimizer1": 500,
+             "zeroed1": 455, "forward2": 456, "backward2": 505, "optimizer2": 505, "zeroed2": 455, "forward3": 457,
+             "backward3": 505, "optimizer3": 505, "zeroed3": 455}
+    high = dict(level, forward3=470, backward3=530, optimizer1=520)
+    parts = bench.measured_parts({k: v * mib for k, v in level.items()}, {k: v * mib for k, v in high.items()})
+    assert {k: v // mib for k, v in parts.items()} == {
+        "baseline": 300, "parameters": 50, "optimizer_state": 100, "activations": 2, "gradients": 50,
+        "forward_transient": 13, "backward_transient": 25, "optimizer_transient": 20, "standing_buffers": 5,
+        "communication_buffers": 30}
 
 
 @pytest.mark.multiprocess
@@ -50,6 +64,12 @@ def test_quick_run_measures_every_contender(bench, tmp_path):
     assert not report["errors"], report["errors"]
     d = report["derived"]
     assert set(d["peak_rss_bytes"]) == {"conveyor"} and d["peak_rss_bytes"]["conveyor"] > 0
+    parts = d["parts_bytes"]["conveyor"]  # measured: each part that holds whole blocks grew the RSS
+    for part in ("parameters", "gradients", "optimizer_state", "communication_buffers"):
+        assert parts[part] > 0, parts
+    assert parts["optimizer_state"] > parts["parameters"] / 2, parts  # Adam's two moments per parameter
+    assert parts["baseline"] + sum(parts[k] for k in bench.PARTS) <= d["peak_rss_bytes"]["conveyor"] * 1.1, parts
+    assert "activations" in report["table"] and "comm" in report["table"]
     assert math.isfinite(d["steps_per_second"]["conveyor"]) and d["steps_per_second"]["conveyor"] > 0
     assert not report["all_pass"], "DDP was not measured: the memory goal must fail, not pass"
     assert len(d["paired_ratios"]) == 2 and all(r > 0 for r in d["paired_ratios"])
