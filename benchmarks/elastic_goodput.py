@@ -10,14 +10,15 @@ that job runs on to its own end (epochs: the peer's at --duration, plus 2), with
 
 Goodput. The chief logs every 5 steps (metrics.jsonl: the step, its time, the exact samples summed over the
 workers since the last record, and their count). A record is *undone* when a later attempt resumed from a
-checkpoint before its step (its samples left the model); checkpoints are every multiple of 5 steps, so an
-attempt resumed from step R logs first at R + 5, and every earlier record past R is undone. Samples that
-stayed = the samples of the records not undone whose time is within --duration s of the job's launch;
-goodput = (that / duration) of the failure run over the same of the peer. Goal >= 0.80 (TorchFT's 82 %).
-Per failure: the stall (the gap between the last record kept before the kill and the first after, less the
-run's median gap between records), steps undone, the stall when the host rejoins, and the world size over
-time. The job never stops: node 0 and every launcher alive at the end exit 0, and no gap between records
-kept exceeds --max-gap s (default 30). Launcher restart parts: summary.json's ``recovery`` block.
+checkpoint before its step (its samples left the model); checkpoints are at multiples of 5 steps, so an attempt
+resumed from step R logs first at R + 5, and every earlier record past R is undone. Samples that stayed = the
+samples of the records not undone within --duration s of the chief's first record (the window, where the kills
+are timed from: start-up is no failure's cost); goodput = (that / duration) of the failure run over the peer's.
+Goal >= 0.80 (TorchFT's 82 %). Per failure: the stall (the gap between the last record kept before the kill and
+the first after, less the run's median gap) split into detect / stop / rendezvous / start-up by node 0's
+logs/restarts.json (conveyor.recovery), steps undone, the same for the re-forming that takes the host back, and
+the workers over time. The job never stops: every launcher not killed exits 0 at the job's end, and no gap
+between records kept exceeds --max-gap (default --period).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ DIGITS = ROOT / "examples" / "digits" / "train.py"
 PORT = 29400
 LOG_EVERY = 5  # the digits example's log_every_steps: records are at multiples of it
 WORKER_HOSTS = (1, 2, 3)
+PARTS = ("detect_s", "stop_s", "rendezvous_s", "start_up_s")
 GOALS = (h.Goal("goodput >= 0.80 of the failure-free run", "goodput", 0.80, ">="),
          h.Goal("the job never stops (every launcher exits 0, no gap > --max-gap)", "never_stops", 1.0, ">="))
 DEFAULTS = {"duration": (600.0, 90.0), "period": (60.0, 45.0), "down": (30.0, 20.0)}
@@ -55,7 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="goodput: a worker host is killed every this many seconds (default 60; --quick 45)")
     p.add_argument("--down", type=float, default=None,
                    help="goodput: seconds a killed host stays down (default 30; --quick 20)")
-    p.add_argument("--max-gap", type=float, default=30.0, help="goodput: the longest gap between steps allowed")
+    p.add_argument("--max-gap", type=float, default=None,
+                   help="goodput: the longest gap between steps allowed (default --period: a period with no step "
+                        "at all is a job that cannot keep up)")
     p.add_argument("--batch-size", type=int, default=32, help="goodput: per worker (default 32)")
     p.add_argument("--checkpoint-every", type=int, default=10,
                    help=f"goodput: steps, a multiple of {LOG_EVERY} (default 10)")
@@ -68,6 +72,8 @@ def settle(args: argparse.Namespace) -> None:
     for name, (full, quick) in DEFAULTS.items():
         if getattr(args, name, None) is None:
             setattr(args, name, quick if args.quick else full)
+    if args.max_gap is None:
+        args.max_gap = args.period
     if args.checkpoint_every % LOG_EVERY or min(args.duration, args.period, args.down) <= 0:
         raise ValueError(f"--checkpoint-every must be a multiple of {LOG_EVERY} and --duration, --period, --down "
                          f"positive (got {args.checkpoint_every}, {args.duration}, {args.period}, {args.down})")
@@ -107,13 +113,32 @@ def world_timeline(kept: list[dict[str, Any]], t0: float) -> list[list[float]]:
     return out
 
 
-def failure_rows(kept: list[dict[str, Any]], events: list[dict[str, Any]], pace: float) -> list[dict[str, Any]]:
-    """Per failure: the stall at the loss (the gap holding the kill, less ``pace``), steps undone then, and the
-    stall when the host rejoined (the gap before the first record with more workers after its restart)."""
+def parts(since: float, restarts: list[dict[str, Any]], kept: list[dict[str, Any]]) -> dict[str, float]:
+    """Where a stall that began at ``since`` went, from node 0's next restart record (logs/restarts.json:
+    conveyor.recovery) and the chief's next record: detect (until node 0's launcher saw the failure or the
+    regroup), stop (its tasks stopped), rendezvous (the next round's tasks started) and start-up (to the first
+    record after: process start, imports, group, restore and that record's 5 steps)."""
+    rec = next((r for r in restarts if r.get("seen") is not None and r["seen"] > since), None)
+    if rec is None or rec.get("stopped") is None or rec.get("started") is None:
+        return {}
+    first = next((r["time"] for r in kept if r["time"] > rec["started"]), None)
+    out = {"detect_s": rec["seen"] - since, "stop_s": rec["stopped"] - rec["seen"],
+           "rendezvous_s": rec["started"] - rec["stopped"]}
+    if first is not None:
+        out["start_up_s"] = first - rec["started"]
+    return out
+
+
+def failure_rows(kept: list[dict[str, Any]], events: list[dict[str, Any]], pace: float,
+                 restarts: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """Per failure: the stall at the loss (the gap holding the kill, less ``pace``) and its :func:`parts`, steps
+    undone then, and the stall when the host rejoined (the gap before the first record with more workers after
+    its restart) and its parts (``rejoin_``)."""
     rows = []
     for ev in events:
         after = next((i for i, r in enumerate(kept) if r["time"] > ev["killed"]), None)
-        row: dict[str, Any] = {"host": ev["host"], "killed_s": ev["killed_rel"], "back_s": ev.get("back_rel")}
+        row: dict[str, Any] = {"host": ev["host"], "killed_s": ev["killed_rel"], "back_s": ev.get("back_rel"),
+                               **parts(ev["killed"], list(restarts), kept)}
         if after is not None and after > 0:
             row["stall_s"] = kept[after]["time"] - kept[after - 1]["time"] - pace
             row["undone_steps"] = kept[after]["undone"] * LOG_EVERY
@@ -125,6 +150,7 @@ def failure_rows(kept: list[dict[str, Any]], events: list[dict[str, Any]], pace:
             if grew is not None:
                 row["rejoin_stall_s"] = kept[grew]["time"] - kept[grew - 1]["time"] - pace
                 row["rejoined_s"] = kept[grew]["time"] - ev["t0"]
+                row.update({f"rejoin_{k}": v for k, v in parts(kept[grew - 1]["time"], list(restarts), kept).items()})
         rows.append(row)
     return rows
 
@@ -295,7 +321,10 @@ def one_run(hosts: Any, folder: Path, data: Path, args: argparse.Namespace, fail
     run.update(events=events, exits=job.exits, ended_on_its_own=ended, stopped_in_window=stopped_early,
                epochs=epochs, wall_s=time.time() - job.t0)
     if failures:
-        run["failures"] = failure_rows(run["kept"], events, run["pace_s"] or 0.0)
+        restarts: list[dict[str, Any]] = []
+        with contextlib.suppress(OSError, ValueError):
+            restarts = json.loads((job.out / "logs" / "restarts.json").read_text())
+        run["failures"] = failure_rows(run["kept"], events, run["pace_s"] or 0.0, restarts)
         run["world"] = world_timeline(run["kept"], job.t0)
         with contextlib.suppress(OSError, ValueError):
             run["recovery"] = json.loads((job.out / "summary.json").read_text()).get("recovery")
@@ -357,12 +386,13 @@ def table(args: argparse.Namespace, runs: dict[str, Any], derived: dict[str, Any
         exits = ", ".join(f"host{e['host']}:{'killed' if e['killed'] else e['status']}" for e in run["exits"])
         rows.append([name, str(run["samples_kept"]), h.fmt(run["rate"], ".1f"), str(run["undone_samples"]),
                      h.fmt(run["pace_s"], ".2f"), h.fmt(run["max_gap_s"], ".1f"), exits])
-    per = [["failure", "host", "killed s", "stall s", "steps undone", "workers after", "back s", "rejoined s",
-            "rejoin stall s"]]
+    per = [["failure", "host", "killed s", "stall s", "(detect", "stop", "rdzv", "start-up)", "steps undone",
+            "workers after", "back s", "rejoined s", "rejoin stall s", "(detect", "stop", "rdzv", "start-up)"]]
     for i, f in enumerate(fail["failures"], 1):
         per.append([str(i), f["host"], h.fmt(f["killed_s"], ".0f"), h.fmt(f.get("stall_s"), ".1f"),
-                    str(f.get("undone_steps", "-")), str(f.get("workers_after", "-")), h.fmt(f.get("back_s"), ".0f"),
-                    h.fmt(f.get("rejoined_s"), ".0f"), h.fmt(f.get("rejoin_stall_s"), ".1f")])
+                    *(h.fmt(f.get(k), ".1f") for k in PARTS), str(f.get("undone_steps", "-")),
+                    str(f.get("workers_after", "-")), h.fmt(f.get("back_s"), ".0f"), h.fmt(f.get("rejoined_s"), ".0f"),
+                    h.fmt(f.get("rejoin_stall_s"), ".1f"), *(h.fmt(f.get(f"rejoin_{k}"), ".1f") for k in PARTS)])
     world = ", ".join(f"{t:g} s: {w}" for t, w in fail["world"])
     return "\n".join([head, h.format_rows(rows, underline=True),
                       f"goodput (samples kept per second, failures / failure-free): {h.fmt(derived['goodput'], '.3f')}"
