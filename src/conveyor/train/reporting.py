@@ -9,8 +9,8 @@
 
 Only the chief writes; every rank takes part in the all-reduce that averages a log record over
 ``world`` ranks (1: this rank's own figures, no collective). A record has loss, samples/s and input wait, the
-samples it sums (exact) and over how many workers (``workers``: ``world``),
-and where known tokens/s (summed over ranks), TFLOPS per device, MFU and the chief's peak memory in GiB.
+samples it sums (exact) and over how many workers (``workers``: ``world``), and where known tokens/s (summed
+over ranks), TFLOPS per device, MFU and the chief's peak memory in GiB.
 """
 
 from __future__ import annotations
