@@ -1,8 +1,9 @@
 """benchmarks/elastic_goodput.py: how goodput is counted (pure), and a short run of the section on namespace hosts.
 
 The short run (--quick: 90 s per run, one worker host killed at 45 s and back 20 s later) is the test of the
-10-minute benchmark: the job never stops (every launcher exits 0, no long gap), the failure is seen (the world
-shrinks, then grows back) and goodput is counted; its value is not asserted (a short run on a shared machine).
+10-minute benchmark: the job never stops (every launcher that ends by itself exits 0, no gap past --period), the
+failure is seen (the world shrinks, then grows back), its stall is split into parts and goodput is counted; its
+value is not asserted (a short run on a shared machine).
 It needs root (network namespaces) and skips without; the hosts are removed on every exit path.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 
@@ -74,16 +76,20 @@ def test_quick_goodput_run_on_namespace_hosts(bench, tmp_path, capsys):
     reason = hosts_module.unavailable()
     if reason:
         pytest.skip(reason)
-    before = set(hosts_module._namespaces())
     assert bench.main(["--section", "goodput", "--quick", "--out", str(tmp_path), "--dir", str(tmp_path)]) == 0
-    assert set(hosts_module._namespaces()) <= before  # the hosts were removed
+    mine = f"{hosts_module.PREFIX}{os.getpid()}x"  # (other processes may make hosts meanwhile)
+    assert not [ns for ns in hosts_module._namespaces() if ns.startswith(mine)]  # the hosts were removed
     report = json.loads((tmp_path / "elastic-latest.json").read_text())
     section = report["sections"]["goodput"]
     free, fail = section["runs"]["failure_free"], section["runs"]["failures"]
     assert report["errors"] == [], fail.get("node0_tail")
-    assert fail["never_stops"] and fail["ended_on_its_own"]
-    assert [e for e in fail["exits"] if e["killed"]] == [{"host": 1, "status": -9, "killed": True}]
-    assert len(fail["failures"]) == 1 and fail["failures"][0]["workers_after"] == 3
+    assert fail["never_stops"]  # every launcher that ended by itself exited 0, and no gap went past --period
+    assert fail["exits"][0] == {"host": 1, "status": -9, "killed": True}  # the failure; the rest: the job's end
+    assert all(e["status"] == 0 for e in fail["exits"] if not e["killed"])
+    assert [(e["host"], e["killed_rel"] >= 45) for e in fail["events"]] == [("host1", True)]
+    (row,) = fail["failures"]
+    assert row["workers_after"] == 3 and row["stall_s"] > 0
+    assert {"detect_s", "stop_s", "rendezvous_s", "start_up_s"} <= set(row)  # node 0's restarts.json: the regroup
     assert [w for _, w in fail["world"]][:3] == [4, 3, 4]  # the host lost, then back
     assert free["samples_kept"] > 0 and 0 < section["derived"]["goodput"] < 2
     assert section["table"] in capsys.readouterr().out
