@@ -6,7 +6,8 @@ rendezvous store and the chief, never killed), host1..host3 are the 3 worker hos
 the other in the same invocation: the failure-free peer, ended by the benchmark after --duration s; then the
 same job where worker host ``1 + k % 3`` is killed at ``(k+1) x --period`` s (every process on it SIGKILLed:
 launcher and tasks, a machine losing power) and its launcher started again --down s later, for --duration s;
-that job runs on to its own end (epochs: the peer's at --duration, plus 2), with no failure after the window.
+it trains the peer's epochs x 0.8 (the goal), so it ends about when the window does at goodput 0.8, and is
+stopped --duration/5 s after the window if it still runs (no failure is injected after the window).
 
 Goodput. The chief logs every 5 steps (metrics.jsonl: the step, its time, the exact samples summed over the
 workers since the last record, and their count). A record is *undone* when a later attempt resumed from a
