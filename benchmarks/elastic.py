@@ -1,6 +1,6 @@
 """Failures that do not cost the job (issue 19), measured: one section per question, table + JSON.
 
-    python benchmarks/elastic.py                          # every section (async-save, stall)
+    python benchmarks/elastic.py                          # every section (async-save, stall, goodput, exactly-once)
     python benchmarks/elastic.py --section async-save     # one section
     python benchmarks/elastic.py --quick                  # small sizes, 1 round
 
@@ -15,9 +15,11 @@ Sections:
               (CONVEYOR_FAULT's `after-step`), once per round; each run's summary.json `recovery` block
               (conveyor.recovery: detect, stop, pause, process start, imports, group init, the script's setup,
               restore, first step): the median of each part and of the total. Goal: total <= 10 s.
-  exactly-once  benchmarks/elastic_exactly_once.py: ids skipped/repeated over 5 world changes in one epoch, accuracy.
+  goodput     an elastic job on 4 namespace hosts (needs root), a worker host killed every --period s and back
+              --down s later, against the failure-free run: benchmarks/elastic_goodput.py. Goal: >= 0.80.
+  exactly-once  benchmarks/elastic_exactly_once.py: ids skipped/repeated over 5 world changes in one epoch, and
+              the final accuracy against an undisturbed run. Goals: 0, 0, within 1 point.
 
-The goodput section of the issue comes later, as a section of this script.
 Writes ``<out>/elastic-<timestamp>.json`` and ``elastic-latest.json`` (default benchmarks/results/).
 """
 
@@ -39,6 +41,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import elastic_exactly_once  # noqa: E402
+import elastic_goodput  # noqa: E402
 import harness as h  # noqa: E402
 from conveyor.train.checkpoint import (  # noqa: E402
     BackgroundSaves,
@@ -191,7 +194,8 @@ def stall(args: argparse.Namespace) -> dict[str, Any]:
             "goals": h.evaluate_goals(STALL_GOALS, derived), "table": table}
 
 
-SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {"async-save": async_save, "stall": stall}
+SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {"async-save": async_save, "stall": stall,
+                                                                       "goodput": elastic_goodput.goodput}
 SECTIONS["exactly-once"] = elastic_exactly_once.section
 
 
@@ -208,6 +212,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--restart-delay", type=float, default=0.0,
                    help="stall: conveyor run's --restart-delay (default 0: the mechanism alone; the run's is 1)")
     p.add_argument("--dir", type=Path, default=None, help="where checkpoints are written (default: the system's temp)")
+    elastic_goodput.add_arguments(p)
     args = p.parse_args(argv)
     args.section = [s for s in SECTIONS if s in (args.section or SECTIONS)]
     return h.settle(p, args, {"repeats": (5, 1), "width": (2048, 256), "layers": (3, 2)},

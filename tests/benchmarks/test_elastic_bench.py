@@ -19,7 +19,7 @@ BENCHMARK = "elastic"
 def test_parse_args(bench):
     args = bench.parse_args([])
     assert (args.repeats, args.width, args.layers, args.threads) == (5, 2048, 3, 1)
-    assert args.section == ["async-save", "stall", "exactly-once"]
+    assert args.section == ["async-save", "stall", "goodput", "exactly-once"] == list(bench.SECTIONS)
     quick = bench.parse_args(["--quick", "--section", "async-save"])
     assert (quick.repeats, quick.width, quick.layers) == (1, 256, 2)
     for bad in (["--section", "goodput-someday"], ["--width", "0"], ["--repeats", "-1"]):

@@ -206,6 +206,10 @@ def test_a_lost_node_leaves_the_survivors_to_finish_without_a_replacement(job):
     assert "lost node(s)" in err and "the job goes on without it, with 2 node(s) (--nnodes 2:3)" in err, err
     assert "round 1: node 0 of 2 (--nnodes 2:3), world size 2" in err, err
     assert "[conveyor] job finished" in err
+    # the membership change is a restart to recover from: node 0 records its moments (summary.json's recovery)
+    (record,) = json.loads((j.tmp / "a" / "logs" / "restarts.json").read_text())
+    assert record["attempt"] == 1 and record["seen"] <= record["stopped"] <= record["started"], record
+    assert not (j.tmp / "b" / "logs" / "restarts.json").exists()  # one writer: the chief's node
 
 
 @pytest.mark.multiprocess

@@ -300,7 +300,7 @@ def _run_elastic(args: argparse.Namespace, options: RunOptions, environ: dict[st
                              checkpoint_dir=os.path.join(options.output_dir, "checkpoints"))
     except PeerError as e:
         raise CommandError(str(e), exit_code=1) from None
-    result, attempt, history = None, 0, ()
+    result, attempt, history, recovering = None, 0, (), None
     try:
         while result is None or result.regroup:
             if result is not None:
@@ -313,16 +313,18 @@ def _run_elastic(args: argparse.Namespace, options: RunOptions, environ: dict[st
                 return 0 if e.ok else 1
             except PeerError as e:
                 raise CommandError(str(e), exit_code=1) from None
-            supervisor = _round_supervisor(args, options, environ, secret, rnd, history)
+            supervisor = _round_supervisor(args, options, environ, secret, rnd, history, recovering)
             result = supervisor.run()
             attempt, history = result.restarts + 1, supervisor.history
+            # node 0 (the chief's, which reads them) records what the next round recovers from: one writer
+            recovering = supervisor.recovering if rnd.node_rank == 0 else None
     finally:
         members.finish(ok=None if result is None or result.regroup else result.ok, message=result and result.message)
     return _report(result, options.output_dir)
 
 
 def _round_supervisor(args: argparse.Namespace, options: RunOptions, environ: dict[str, str], secret: bytes, rnd,
-                      history: tuple) -> Supervisor:
+                      history: tuple, recovering: dict | None = None) -> Supervisor:
     try:
         plan = build_plan(options, rnd.nodes, rnd.node_rank, master_addr=rnd.master_addr,
                           master_port=rnd.master_port, secret=secret, environ=environ,
@@ -333,7 +335,8 @@ def _round_supervisor(args: argparse.Namespace, options: RunOptions, environ: di
         raise
     print(f"[conveyor] round {rnd.number}: node {rnd.node_rank} of {len(rnd.nodes)} (--nnodes {args.span}), "
           f"world size {plan.spec.world_size}: cluster {plan.spec.as_dict()}", file=sys.stderr, flush=True)
-    return _supervisor(plan, options, peers=rnd.peers, first_attempt=rnd.attempt, history=history)
+    return _supervisor(plan, options, peers=rnd.peers, first_attempt=rnd.attempt, history=history,
+                       recovering=recovering)
 
 
 def _check_data_pipeline(options: RunOptions) -> None:

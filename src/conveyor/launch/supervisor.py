@@ -25,10 +25,10 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import IO, Protocol
+from typing import IO, Any, Protocol
 
 from conveyor.cluster.failure_report import finished_path, read_report, report_path
 from conveyor.cluster.spec import DATA_JOBS
@@ -175,7 +175,8 @@ class Supervisor:
     ``policy`` (:class:`~.restarts.RestartPolicy`) says when to restart; ``max_restarts``, ``restart_delay``,
     ``restart_delay_cap`` and ``same_failure_limit``, where given, replace its fields. ``first_attempt`` and
     ``history`` continue an elastic job in its next membership round (:attr:`history`: the failures restarted
-    so far, which ``max_restarts`` counts; a membership change is none). The job moves through
+    so far, which ``max_restarts`` counts; a membership change is none; ``recovering``: the last round's
+    :attr:`recovering`, recorded when this round's tasks start, on node 0). The job moves through
     the states of :mod:`.states`, one method each; :func:`~.restarts.decide` weighs each failure.
     Long because it is the state machine: eight states, one method each, and the peer calls they make.
     """
@@ -198,6 +199,7 @@ class Supervisor:
         same_failure_limit: int | None = None,
         first_attempt: int = 0,
         history: tuple[Failure, ...] = (),
+        recovering: Mapping[str, Any] | None = None,
     ) -> None:
         given = {"max_restarts": max_restarts, "delay": restart_delay, "delay_cap": restart_delay_cap,
                  "same_failure_limit": same_failure_limit}
@@ -216,7 +218,8 @@ class Supervisor:
         self._first = (first_attempt, tuple(history))
         self._history: tuple[Failure, ...] = ()  # the failures restarted so far, oldest first
         self._next_peer_check = 0.0
-        self._recovery: dict = {}  # the failure being recovered from: its moments (conveyor/recovery.py)
+        # the failure (or membership change) being recovered from: its moments (conveyor/recovery.py)
+        self._recovery: dict = dict(recovering or {})
         #: every data worker that exited while the job ran: task, attempt, status, restarted, log (summary.json)
         self.data_worker_exits: list[dict] = []
 
@@ -408,7 +411,10 @@ class Supervisor:
                 return Done(s.attempt)
             regroup = self._regroup()
             if regroup:  # once the job has succeeded, a node lost or waiting no longer matters
-                return Regroup(s.attempt, regroup) if isinstance(s, Running) else Done(s.attempt)
+                if isinstance(s, Running):
+                    self._recovery = self._recovery or {"task": None, "seen": time.time()}
+                    return Regroup(s.attempt, regroup)
+                return Done(s.attempt)
         except PeerError as e:
             return Failed(s.attempt, s.start_step, "final", message=str(e))
         return s
@@ -461,6 +467,12 @@ class Supervisor:
         except PeerError as e:
             return replace(s, kind="final", message=str(e))
         return s
+
+    @property
+    def recovering(self) -> dict:
+        """The moments of the failure or membership change not yet restarted from (an elastic job's next round
+        starts its tasks and records them: conveyor/recovery.py); empty when none."""
+        return dict(self._recovery)
 
     @property
     def history(self) -> tuple[Failure, ...]:

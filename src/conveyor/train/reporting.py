@@ -8,8 +8,9 @@
     reporter.close()
 
 Only the chief writes; every rank takes part in the all-reduce that averages a log record over
-``world`` ranks (1: this rank's own figures, no collective). A record has loss, samples/s and input wait,
-and where known tokens/s (summed over ranks), TFLOPS per device, MFU and the chief's peak memory in GiB.
+``world`` ranks (1: this rank's own figures, no collective). A record has loss, samples/s and input wait, the
+samples it sums (exact) and over how many workers (``workers``: ``world``), and where known tokens/s (summed
+over ranks), TFLOPS per device, MFU and the chief's peak memory in GiB.
 """
 
 from __future__ import annotations
@@ -64,8 +65,9 @@ class LogWindow:
             job.all_reduce(vec)
         loss, steps, samples, wait, elapsed_sum, tokens, flops, tokens_known, flops_known = vec.tolist()
         seconds = elapsed_sum / world  # the ranks' mean window
+        # samples (exact) and the workers summed: what goodput is counted from (benchmarks/elastic_goodput.py)
         record = {"loss": loss / max(steps, 1), "samples_per_second": samples / seconds,
-                  "input_wait_fraction": wait / elapsed_sum}
+                  "input_wait_fraction": wait / elapsed_sum, "samples": int(samples), "workers": world}
         if meter is not None:
             record.update(meter.figures(flops / world if flops_known else None, tokens if tokens_known else None,
                                         seconds))
