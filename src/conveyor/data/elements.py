@@ -335,7 +335,8 @@ def pack_bytes(x: Element) -> bytes:
 
 
 def unpack(source: memoryview | bytes, copy: bool = True) -> Element:
-    """Decode what `pack_into` wrote. With copy=False arrays are views into `source`."""
+    """Decode what `pack_into` wrote. With copy=False arrays are views into `source` (copied only where
+    `source` does not start aligned for their dtype)."""
     src = memoryview(source)
     (hlen,) = _LEN.unpack_from(src, 0)
     pos = _LEN.size
@@ -352,7 +353,7 @@ def unpack(source: memoryview | bytes, copy: bool = True) -> Element:
         elif kind == "a":
             _, dtype, shape, nbytes, is_scalar = m
             arr = np.frombuffer(src[pos:pos + nbytes], dtype=np.dtype(dtype)).reshape(shape)
-            if copy:
+            if copy or arr.ctypes.data % arr.dtype.alignment:  # a view must be aligned (torch.from_numpy)
                 arr = arr.copy()
             leaves.append(arr[()] if is_scalar else arr)
             pos += nbytes

@@ -76,6 +76,20 @@ def test_elements_travel_as_packed_frames():
     np.testing.assert_array_equal(back[0][0], elements[0][0])
 
 
+def test_received_elements_view_their_frames_and_stay_aligned():
+    """The trainer does not copy a batch out of its frame; an array the frame leaves misaligned is copied."""
+    batch = np.arange(4096, dtype=np.float64)
+    frame = element_frames([batch])[0]
+    back = elements_from_frames([frame])[0]
+    assert np.shares_memory(back, frame) and back.flags.writeable
+    np.testing.assert_array_equal(back, batch)
+    odd = np.empty(frame.nbytes + 1, dtype=np.uint8)[1:]  # the same bytes at an odd address
+    odd[:] = frame
+    moved = elements_from_frames([odd])[0]
+    assert not np.shares_memory(moved, odd) and moved.ctypes.data % moved.dtype.alignment == 0
+    np.testing.assert_array_equal(moved, batch)
+
+
 def test_dispatcher_hands_each_split_once_and_gives_a_silent_workers_back():
     d = Dispatcher(f"127.0.0.1:{free_port()}", b"k" * 32, worker_timeout=60.0)
     try:

@@ -117,7 +117,9 @@ def element_frames(elements: list[Any]) -> list[np.ndarray]:
 
 
 def elements_from_frames(frames: list[np.ndarray]) -> list[Any]:
-    return [unpack(memoryview(np.ascontiguousarray(f)).cast("B")) for f in frames]
+    """The elements, their arrays viewing the received frames (no copy: each frame is its element's own
+    buffer, kept alive by the arrays; an array the frame's address leaves misaligned is copied)."""
+    return [unpack(memoryview(np.ascontiguousarray(f)).cast("B"), copy=False) for f in frames]
 
 
 def put_until_stopped(into: queue.Queue, item: Any, stop: threading.Event) -> bool:
