@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -335,27 +336,47 @@ def pack_bytes(x: Element) -> bytes:
 
 
 def unpack(source: memoryview | bytes, copy: bool = True) -> Element:
-    """Decode what `pack_into` wrote. With copy=False arrays are views into `source`."""
+    """Decode what `pack_into` wrote. With copy=False arrays are views into `source` (copied only where
+    `source` does not start aligned for their dtype)."""
     src = memoryview(source)
     (hlen,) = _LEN.unpack_from(src, 0)
-    pos = _LEN.size
-    spec_j, metas = json.loads(bytes(src[pos:pos + hlen]))
-    pos += hlen
+    pos = _LEN.size + hlen
+
+    def take(nbytes: int) -> memoryview:
+        nonlocal pos
+        start = _align(pos)
+        pos = start + nbytes
+        return src[start:pos]
+
+    return _decode(bytes(src[_LEN.size:_LEN.size + hlen]), take, copy)
+
+
+def unpack_parts(header: memoryview | bytes, bufs: Sequence[memoryview | bytes], copy: bool = True) -> Element:
+    """Decode what `pack` returned, its header and each buffer received apart (one frame each)."""
+    parts = iter(bufs)
+
+    def take(nbytes: int) -> memoryview:
+        buf = memoryview(next(parts, b"")).cast("B")
+        if buf.nbytes != nbytes:
+            raise ValueError(f"an element's buffer has {buf.nbytes} bytes where its header says {nbytes}")
+        return buf
+
+    return _decode(bytes(header), take, copy)
+
+
+def _decode(header: bytes, take: Callable[[int], memoryview], copy: bool) -> Element:
+    spec_j, metas = json.loads(header)
     leaves = []
     for m in metas:
         kind = m[0]
-        if kind in ("a", "b"):
-            pos = _align(pos)
         if kind == "b":
-            leaves.append(bytes(src[pos:pos + m[1]]))
-            pos += m[1]
+            leaves.append(bytes(take(m[1])))
         elif kind == "a":
             _, dtype, shape, nbytes, is_scalar = m
-            arr = np.frombuffer(src[pos:pos + nbytes], dtype=np.dtype(dtype)).reshape(shape)
-            if copy:
+            arr = np.frombuffer(take(nbytes), dtype=np.dtype(dtype)).reshape(shape)
+            if copy or arr.ctypes.data % arr.dtype.alignment:  # a view must be aligned (torch.from_numpy)
                 arr = arr.copy()
             leaves.append(arr[()] if is_scalar else arr)
-            pos += nbytes
         elif kind == "o":
             flat = np.empty(len(m[2]), dtype=object)
             flat[:] = [from_json(v) for v in m[2]]

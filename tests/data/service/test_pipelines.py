@@ -71,9 +71,28 @@ def test_service_address_needs_the_secret(monkeypatch):
 
 def test_elements_travel_as_packed_frames():
     elements = [(np.arange(6, dtype=np.float32).reshape(2, 3), b"raw", {"label": 3}), "text"]
-    back = elements_from_frames(element_frames(elements))
+    frames, counts = element_frames(elements)
+    back = [e for e, _ in elements_from_frames(frames, counts)]
     assert back[1] == "text" and back[0][1] == b"raw" and back[0][2] == {"label": 3}
     np.testing.assert_array_equal(back[0][0], elements[0][0])
+
+
+def test_elements_travel_without_copies_and_arrive_aligned():
+    """Neither the worker nor the trainer copies a batch: the frames view the element's array, the received
+    array views its frame; an array its frame leaves misaligned is copied."""
+    batch = np.arange(4096, dtype=np.float64)
+    frames, counts = element_frames([(batch, 7)])
+    assert counts == [2] and np.shares_memory(frames[1], batch)
+    (back, label), nbytes = elements_from_frames(frames, counts)[0]
+    assert np.shares_memory(back, frames[1]) and label == 7 and nbytes == sum(f.nbytes for f in frames)
+    np.testing.assert_array_equal(back, batch)
+    odd = np.empty(batch.nbytes + 1, dtype=np.uint8)[1:]  # the same bytes at an odd address
+    odd[:] = frames[1]
+    (moved, _), _ = elements_from_frames([frames[0], odd], counts)[0]
+    assert not np.shares_memory(moved, odd) and moved.ctypes.data % moved.dtype.alignment == 0
+    np.testing.assert_array_equal(moved, batch)
+    with pytest.raises(DataServiceError, match="another conveyor version"):
+        elements_from_frames(frames, [1])
 
 
 def test_dispatcher_hands_each_split_once_and_gives_a_silent_workers_back():

@@ -241,8 +241,9 @@ class ServiceIter(Iter):
 
     def _queue_reply(self, reply: Any) -> bool:
         tags = reply.header.get("tags", [])
-        for (split, k), element, frame in zip(tags, elements_from_frames(reply.tensors), reply.tensors, strict=True):
-            if not self._put((_ELEMENT, split, k, element, frame.nbytes)):
+        counts = reply.header.get("frames", [])
+        for (split, k), (element, nbytes) in zip(tags, elements_from_frames(reply.tensors, counts), strict=True):
+            if not self._put((_ELEMENT, split, k, element, nbytes)):
                 return False
         return all(self._put((_SPLIT_END, split, n)) for split, n in reply.header.get("ends", []))
 

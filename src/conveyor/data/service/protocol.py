@@ -1,8 +1,8 @@
 """What the data service's three roles agree on: message kinds, the service address, element frames, errors.
 
     service = Service("10.0.0.5:5050", secret)        # or "10.0.0.5:5050" with CONVEYOR_JOB_SECRET(_FILE) set
-    frames = element_frames([e0, e1])                  # one uint8 array per element (elements.py's packed form)
-    [e0, e1] == elements_from_frames(message.tensors)
+    frames, counts = element_frames([e0, e1])          # uint8 arrays: per element a header and its buffers
+    [(e0, n0), (e1, n1)] == elements_from_frames(message.tensors, counts)     # n: an element's bytes
 
 Every message is a :mod:`conveyor.comm.framing` message over :mod:`conveyor.comm.transport` (signed with the
 job secret, no pickle). The dispatcher's task name is ``data-dispatcher``, every worker's ``data-worker``.
@@ -27,7 +27,7 @@ from conveyor.cluster.secret import parse_secret
 from conveyor.cluster.secret import read_secret_file as _read_file
 from conveyor.cluster.spec import split_address
 from conveyor.cluster.variables import DATA_SERVICE_VAR, JOB_SECRET_FILE_VAR, JOB_SECRET_VAR
-from conveyor.data.elements import pack, pack_into, packed_size, unpack
+from conveyor.data.elements import pack, unpack_parts
 from conveyor.errors import ConveyorError
 
 DISPATCHER = "data-dispatcher"
@@ -104,20 +104,32 @@ def check_mode(mode: str) -> str:
     return mode
 
 
-def element_frames(elements: list[Any]) -> list[np.ndarray]:
-    """One uint8 frame per element, in elements.py's packed encoding (JSON header + raw array bytes),
-    written straight into the frame (one copy of the arrays' bytes; ZeroMQ sends it without another)."""
-    frames = []
+def element_frames(elements: list[Any]) -> tuple[list[np.ndarray], list[int]]:
+    """Each element as uint8 frames, elements.py's ``pack``: its JSON header, then each of its buffers viewing
+    the element's own memory (no copy: ZeroMQ sends them as they are); and how many frames each element has."""
+    frames: list[np.ndarray] = []
+    counts = []
     for element in elements:
         header, bufs = pack(element)
-        frame = np.empty(packed_size(header, bufs), dtype=np.uint8)
-        pack_into(memoryview(frame), header, bufs)
-        frames.append(frame)
-    return frames
+        parts = [np.frombuffer(header, dtype=np.uint8), *(np.frombuffer(b, dtype=np.uint8) for b in bufs)]
+        frames.extend(parts)
+        counts.append(len(parts))
+    return frames, counts
 
 
-def elements_from_frames(frames: list[np.ndarray]) -> list[Any]:
-    return [unpack(memoryview(np.ascontiguousarray(f)).cast("B")) for f in frames]
+def elements_from_frames(frames: list[np.ndarray], counts: list[int]) -> list[tuple[Any, int]]:
+    """``(element, its bytes)`` per element, the arrays viewing the received frames (no copy; an array that
+    its frame's address leaves misaligned is copied)."""
+    if sum(counts) != len(frames) or min(counts, default=1) < 1:
+        raise DataServiceError(f"a data worker's reply has {len(frames)} frames for elements of {counts} frames: "
+                               f"the data workers run another conveyor version than this trainer?")
+    out, at = [], 0
+    for n in counts:
+        mine = frames[at:at + n]
+        out.append((unpack_parts(mine[0], [memoryview(f).cast("B") for f in mine[1:]], copy=False),
+                    sum(f.nbytes for f in mine)))
+        at += n
+    return out
 
 
 def put_until_stopped(into: queue.Queue, item: Any, stop: threading.Event) -> bool:

@@ -269,9 +269,9 @@ def _reply(task: _Task, most: int, *, final: bool) -> tuple[str, dict, list] | N
     if items:
         elements = [(split, k) for split, k, e in items if e is not SPLIT_END]
         ends = [(split, n) for split, n, e in items if e is SPLIT_END]
-        frames = element_frames([e for _, _, e in items if e is not SPLIT_END])
+        frames, counts = element_frames([e for _, _, e in items if e is not SPLIT_END])
         task.sent_bytes += sum(f.nbytes for f in frames)
-        return "elements", {"tags": elements, "ends": ends}, frames
+        return "elements", {"tags": elements, "ends": ends, "frames": counts}, frames
     if task.finished:
         return "end", {"error": task.error}, []
     return ("none", {}, []) if final else None
