@@ -348,8 +348,8 @@ def loaded_note(res: dict[str, Any], cores: int) -> str | None:
         reasons.append(f"{worst}'s rounds differ {spreads[worst]:.1f}x")
     if not reasons:
         return None
-    return ("LOADED (" + "; ".join(reasons) + "): the rows measure the machine's other work as much as the "
-            "contenders, so neither a cap nor a ranking can be read from them; rerun on a quiet machine.")
+    return ("LOADED (" + "; ".join(reasons) + "): the machine's other work moves these rows, so a row's shortfall "
+            "may be the load's, not the contender's; read a cap or a ranking only from a run on a quiet machine.")
 
 
 def format_table(res: dict[str, Any], d: dict[str, Any], args: argparse.Namespace, uptime: str) -> str:
