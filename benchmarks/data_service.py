@@ -51,6 +51,7 @@ TRAINER, WORKERS, DISPATCHER = 0, (1, 2, 3), 4
 OPTIONS = {"max_outstanding": 2, "per_request": 1, "buffer": 4}  # the trainer's credit and queue
 WORKER_BUFFER = 4  # elements a worker produces ahead per job (`conveyor data worker --buffer`)
 LINK_BOUND_SHARE = 0.85  # the trainer's link carrying this share of its cap: the link is the limit
+UNSTABLE_SPREAD = 1.5  # one contender's rounds differing this much: the machine's other work moved the figures
 
 
 # ---------------------------------------------------------------------------------- the pipeline (workers)
@@ -332,6 +333,25 @@ def tf_rows(tf: dict[str, Any], args: argparse.Namespace) -> list[list[str]]:
              h.fmt(r["conveyor_vs_tf"], ".2f")] for name, r in tf["rows"].items()]
 
 
+def loaded_note(res: dict[str, Any], cores: int) -> str | None:
+    """A warning line when the machine's other work moved the figures (a 1-min load average above the cores
+    during a contender, or one contender's rounds differing >= UNSTABLE_SPREAD x), else None. #23: a run at
+    load 22-37 on 2 cores had rows move 4x between rounds, which read as a service cap that no quiet run shows."""
+    loads = [r["loadavg_1min"] for runs in res["runs"].values() for r in runs if r and "loadavg_1min" in r]
+    spreads = {name: max(v) / min(v) for name, v in res["samples"].items()
+               if name != "memory" and len(v) > 1 and all(x == x for x in v) and min(v) > 0}
+    reasons = []
+    if loads and max(loads) > cores:
+        reasons.append(f"1-min load average up to {max(loads):.1f} on {cores} cores")
+    worst = max(spreads, key=spreads.__getitem__, default=None)
+    if worst is not None and spreads[worst] >= UNSTABLE_SPREAD:
+        reasons.append(f"{worst}'s rounds differ {spreads[worst]:.1f}x")
+    if not reasons:
+        return None
+    return ("LOADED (" + "; ".join(reasons) + "): the machine's other work moves these rows, so a row's shortfall "
+            "may be the load's, not the contender's; read a cap or a ranking only from a run on a quiet machine.")
+
+
 def format_table(res: dict[str, Any], d: dict[str, Any], args: argparse.Namespace, uptime: str) -> str:
     med, svc = d["medians"], d["service"]
     link = "uncapped" if args.link_mbit is None else f"{args.link_mbit:g} Mbit/s"
@@ -365,6 +385,9 @@ def format_table(res: dict[str, Any], d: dict[str, Any], args: argparse.Namespac
         lines.append("SHARED CORES (" + "; ".join(shared) + "): processes on one core split it, so a K-worker "
                      "row is bounded by the cores, not the service, and '/ sum' understates the service; give "
                      "--cores with distinct cores on a machine with >= 4 for real figures.")
+    loaded = loaded_note(res, os.cpu_count() or 1)
+    if loaded:
+        lines.append(loaded)
     lines.append(f"uptime: {uptime}")
     return "\n".join(lines)
 

@@ -96,6 +96,22 @@ def test_tf_rows_give_conveyor_over_tf_per_worker_count(bench, monkeypatch):
     assert math.isnan(failed["tf"]["min_ratio"]) and not bench.goal_rows(failed)[-1]["pass"]
 
 
+def test_a_loaded_machine_is_named_in_the_table(bench):
+    quiet = _res([40, 40, 40], [39, 76, 100], 30e6)
+    for runs in quiet["runs"].values():
+        runs[0]["loadavg_1min"] = 1.5
+    assert bench.loaded_note(quiet, cores=2) is None
+    busy = _res([40, 40, 40], [39, 76, 100], 30e6)
+    busy["runs"]["local"][0]["loadavg_1min"] = 26.3
+    busy["samples"]["single-w2"] = [43.0, 184.6]  # #23's run: the same contender 4.3x apart between rounds
+    busy["samples"]["service-k1"] = [22.7, float("nan")]  # a failed round says nothing about the spread
+    note = bench.loaded_note(busy, cores=2)
+    assert note.startswith("LOADED (1-min load average up to 26.3 on 2 cores; single-w2's rounds differ 4.3x)")
+    table = bench.format_table(busy, {**bench.derive(busy, bench.parse_args([])), "memory": None},
+                               bench.parse_args([]), "up")
+    assert "\nLOADED (" in table and "single-w2's rounds differ 4.3x)" in table  # whatever this machine's cores
+
+
 def test_refuses_without_namespaces(bench, monkeypatch):
     import conveyor.testing.hosts
 
