@@ -11,7 +11,9 @@ measures its memory parts from RSS at phase boundaries of three untimed steps (`
 gradients, Adam state, activations, communication buffers), the peak reset per phase (/proc/self/clear_refs);
 the bytes its shard holds by numel are shown beside them as a check. Then ``--steps`` timed steps.
 Speed: ``paired``, one more pair holding a conveyor and a bare FSDP2 copy of the model, one step of each
-in turn (order alternating, a barrier after every step), rank 0 timing each; per pair bare / conveyor.
+in turn (order alternating, a barrier after every step), rank 0 timing each; per pair bare / conveyor. An A/A
+run (``--paired bare,bare``) showed the first-built copy ~4% slower at load 3-6, so (unless ``--quick`` or
+``--paired``) a second pair builds bare first and the ratios of both build orders are pooled.
 Goals: largest-rank peak RSS of conveyor <= 0.6x DDP's; conveyor >= 0.97x bare FSDP2, paired median.
 Every pair runs with ``MALLOC_MMAP_THRESHOLD_=131072`` unless set: glibc's dynamic threshold otherwise keeps
 freed 8-16 MiB shard-sized blocks in its heap, and FSDP's peak RSS grew to DDP's (0.99x) on later steps.
@@ -232,8 +234,38 @@ def memory_worker(config: dict[str, Any]) -> dict[str, Any]:
             "held": _held_bytes(model, optimizer)}
 
 
+SIDES = ("conveyor", "bare", "conveyor_untimed")  # the kinds of copy `--paired` may pair
+
+
+def _side(kind: str, job: Any, width: int, depth: int) -> tuple[Any, Any]:
+    """(model, optimizer) of one side of the paired run: ``conveyor`` (``job.prepare``), ``conveyor_untimed``
+    (the same, its collectives set back to FSDP2's own defaults: the timing hooks' cost) or ``bare``."""
+    import torch
+
+    model = make_model(width, depth)
+    if kind == "bare":
+        model = _bare_fsdp2(model)
+        return model, torch.optim.Adam(model.parameters(), lr=1e-4)
+    model, optimizer = job.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-4))
+    if kind == "conveyor_untimed":
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_all_gather(DefaultAllGather())
+                module.set_custom_reduce_scatter(DefaultReduceScatter())
+    return model, optimizer
+
+
+def side_labels(kinds: list[str]) -> list[str]:
+    """The paired sides' names: their kinds, a repeated kind numbered (``bare``, ``bare2``: the A/A run)."""
+    return [k if k not in kinds[:i] else f"{k}{i + 1}" for i, k in enumerate(kinds)]
+
+
 def paired_worker(config: dict[str, Any]) -> dict[str, Any]:
-    """A conveyor fsdp and a bare FSDP2 copy of the model in this process, one step of each in turn."""
+    """Two copies of the model in this process (``--paired``; default a conveyor fsdp and a bare FSDP2 one),
+    one step of each in turn, the order swapped every pair; the first side is built first."""
     import torch
     import torch.distributed as dist
 
@@ -241,16 +273,14 @@ def paired_worker(config: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     job = conveyor.init("fsdp")
-    model = make_model(config["width"], config["depth"])
-    conv, conv_opt = job.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-4))
-    bare = _bare_fsdp2(make_model(config["width"], config["depth"]))
-    bare_opt = torch.optim.Adam(bare.parameters(), lr=1e-4)
+    kinds = list(config.get("sides") or ("conveyor", "bare"))
+    labels = side_labels(kinds)
+    sides = {label: _side(kind, job, config["width"], config["depth"])
+             for label, kind in zip(labels, kinds, strict=True)}
     x = torch.randn(config["batch"], config["width"], generator=torch.Generator().manual_seed(dist.get_rank()))
-    sides = {"conveyor": (conv, conv_opt), "bare": (bare, bare_opt)}
-    seconds: dict[str, list[float]] = {"conveyor": [], "bare": []}
+    seconds: dict[str, list[float]] = {label: [] for label in labels}
     for i in range(1 + config["steps"]):  # the first pair warms both up and is not counted
-        order = ("conveyor", "bare") if i % 2 == 0 else ("bare", "conveyor")
-        for side in order:
+        for side in (labels if i % 2 == 0 else labels[::-1]):
             dist.barrier()
             start = time.perf_counter()
             _step(*sides[side], x)
@@ -258,7 +288,7 @@ def paired_worker(config: dict[str, Any]) -> dict[str, Any]:
             if i > 0:
                 seconds[side].append(time.perf_counter() - start)
     comm = {k: v / (1 + config["steps"]) for k, v in job.strategy.step.clock.seconds().items()}  # per step
-    return {"rank": dist.get_rank(), "seconds": seconds, "conveyor_comm_per_step": comm}
+    return {"rank": dist.get_rank(), "sides": labels, "seconds": seconds, "conveyor_comm_per_step": comm}
 
 
 def worker_main(config: dict[str, Any]) -> None:
@@ -312,8 +342,19 @@ def run_pair(config: dict[str, Any], workdir: Path, timeout: float) -> list[dict
     return [json.loads((workdir / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-def derive(memory: dict[str, list[dict[str, Any]] | None], paired: list[dict[str, Any]] | None) -> dict[str, Any]:
-    """Largest-rank peak RSS and median steps/s per contender, the memory ratio and the paired ratios."""
+def _pair_ratios(run: list[dict[str, Any]]) -> tuple[list[float], list[str]]:
+    """One paired run's per-pair ratios, other side's time / the conveyor side's (bare / conveyor in either build
+    order), or for two same-kind sides (A/A) the 2nd-built's / the 1st-built's; and (denominator, numerator)."""
+    s, labels = run[0]["seconds"], list(run[0].get("sides") or ["conveyor", "bare"])
+    if labels[1].startswith("conveyor") and not labels[0].startswith("conveyor"):
+        labels.reverse()
+    return [b / c for c, b in zip(s[labels[0]], s[labels[1]], strict=True)], labels
+
+
+def derive(memory: dict[str, list[dict[str, Any]] | None], paired: list[dict[str, Any]] | None,
+           swapped: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Largest-rank peak RSS and median steps/s per contender, the memory ratio and the paired ratios (those of
+    ``swapped``, the run with the other build order, pooled in: each order's bias cancels the other's)."""
     out: dict[str, Any] = {"peak_rss_bytes": {}, "steps_per_second": {}}
     out["parts_bytes"] = {}  # the measured parts of each contender's largest rank (the one its goal judges)
     for name, ranks in memory.items():
@@ -329,8 +370,12 @@ def derive(memory: dict[str, list[dict[str, Any]] | None], paired: list[dict[str
     out["speed_vs_ddp"] = h.ratio(rate.get("conveyor"), rate.get("ddp"))
     if paired:
         s = paired[0]["seconds"]
-        ratios = [b / c for c, b in zip(s["conveyor"], s["bare"], strict=True)]
-        out |= {"paired_ratios": ratios, "paired_median": h.median(ratios),
+        ratios, labels = _pair_ratios(paired)
+        if swapped:
+            out["paired_median_by_build_order"] = [h.median(ratios), h.median(_pair_ratios(swapped)[0])]
+            ratios = ratios + _pair_ratios(swapped)[0]
+            s = {k: v + swapped[0]["seconds"][k] for k, v in s.items()}
+        out |= {"paired_sides": labels, "paired_ratios": ratios, "paired_median": h.median(ratios),
                 "paired_step_ms": {k: 1e3 * h.median(v) for k, v in s.items()},
                 "conveyor_comm_per_step": paired[0]["conveyor_comm_per_step"]}
     return out
@@ -370,11 +415,14 @@ def table(memory: dict[str, list[dict[str, Any]] | None], d: dict[str, Any]) -> 
              f"{h.fmt(d['memory_ratio_bare'], '.3f')}; conveyor steps/s / DDP's {h.fmt(d['speed_vs_ddp'], '.3f')} "
              f"(separate pairs)"]
     if "paired_median" in d:
-        ms = d["paired_step_ms"]
-        lines.append(f"paired (same 2 processes, {len(d['paired_ratios'])} pairs): bare FSDP2 {ms['bare']:.0f} ms, "
-                     f"conveyor {ms['conveyor']:.0f} ms per step; bare / conveyor median {d['paired_median']:.3f} "
+        ms, (one, two) = d["paired_step_ms"], d["paired_sides"]
+        lines.append(f"paired (same 2 processes, {len(d['paired_ratios'])} pairs): {two} {ms[two]:.0f} ms, "
+                     f"{one} {ms[one]:.0f} ms per step; {two} / {one} median {d['paired_median']:.3f} "
                      f"(each pair: {h.fmt_all(d['paired_ratios'], '.3f')}); conveyor's timed collectives per step: "
                      + ", ".join(f"{k} {v:.3f} s" for k, v in d["conveyor_comm_per_step"].items()))
+        if "paired_median_by_build_order" in d:
+            lines.append("paired median by build order (conveyor built first, bare built first): "
+                         + h.fmt_all(d["paired_median_by_build_order"], ".3f"))
     return "\n".join(lines)
 
 
@@ -388,6 +436,9 @@ def parse_args(argv: list[str] | None = None) -> Any:
                    help="seconds per pair of processes (default 3600: a 1 GiB fsdp pair took >1200 s at load 25-40)")
     p.add_argument("--contenders", type=h.contender_names([c.name for c in CONTENDERS]), default=None,
                    help="memory contenders to run (default all)")
+    p.add_argument("--paired", type=_sides, default=None,
+                   help=f"the paired run's two sides, built in this order: {', '.join(SIDES)} (default conveyor,bare; "
+                        f"bare,bare: an A/A run, whose ratio shows what position alone does)")
     p.add_argument("--worker", help=argparse_hidden())
     args = p.parse_args(argv)
     if args.worker:
@@ -398,6 +449,15 @@ def parse_args(argv: list[str] | None = None) -> Any:
                     positive=("size_gb", "width", "batch", "steps", "timeout"))
     args.depth = max(2, round(args.size_gb * 2 ** 30 / (4 * (args.width ** 2 + args.width))))
     return args
+
+
+def _sides(text: str) -> tuple[str, str]:
+    import argparse
+
+    kinds = tuple(k.strip() for k in text.split(","))
+    if len(kinds) != 2 or not set(kinds) <= set(SIDES):
+        raise argparse.ArgumentTypeError(f"--paired {text}: give two of {', '.join(SIDES)}, e.g. bare,bare")
+    return kinds  # type: ignore[return-value]
 
 
 def argparse_hidden() -> str:
@@ -415,31 +475,36 @@ def main(argv: list[str] | None = None) -> int:
 
     started, errors = time.perf_counter(), []
     machine = h.machine_start(("torch",), uptime=_uptime())
-    config = {"width": args.width, "depth": args.depth, "batch": args.batch, "steps": args.steps}
+    config = {"width": args.width, "depth": args.depth, "batch": args.batch, "steps": args.steps,
+              "sides": list(args.paired or ("conveyor", "bare"))}
     params = args.depth * (args.width ** 2 + args.width)
     print(f"model: {args.depth} blocks of width {args.width}: {params * 4 / 2 ** 30:.3f} GiB fp32 parameters; "
           f"uptime: {machine['uptime']}")
     memory: dict[str, list[dict[str, Any]] | None] = {}
-    paired = None
+    paired: dict[str, Any] = {}
+    swap = [] if args.quick or args.paired else ["paired_swapped"]  # the other build order (module docstring)
     with tempfile.TemporaryDirectory(prefix="conveyor-sharded-") as tmp:
-        for name in [*args.contenders, "paired"]:
+        for name in [*args.contenders, "paired", *swap]:
             print(f"  {name} ...", flush=True)
+            sides = config["sides"][::-1] if name == "paired_swapped" else config["sides"]
             try:
-                got = run_pair({**config, "contender": name}, Path(tmp) / name, args.timeout)
+                got = run_pair({**config, "sides": sides, "contender": name.split("_")[0]}, Path(tmp) / name,
+                               args.timeout)
             except h.ContenderFailed as e:
                 errors.append(str(e)[:2000])
                 got = None
-            if name == "paired":
-                paired = got
+            if name.startswith("paired"):
+                paired[name] = got
             else:
                 memory[name] = got
-    d = derive(memory, paired)
+    d = derive(memory, paired.get("paired"), paired.get("paired_swapped"))
     goals = h.evaluate_goals(GOALS, d)
     text = table(memory, d)
     machine = h.machine_end(machine) | {"uptime_end": _uptime()}
     report = {"benchmark": NAME, "command": h.command_line(NAME, argv), "config": {**config, "parameters": params},
               "machine": machine, "contenders": [c.shown() for c in CONTENDERS], "memory_runs": memory,
-              "paired_run": paired, "derived": d, "goals": goals, "all_pass": all(g["pass"] for g in goals),
+              "paired_run": paired.get("paired"), "paired_swapped_run": paired.get("paired_swapped"),
+              "derived": d, "goals": goals, "all_pass": all(g["pass"] for g in goals),
               "errors": errors, "table": text, "wall_seconds": time.perf_counter() - started}
     h.publish(NAME, report, h.format_goals(goals), args.out, details=f"uptime: {machine['uptime_end']}")
     return 0

@@ -42,6 +42,20 @@ def test_derive_takes_the_largest_rank_and_the_paired_median(bench):
     assert d["parts_bytes"] == {"ddp": {"parameters": 12}, "conveyor": {"parameters": 6}}  # the largest rank's
 
 
+def test_paired_ratios_pool_both_build_orders_and_an_aa_run_compares_by_position(bench):
+    first = [{"sides": ["conveyor", "bare"], "seconds": {"conveyor": [2.0, 2.0], "bare": [1.0, 1.0]},
+              "conveyor_comm_per_step": {}}]
+    swapped = [{"sides": ["bare", "conveyor"], "seconds": {"bare": [4.0, 4.0], "conveyor": [2.0, 2.0]},
+                "conveyor_comm_per_step": {}}]
+    d = bench.derive({}, first, swapped)
+    assert d["paired_ratios"] == [0.5, 0.5, 2.0, 2.0]  # bare / conveyor in both orders, pooled
+    assert d["paired_median_by_build_order"] == [0.5, 2.0] and d["paired_median"] == pytest.approx(1.25)
+    assert "paired median by build order" in bench.table({}, d)
+    aa = [{"sides": ["bare", "bare2"], "seconds": {"bare": [2.0], "bare2": [1.0]}, "conveyor_comm_per_step": {}}]
+    assert bench.derive({}, aa)["paired_ratios"] == [0.5]  # the 2nd-built's time / the 1st-built's
+    assert bench.side_labels(["bare", "bare"]) == ["bare", "bare2"]
+
+
 def test_parts_are_read_from_the_phase_boundaries(bench):
     mib = 2 ** 20
     level = {"base": 300, "built": 400, "wrapped": 350, "forward1": 351, "backward1": 400, "optimizer1": 500,
