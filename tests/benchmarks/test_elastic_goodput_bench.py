@@ -90,8 +90,10 @@ def test_quick_goodput_run_on_namespace_hosts(bench, tmp_path, capsys):
     (row,) = fail["failures"]
     assert row["workers_after"] == 3 and row["stall_s"] > 0
     assert {"detect_s", "stop_s", "rendezvous_s", "start_up_s"} <= set(row)  # node 0's restarts.json: the regroup
-    # the host lost, then back (round 0 may start below 4 on a loaded machine: the others join at a checkpoint)
-    assert [w for t, w in fail["world"] if t > row["killed_s"]][:2] == [3, 4]
+    # the host lost; back at the next checkpoint or loss, which a loaded machine may not reach before the quick
+    # run ends (round 0 may also start below 4 there: the others join at a checkpoint)
+    after = [w for t, w in fail["world"] if t > row["killed_s"]]
+    assert after[:1] == [3] and after[1:2] in ([], [4]), fail["world"]
     assert free["samples_kept"] > 0 and 0 < section["derived"]["goodput"] < 2
     assert section["table"] in capsys.readouterr().out
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("conveyor-elastic")] == []

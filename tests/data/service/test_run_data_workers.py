@@ -153,7 +153,9 @@ def test_a_node_of_data_workers_only_serves_the_trainers_of_node_0(tmp_path, rec
     assert codes == [0, 0], logs
     assert sorted(ids_of(tmp_path, 0, 0)) == IDS
     block = json.loads((tmp_path / "output0" / "summary.json").read_text())["data_service"]
-    assert len(block["workers"]) == 2 and all(w["elements"] > 0 for w in block["workers"])
+    # both of node 1's workers registered; the trainer's elements all came from them (node 0 runs none), though a
+    # worker that registers late on a loaded machine may find the epoch already dealt
+    assert len(block["workers"]) == 2 and 4 * sum(w["elements"] for w in block["workers"]) >= len(IDS)  # batches of 4
     assert "'dispatcher': ['127.0.0.1:" in logs[1] and "'data_worker': [" in logs[1]
 
 
