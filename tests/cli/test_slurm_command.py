@@ -22,6 +22,25 @@ FAKE_SRUN = """\
 while [[ "$1" == -* ]]; do shift; done
 for ((node = 0; node < FAKE_NODES; node++)); do SLURM_NODEID=$node "$@" || exit $?; done
 """
+FAKE_HET_SRUN = """\
+#!/bin/bash
+# srun's stand-in for a step over a heterogeneous job's components (`srun OPTIONS0 COMMAND0 : OPTIONS1 COMMAND1`):
+# component c runs on the c-th count of FAKE_NODES, numbered after the components before it, as Slurm numbers them
+counts=($FAKE_NODES); node=0; group=0; args=()
+component() {
+  local options=()
+  while [[ "$1" == -* ]]; do options+=("$1"); shift; done
+  for ((i = 0; i < counts[group]; i++)); do
+    SLURM_NODEID=$node FAKE_SRUN_OPTIONS="${options[*]}" "$@" || exit $?
+    node=$((node + 1))
+  done
+  group=$((group + 1))
+}
+for arg in "$@"; do
+  if [[ "$arg" == ":" ]]; then component "${args[@]}"; args=(); else args+=("$arg"); fi
+done
+component "${args[@]}"
+"""
 FAKE_PYTHON = f"""\
 #!{sys.executable}
 # the interpreter's stand-in: record the arguments and the job secret file it was given
@@ -29,7 +48,8 @@ import json, os, sys
 args = sys.argv[1:]
 secret = args[args.index("--job-secret-file") + 1]
 record = {{"args": args, "mode": oct(os.stat(secret).st_mode & 0o777), "secret": len(open(secret).read()),
-          "folder_mode": oct(os.stat(os.path.dirname(secret)).st_mode & 0o777)}}
+          "folder_mode": oct(os.stat(os.path.dirname(secret)).st_mode & 0o777),
+          "srun": os.environ.get("FAKE_SRUN_OPTIONS")}}
 with open(os.path.join(os.environ["FAKE_OUT"], "node-" + os.environ["SLURM_NODEID"] + ".json"), "w") as f:
     json.dump(record, f)
 """
@@ -42,17 +62,19 @@ def job(tmp_path: Path, **kwargs) -> SbatchJob:
     return SbatchJob(**settings)
 
 
-def run_script(tmp_path: Path, text: str, nodes: int) -> list[dict]:
-    """Run the sbatch script as Slurm would on the first node, with srun and python replaced. The secret file's
-    path (random) is checked here and replaced by SECRET in each record's arguments."""
+def run_script(tmp_path: Path, text: str, nodes: int, components: tuple[int, ...] = (), **env: str) -> list[dict]:
+    """Run the sbatch script as Slurm would on the first node, with srun and python replaced (a heterogeneous job's
+    srun with ``components``: the nodes of each). The secret file's path (random) is checked here and replaced by
+    SECRET in each record's arguments."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    for name, body in (("srun", FAKE_SRUN), ("python", FAKE_PYTHON)):
+    for name, body in (("srun", FAKE_HET_SRUN if components else FAKE_SRUN), ("python", FAKE_PYTHON)):
         (bin_dir / name).write_text(body)
         (bin_dir / name).chmod(0o755)
     (tmp_path / "job.sbatch").write_text(text)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "77", "SLURM_CPUS_ON_NODE": "8",
-           "FAKE_NODES": str(nodes), "FAKE_OUT": str(tmp_path)}
+           "FAKE_NODES": " ".join(map(str, components)) if components else str(nodes), "FAKE_OUT": str(tmp_path),
+           **env}
     done = subprocess.run(["bash", str(tmp_path / "job.sbatch")], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     records = [json.loads((tmp_path / f"node-{i}.json").read_text()) for i in range(nodes)]
@@ -133,11 +155,57 @@ def test_data_nodes_are_the_last_ones_and_run_data_workers_only(tmp_path):
     (dict(data_nodes=1), "--data-nodes D, --data-workers K and --data-pipeline MODULE:FUNCTION go together"),
     (dict(data_nodes=2, data_workers=1, data_pipeline="a:b"), "leave at least one node for the workers"),
     (dict(data_nodes=1, data_workers=1, data_pipeline="a b:c"), "expected MODULE:FUNCTION"),
-    (dict(data_nodes=1, data_workers=1, data_pipeline="a:b", gpus_per_node=1), "the same GPUs"),
+    (dict(data_partition="cpu"), "--data-partition and --data-cpus-per-node describe the data nodes"),
+    (dict(data_cpus_per_node=4), "add --data-nodes D"),
+    (dict(data_nodes=1, data_workers=1, data_pipeline="a:b", data_cpus_per_node=0), "--data-cpus-per-node 0"),
+    (dict(data_nodes=1, data_workers=1, data_pipeline="a:b", data_partition="cpu;x"), "an #SBATCH value may hold"),
+    (dict(data_nodes=1, data_workers=1, data_pipeline="a:b", gpus_per_node=1, script_args=("--sep", ":")),
+     "a bare ':'"),
 ])
 def test_bad_data_node_settings_are_refused(tmp_path, changes, message):
     with pytest.raises(ValueError, match=message):
         job(tmp_path, nodes=2, **changes)
+
+
+def test_data_nodes_in_a_gpu_job_are_a_heterogeneous_component_of_cpu_nodes(tmp_path):
+    spec = job(tmp_path, nodes=4, gpus_per_node=2, workers=2, ps=1, ps_nodes=1, strategy="ps-sync", data_nodes=1,
+               data_workers=3, data_pipeline="job.input:train", partition="gpu", data_partition="cpu", time="90",
+               account="proj", sbatch_args=("--mem=0",))
+    assert spec.heterogeneous
+    text = sbatch_script(spec)
+    training, data = text.split("#SBATCH hetjob\n")
+    # component 0: the 3 training nodes (2 of workers, 1 of the ps) with their GPUs; component 1: the data node,
+    # whole (no CPU count given), in its own partition, without GPUs
+    for line in ("#SBATCH --nodes=3", "#SBATCH --exclusive", "#SBATCH --gpus-per-node=2", "#SBATCH --partition=gpu",
+                 "#SBATCH --time=90", "#SBATCH --account=proj", "#SBATCH --mem=0", "#SBATCH --job-name=train"):
+        assert line in training.splitlines()
+    header = data[:data.index("set -euo")].splitlines()
+    assert header == ["#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=1", "#SBATCH --exclusive", "#SBATCH --time=90",
+                      "#SBATCH --partition=cpu", "#SBATCH --account=proj"]
+    assert 'train.py : \\\n  --ntasks-per-node=1 --cpus-per-task="$DATA_CPUS" --kill-on-bad-exit=1 "$PYTHON"' in text
+    # the data node's step component gets the fewest CPUs any data node has (SLURM_JOB_CPUS_PER_NODE's form)
+    records = run_script(tmp_path, text, nodes=4, components=(3, 1), SLURM_JOB_CPUS_PER_NODE_HET_GROUP_1="32(x2),16")
+    tasks = [r["args"][3:r["args"].index("--strategy")] for r in records]
+    assert tasks == [["-n", "2"], ["-n", "2"], ["-n", "0", "--ps", "1"],
+                     ["-n", "0", "--data-workers", "3", "--data-pipeline", "job.input:train"]]
+    assert {tuple(r["args"][r["args"].index("--strategy"):]) for r in records} == {
+        ("--strategy", "ps-sync", "--data-dir", str(tmp_path / "my data"), "--output-dir", str(tmp_path / "out"),
+         "--job-secret-file", "SECRET", "train.py")}
+    gpu = "--ntasks-per-node=1 --cpus-per-task=8 --kill-on-bad-exit=1 --gpus-per-node=2"
+    assert [r["srun"] for r in records] == [gpu] * 3 + ["--ntasks-per-node=1 --cpus-per-task=16 --kill-on-bad-exit=1"]
+
+
+def test_a_data_partition_makes_a_cpu_job_heterogeneous_with_the_cpus_given(tmp_path):
+    spec = job(tmp_path, nodes=2, cpus_per_node=2, data_nodes=1, data_workers=1, data_pipeline="job.input:train",
+               data_cpus_per_node=6)
+    text = sbatch_script(spec)
+    assert spec.heterogeneous and text.count("#SBATCH --partition") == 0 and "DATA_CPUS" not in text
+    assert text.split("#SBATCH hetjob\n")[1].startswith("#SBATCH --nodes=1\n#SBATCH --ntasks-per-node=1\n"
+                                                         "#SBATCH --cpus-per-task=6\n")
+    records = run_script(tmp_path, text, nodes=2, components=(1, 1))
+    assert [r["srun"].split()[1] for r in records] == ["--cpus-per-task=2", "--cpus-per-task=6"]
+    # without GPUs, a partition or CPUs of their own, data nodes stay in the one allocation (the test above)
+    assert not job(tmp_path, nodes=2, data_nodes=1, data_workers=1, data_pipeline="job.input:train").heterogeneous
 
 
 def test_gpus_set_the_workers_per_node(tmp_path, capsys):
@@ -189,3 +257,52 @@ def test_submit_without_sbatch_says_where_to_run_it(tmp_path, monkeypatch, capsy
     monkeypatch.setenv("PATH", str(tmp_path))
     assert main(["slurm", "--submit", "train.py"]) == 1
     assert "sbatch is not on PATH" in capsys.readouterr().err
+
+
+INPUTS = """\
+from conveyor.data import Dataset
+
+def train():
+    return Dataset.range(8).batch(2)
+
+def broken():
+    raise OSError("no files under /data/train")
+"""
+DATA_JOB = ["--nodes", "2", "--gpus-per-node", "1", "--data-nodes", "1", "--data-workers", "2"]
+
+
+@pytest.mark.parametrize(("argv", "needles"), [
+    (["--nodes", "2", "--data-nodes", "0"], ["--data-nodes 0: expected a whole number >= 1", "drop it"]),
+    (["--nodes", "2", "--data-nodes", "-1"], ["--data-nodes -1: expected a whole number >= 1"]),
+    (DATA_JOB, ["--data-nodes D, --data-workers K and --data-pipeline MODULE:FUNCTION go together"]),
+    ([*DATA_JOB, "--data-pipeline", "slurm_no_such_inputs:train"],
+     ["--data-pipeline slurm_no_such_inputs:train: cannot import slurm_no_such_inputs", "PYTHONPATH",
+      "conveyor slurm builds it here before writing the job"]),
+    ([*DATA_JOB, "--data-pipeline", "slurm_test_inputs:validation"],
+     ["has no function 'validation'", "define it there"]),
+    ([*DATA_JOB, "--data-pipeline", "slurm_test_inputs:broken"],
+     ["building it here failed (OSError: no files under /data/train)", "every data worker would fail alike"]),
+])
+def test_data_nodes_whose_pipeline_does_not_build_are_refused_before_sbatch(tmp_path, monkeypatch, capsys, argv,
+                                                                            needles):
+    (tmp_path / "slurm_test_inputs.py").write_text(INPUTS)
+    sbatch = tmp_path / "bin" / "sbatch"
+    sbatch.parent.mkdir()
+    sbatch.write_text(f"#!/bin/bash\ntouch {tmp_path}/submitted\necho 1\n")
+    sbatch.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{sbatch.parent}:{os.environ['PATH']}")
+    monkeypatch.chdir(tmp_path)
+    assert main(["slurm", *argv, "--submit", "train.py"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and all(n in err for n in needles), err
+    assert not (tmp_path / "submitted").exists()
+
+
+def test_data_nodes_with_a_pipeline_that_builds_here_are_written(tmp_path, monkeypatch, capsys):
+    (tmp_path / "slurm_good_inputs.py").write_text(INPUTS)
+    monkeypatch.chdir(tmp_path)
+    assert main(["slurm", *DATA_JOB, "--data-pipeline", "slurm_good_inputs:train", "--data-partition", "cpu",
+                 "--data-cpus-per-node", "8", "--python", sys.executable, "train.py"]) == 0
+    text = capsys.readouterr().out
+    assert "#SBATCH hetjob\n#SBATCH --nodes=1\n#SBATCH --ntasks-per-node=1\n#SBATCH --cpus-per-task=8\n" in text
+    assert "#SBATCH --partition=cpu" in text and "--data-workers 2 --data-pipeline slurm_good_inputs:train" in text

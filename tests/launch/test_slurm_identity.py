@@ -39,6 +39,27 @@ def test_every_node_derives_the_same_rendezvous_and_its_own_rank_from_the_node_l
                                    f"{slurm_port('4242')} (first node: gpu01)")
 
 
+def het_step(node_id: int, name: str, **more: str) -> dict[str, str]:
+    """A step over both components of a heterogeneous job (`srun A : B`), as Slurm 22.05 sets it (measured on the
+    test cluster): training nodes gpu07, gpu02, then data nodes cpu01, cpu03. The step's node list is sorted by
+    name, but SLURM_NODEID counts component 0's nodes first."""
+    return {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_NODEID": str(node_id), "SLURMD_NODENAME": name,
+            "SLURM_STEP_NODELIST": "cpu[01,03],gpu[02,07]", "SLURM_STEP_NUM_NODES": "4", "SLURM_STEP_NUM_TASKS": "4",
+            "SLURM_HET_SIZE": "2", "SLURM_JOB_NODELIST_HET_GROUP_0": "gpu[02,07]",
+            "SLURM_JOB_NODELIST_HET_GROUP_1": "cpu[01,03]", **more}
+
+
+def test_a_heterogeneous_step_numbers_the_training_nodes_first():
+    order = ["gpu02", "gpu07", "cpu01", "cpu03"]
+    nodes = [slurm_node(het_step(i, name), resolver=lambda n, p: ADDRESSES.get(n, "10.2.0.1")) for i, name in
+             enumerate(order)]
+    assert [n.name for n in nodes] == order and [n.node_rank for n in nodes] == [0, 1, 2, 3]
+    assert {n.rdzv for n in nodes} == {f"10.1.0.2:{slurm_port('4242')}"}  # gpu02: the first training node
+    # a step over one component only (srun --het-group=1): that component's own order
+    one = het_step(1, "cpu03", SLURM_STEP_NODELIST="cpu[01,03]", SLURM_STEP_NUM_NODES="2", SLURM_STEP_NUM_TASKS="2")
+    assert slurm_node(one, resolver=lambda n, p: "10.2.0.1").nodes == ("cpu01", "cpu03")
+
+
 def test_master_port_and_given_flags_are_honoured():
     node = slurm_node(step(2, MASTER_PORT="29400"), resolver=resolver)
     assert node.rdzv == "10.1.0.1:29400"

@@ -36,7 +36,7 @@ from conveyor.cluster.settings import agreed_flags
 from conveyor.cluster.settings import given as given_settings
 from conveyor.cluster.validate import seconds as valid_seconds
 from conveyor.cluster.variables import JOB_SECRET_FILE_VAR, JOB_SECRET_VAR, OUTPUT_LOCK_VAR
-from conveyor.data.service.pipelines import load_pipeline
+from conveyor.data.service.pipelines import check_pipeline
 from conveyor.data.service.protocol import DataServiceError
 from conveyor.fileio import atomic_write
 from conveyor.launch import (
@@ -347,17 +347,10 @@ def _check_data_pipeline(options: RunOptions) -> None:
     if not options.data_workers:
         raise CommandError(f"--data-pipeline {options.data_pipeline} is what data workers run: add --data-workers K "
                            f"(K data workers on this machine), or drop it")
-    saved = list(sys.path)
-    sys.path[:0] = [os.getcwd(), os.path.dirname(os.path.abspath(options.script))]
     try:
-        load_pipeline(options.data_pipeline, flag="--data-pipeline")
+        check_pipeline(options.data_pipeline, [os.getcwd(), os.path.dirname(os.path.abspath(options.script))])
     except DataServiceError as e:
         raise CommandError(str(e)) from None
-    except Exception as e:  # the user's function failed: every data worker would fail the same way
-        raise CommandError(f"--data-pipeline {options.data_pipeline}: building it here failed ({type(e).__name__}: "
-                           f"{e}); every data worker would fail alike: fix the function or what it reads") from None
-    finally:
-        sys.path[:] = saved
 
 
 def data_service_summary(plan, exits: list[dict], output_dir: str) -> None:

@@ -3,6 +3,8 @@
     conveyor slurm --nodes 2 -n 4 train.py --epochs 5                      # print the script
     conveyor slurm --nodes 4 --gpus-per-node 8 --time 2:00:00 -o job.sbatch train.py
     conveyor slurm --nodes 2 -n 2 --ps 2 --strategy ps-sync --submit train.py   # sbatch it; prints the job id
+    conveyor slurm --nodes 5 --gpus-per-node 8 --data-nodes 1 --data-workers 32 --data-pipeline job.input:train \
+        --partition gpu --data-partition cpu train.py      # a heterogeneous job: 4 GPU nodes + 1 CPU data node
 
 This module only parses arguments and runs sbatch; the script is `conveyor.launch.sbatch`, and what
 each node's launcher reads from Slurm is `conveyor.launch.slurm`.
@@ -20,6 +22,8 @@ import sys
 from conveyor.cli import Command, CommandError
 from conveyor.cluster.settings import add_arguments as add_settings
 from conveyor.cluster.settings import given as given_settings
+from conveyor.data.service.pipelines import check_pipeline
+from conveyor.data.service.protocol import DataServiceError
 from conveyor.fileio import atomic_write
 from conveyor.launch.sbatch import SbatchJob, sbatch_script
 
@@ -31,13 +35,17 @@ examples:
   conveyor slurm --nodes 4 --gpus-per-node 8 --time 2:00:00 --partition gpu -o job.sbatch train.py
   conveyor slurm --nodes 2 -n 2 --ps 2 --strategy ps-sync --submit train.py
   conveyor slurm --nodes 3 -n 2 --ps 2 --ps-nodes 1 --strategy ps-async train.py   # ps tasks on node 2
+  conveyor slurm --nodes 3 --gpus-per-node 4 --data-nodes 1 --data-workers 16 --data-pipeline job.input:train \
+      --partition gpu --data-partition cpu train.py    # 2 GPU nodes train, a CPU node runs the data workers
 
 The script runs `srun --ntasks-per-node=1 python -m conveyor run -n N ... SCRIPT ARGS` on every node:
 each launcher reads its node rank, the node count and the rendezvous host (the first node) from Slurm.
 This folder (the script's), the data folder and the output folder must be on a file system every node
 sees; the script writes a fresh job secret (mode 600) here and removes it when the job ends. Parameter
 servers go beside the workers, one more per node from node 0 until all are placed, or with --ps-nodes P
-alone on the last P nodes.
+alone on the last P nodes. With --data-nodes D the last D nodes run data workers only and node 0 the
+dispatcher; when they need other resources (GPUs on the training nodes, --data-partition,
+--data-cpus-per-node) the job is heterogeneous: the data nodes are a component of their own (hetjob).
 """
 
 
@@ -54,9 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "from node 0, or on --ps-nodes of their own")
     job.add_argument("--ps-nodes", type=int, default=0, metavar="P",
                      help="run the ps tasks alone on the last P of the --nodes (conveyor run -n 0 there)")
-    job.add_argument("--data-nodes", type=int, default=0, metavar="D",
+    job.add_argument("--data-nodes", type=int, default=None, metavar="D",
                      help="run data-service workers alone on the last D of the --nodes (conveyor run -n 0 "
-                     "--data-workers K there; CPU jobs only: one allocation gives every node the same GPUs)")
+                     "--data-workers K there; node 0 runs the dispatcher); a heterogeneous job with "
+                     "--gpus-per-node, --data-partition or --data-cpus-per-node, so the data nodes hold no GPUs")
     job.add_argument("--data-workers", type=int, default=0, metavar="K", help="data workers on each data node")
     job.add_argument("--data-pipeline", default=None, metavar="MODULE:FUNCTION",
                      help="the function returning the Dataset the data workers run (docs/data-service.md)")
@@ -76,8 +85,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     slurm.add_argument("--job-name", default=None, metavar="NAME", help="default: the script's name")
     slurm.add_argument("--cpus-per-node", type=int, default=None, metavar="C",
                        help="CPUs for each node's launcher and its tasks (default: whole nodes, --exclusive)")
+    slurm.add_argument("--data-partition", default=None, metavar="P",
+                       help="the --data-nodes' partition, e.g. a CPU one (default: --partition; a heterogeneous job)")
+    slurm.add_argument("--data-cpus-per-node", type=int, default=None, metavar="C",
+                       help="CPUs for each data node's launcher and data workers (default: whole nodes; a "
+                       "heterogeneous job)")
     slurm.add_argument("--sbatch-option", action="append", default=[], metavar="OPT",
-                       help="one more #SBATCH line, e.g. --sbatch-option=--mem=0 (repeat)")
+                       help="one more #SBATCH line, e.g. --sbatch-option=--mem=0 (repeat; the training nodes' "
+                       "component in a heterogeneous job)")
     out = parser.add_argument_group("output")
     out.add_argument("-o", "--output", default=None, metavar="FILE", help="write the script to FILE instead of stdout")
     out.add_argument("--submit", action="store_true", help="submit it with sbatch and print the job id")
@@ -87,15 +102,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     workers = args.workers if args.workers is not None else (args.gpus_per_node or 1)
+    if args.data_nodes is not None and args.data_nodes < 1:
+        raise CommandError(f"--data-nodes {args.data_nodes}: expected a whole number >= 1 (nodes of data workers); "
+                           f"drop it for a job without data nodes")
     job = SbatchJob(
         script=args.script, script_args=tuple(args.script_args), nodes=args.nodes, workers=workers,
-        gpus_per_node=args.gpus_per_node, ps=args.ps, ps_nodes=args.ps_nodes, data_nodes=args.data_nodes,
-        data_workers=args.data_workers, data_pipeline=args.data_pipeline,
+        gpus_per_node=args.gpus_per_node, ps=args.ps, ps_nodes=args.ps_nodes, data_nodes=args.data_nodes or 0,
+        data_workers=args.data_workers, data_pipeline=args.data_pipeline, data_partition=args.data_partition,
+        data_cpus_per_node=args.data_cpus_per_node,
         data_dir=os.path.abspath(args.data_dir), output_dir=os.path.abspath(args.output_dir), workdir=os.getcwd(),
         python=os.path.abspath(args.python), job_name=args.job_name, time=args.time, partition=args.partition,
         account=args.account, cpus_per_node=args.cpus_per_node, run_args=tuple(args.run_option),
         sbatch_args=tuple(args.sbatch_option), **given_settings(args, "slurm"),
     )
+    if job.data_nodes:
+        _check_data_pipeline(job)
     text = sbatch_script(job)
     if args.output is not None:
         atomic_write(args.output, text.encode(), mode=0o755)
@@ -107,6 +128,15 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(submit(text, args.output))
     return 0
+
+
+def _check_data_pipeline(job: SbatchJob) -> None:
+    """Build --data-pipeline here, from the job's working folder or the script's, as every data worker will: a name
+    that does not resolve is refused before sbatch, not after the job waited in the queue."""
+    try:
+        check_pipeline(job.data_pipeline, [job.workdir, os.path.dirname(os.path.abspath(job.script))])
+    except DataServiceError as e:
+        raise CommandError(f"{e} (conveyor slurm builds it here before writing the job)") from None
 
 
 def _written(job: SbatchJob, path: str, submitting: bool) -> str:

@@ -12,7 +12,10 @@ the workers, one more per node from node 0 until all are placed, or on nodes of 
 (``ps_nodes``; ``conveyor run -n 0`` there); when nodes differ, a ``case`` on ``$SLURM_NODEID`` -
 single-quoted, so each node's own shell expands it - picks the node's ``-n``/``--ps``. Every value from
 the user is shell-quoted; values that go on ``#SBATCH`` lines are refused if they hold spaces or quotes.
-``data_nodes`` D: the last D nodes run ``data_workers`` data workers each (``-n 0 --data-workers K``).
+``data_nodes`` D: the last D nodes run ``data_workers`` data workers each (``-n 0 --data-workers K``); the
+dispatcher runs on node 0 (conveyor run's rendezvous places it). When they need other resources than the
+training nodes (GPUs there, ``data_partition`` or ``data_cpus_per_node``), the job is heterogeneous: two
+``#SBATCH hetjob`` components and one step over both (``srun OPTIONS0 COMMAND0 : OPTIONS1 COMMAND1``).
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ class SbatchJob(JobSettings):
     data_nodes: int = 0  # nodes of data-service workers only, the very last ones (`conveyor run -n 0 --data-workers`)
     data_workers: int = 0  # data workers on each of them
     data_pipeline: str | None = None  # what they run, MODULE:FUNCTION
+    data_partition: str | None = None  # the data nodes' partition (a heterogeneous job); default: ``partition``
+    data_cpus_per_node: int | None = None  # the data nodes' CPUs (a heterogeneous job); default: whole nodes
     job_name: str | None = None
     time: str | None = None
     partition: str | None = None
@@ -66,7 +71,7 @@ class SbatchJob(JobSettings):
         counts = (("--nodes", self.nodes, 1), ("-n", self.workers, 1), ("--ps", self.ps, 0),
                   ("--ps-nodes", self.ps_nodes, 0), ("--gpus-per-node", self.gpus_per_node, 1),
                   ("--cpus-per-node", self.cpus_per_node, 1), ("--data-nodes", self.data_nodes, 0),
-                  ("--data-workers", self.data_workers, 0))
+                  ("--data-workers", self.data_workers, 0), ("--data-cpus-per-node", self.data_cpus_per_node, 1))
         for flag, value, low in counts:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
                 raise ValueError(f"{flag} {value!r}: expected a whole number >= {low}")
@@ -84,13 +89,17 @@ class SbatchJob(JobSettings):
         if self.time is not None and not _TIME_RE.fullmatch(self.time):
             raise ValueError(f"--time {self.time!r}: expected Slurm's form, e.g. 90 (minutes), 1:30:00 or 2-00:00:00")
         for flag, value in (("--job-name", self.job_name), ("--partition", self.partition),
-                            ("--account", self.account), *(("--sbatch-option", a) for a in self.sbatch_args)):
+                            ("--data-partition", self.data_partition), ("--account", self.account),
+                            *(("--sbatch-option", a) for a in self.sbatch_args)):
             if value is not None and not _WORD_RE.fullmatch(value):
                 raise ValueError(f"{flag} {value!r}: an #SBATCH value may hold letters, digits and _.,:+=@%/- only")
         if not self.script:
             raise ValueError("SCRIPT is missing: give the training script every node runs")
 
     def _check_data_nodes(self) -> None:
+        if not self.data_nodes and (self.data_partition is not None or self.data_cpus_per_node is not None):
+            raise ValueError("--data-partition and --data-cpus-per-node describe the data nodes: add --data-nodes D "
+                             "--data-workers K --data-pipeline MODULE:FUNCTION, or drop them")
         if not (self.data_nodes or self.data_workers or self.data_pipeline):
             return
         if not (self.data_nodes and self.data_workers and self.data_pipeline):
@@ -101,11 +110,16 @@ class SbatchJob(JobSettings):
         if self.data_nodes >= self.nodes:
             raise ValueError(f"--data-nodes {self.data_nodes} of --nodes {self.nodes}: node 0 runs rank 0, the chief; "
                              f"leave at least one node for the workers")
-        if self.gpus_per_node is not None:
-            raise ValueError(f"--data-nodes with --gpus-per-node {self.gpus_per_node}: one Slurm allocation gives "
-                             f"every node the same GPUs, so the data nodes would hold GPUs they never use; start "
-                             f"the data workers on CPU nodes by hand (`conveyor data worker`, docs/data-service.md), "
-                             f"or use --data-nodes in a CPU job")
+        if self.heterogeneous and ":" in (*self.script_args, *self.run_args):
+            raise ValueError("a bare ':' among the script's arguments or --run-option: in a heterogeneous job's srun "
+                             "line it would separate the components; quote it differently (e.g. --flag=:)")
+
+    @property
+    def heterogeneous(self) -> bool:
+        """Whether the data nodes are a component of their own: they need other resources than the training nodes
+        (those hold GPUs, or the data nodes have a partition or CPU count of their own)."""
+        return bool(self.data_nodes) and (self.gpus_per_node is not None or self.data_partition is not None
+                                          or self.data_cpus_per_node is not None)
 
     @property
     def name(self) -> str:
@@ -160,40 +174,65 @@ def _nodes_text(first: int, last: int) -> str:
 
 def _header(job: SbatchJob, groups: list) -> list[str]:
     layout = "; ".join(f"{_nodes_text(a, b)}: {_describe(t, job)}" for a, b, t in groups)
+    het = job.heterogeneous
     lines = [
         "#!/bin/bash",
         f"# conveyor job {job.name}: {job.script} on {job.nodes} node{'s' if job.nodes != 1 else ''} ({layout}).",
         "# Written by `conveyor slurm`; submit with `sbatch THIS_FILE`. Every node must see this working folder,",
         "# the data folder and the output folder (a shared file system); the job secret is written here.",
+        *(["# A heterogeneous job: the training nodes, then (after `hetjob`) the data nodes with their own resources."]
+          if het else []),
         f"#SBATCH --job-name={job.name}",
-        f"#SBATCH --nodes={job.nodes}",
-        "#SBATCH --ntasks-per-node=1",
+        *_resources(job.nodes - job.data_nodes if het else job.nodes, job.cpus_per_node, job.gpus_per_node,
+                    job.partition, job),
+        *(f"#SBATCH {arg}" for arg in job.sbatch_args),
     ]
-    if job.cpus_per_node is None:
-        lines.append("#SBATCH --exclusive")
-    else:
-        lines.append(f"#SBATCH --cpus-per-task={job.cpus_per_node}")
-    if job.gpus_per_node is not None:
-        lines.append(f"#SBATCH --gpus-per-node={job.gpus_per_node}")
-    for option, value in (("time", job.time), ("partition", job.partition), ("account", job.account)):
+    if het:
+        lines += ["#SBATCH hetjob", *_resources(job.data_nodes, job.data_cpus_per_node, None,
+                                                 job.data_partition or job.partition, job)]
+    return lines
+
+
+def _resources(nodes: int, cpus: int | None, gpus: int | None, partition: str | None, job: SbatchJob) -> list[str]:
+    """One component's #SBATCH lines (the whole job's when it is not heterogeneous)."""
+    lines = [f"#SBATCH --nodes={nodes}", "#SBATCH --ntasks-per-node=1",
+             "#SBATCH --exclusive" if cpus is None else f"#SBATCH --cpus-per-task={cpus}"]
+    if gpus is not None:
+        lines.append(f"#SBATCH --gpus-per-node={gpus}")
+    for option, value in (("time", job.time), ("partition", partition), ("account", job.account)):
         if value is not None:
             lines.append(f"#SBATCH --{option}={value}")
-    lines += [f"#SBATCH {arg}" for arg in job.sbatch_args]
     return lines
 
 
 def _srun(job: SbatchJob) -> list[str]:
-    cpus = '"$SLURM_CPUS_ON_NODE"' if job.cpus_per_node is None else str(job.cpus_per_node)
-    srun = f"srun --ntasks-per-node=1 --cpus-per-task={cpus} --kill-on-bad-exit=1"
-    if job.gpus_per_node is not None:
-        srun += f" --gpus-per-node={job.gpus_per_node}"
+    """The srun line: one step, over both components of a heterogeneous job (`srun A : B`, Slurm numbering the
+    training nodes first), each node's launcher given its tasks (a `case` on $SLURM_NODEID where nodes differ)."""
     # the job's settings as every node's `conveyor run` flags: --strategy NAME, --stages S, --chief, ...
     common = [shlex.join(flag) for flag in job.flags("run")]
     common += [f"--data-dir {shlex.quote(job.data_dir)}", '--output-dir "$OUTPUT"', '--job-secret-file "$SECRET"']
     if job.run_args:
         common.append(shlex.join(job.run_args))
     common.append(shlex.join([job.script, *job.script_args]))
-    groups = _groups(node_layout(job))
+    layout = node_layout(job)
+    cpus = '"$SLURM_CPUS_ON_NODE"' if job.cpus_per_node is None else str(job.cpus_per_node)
+    srun = f"srun {_srun_options(cpus, job.gpus_per_node)}"
+    if not job.heterogeneous:
+        return _command(srun, layout, job, common)
+    training = _command(srun, layout[:-job.data_nodes], job, common)
+    data_cpus = '"$DATA_CPUS"' if job.data_cpus_per_node is None else str(job.data_cpus_per_node)
+    training[-1] += " : \\"
+    return training + _command(f"  {_srun_options(data_cpus, None)}", layout[-job.data_nodes:], job, common)
+
+
+def _srun_options(cpus: str, gpus: int | None) -> str:
+    return f"--ntasks-per-node=1 --cpus-per-task={cpus} --kill-on-bad-exit=1" + (
+        f" --gpus-per-node={gpus}" if gpus is not None else "")
+
+
+def _command(srun: str, layout: list[tuple[int, int]], job: SbatchJob, common: list[str]) -> list[str]:
+    """``srun`` (or a component's options) and the launcher's command for the nodes of ``layout``."""
+    groups = _groups(layout)
     if len(groups) == 1:
         head = [f'{srun} "$PYTHON" -m conveyor run {_tasks_flags(groups[0][2], job)}']
     else:  # no backslash inside the single quotes: the inner shell would join the lines
@@ -205,6 +244,12 @@ def _srun(job: SbatchJob) -> list[str]:
         head += ["  esac", """  exec "$0" -m conveyor run $tasks "$@"' "$PYTHON\""""]
     head[-1] += " \\"
     return head + [f"  {part} \\" for part in common[:-1]] + [f"  {common[-1]}"]
+
+
+_DATA_CPUS = [
+    "# The data nodes are whole nodes; srun gives each the same --cpus-per-task: the fewest any of them has.",
+    'DATA_CPUS="$(echo "$SLURM_JOB_CPUS_PER_NODE_HET_GROUP_1" | tr , "\\n" | sed "s/(.*//" | sort -n | head -1)"',
+]
 
 
 def sbatch_script(job: SbatchJob) -> str:
@@ -225,6 +270,7 @@ def sbatch_script(job: SbatchJob) -> str:
         'SECRET="$SECRET_DIR/secret"',
         "(umask 077 && set -o noclobber && od -An -tx1 -N32 /dev/urandom | tr -d ' \\n' > \"$SECRET\")",
         "",
+        *(_DATA_CPUS if job.heterogeneous and job.data_cpus_per_node is None else []),
         "# One launcher per node. Each reads its node rank, the node count and the rendezvous host (the first",
         "# node) from Slurm: no --nnodes, --node-rank or --rdzv to get wrong.",
         *_srun(job),

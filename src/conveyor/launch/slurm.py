@@ -13,7 +13,8 @@ The traps users of torchrun under Slurm meet are refused, naming the node: a fir
 does not resolve, or resolves to a loopback address (Debian's ``127.0.1.1 <hostname>`` line), never
 becomes "localhost" - each node would form its own world; a ``--node-rank`` expanded once by the
 batch shell (every node claims rank 0) disagrees with ``SLURM_NODEID``; a ``SLURM_NODEID`` that names
-another node than ``SLURMD_NODENAME``; several launchers per node. docs/clusters.md, "Slurm".
+another node than ``SLURMD_NODENAME``; several launchers per node. A heterogeneous job's step (training nodes,
+then data nodes: ``conveyor slurm --data-nodes``) numbers its nodes component by component. docs/clusters.md.
 """
 
 from __future__ import annotations
@@ -130,7 +131,25 @@ def _step_nodes(environ: Mapping[str, str]) -> list[str]:
             break
     if len(set(nodes)) != len(nodes):
         raise ClusterConfigError(f"{_nodelist(environ)} names a node twice; Slurm lists each node of a step once")
-    return nodes
+    return _het_order(environ, nodes)
+
+
+def _het_order(environ: Mapping[str, str], nodes: list[str]) -> list[str]:
+    """The step's nodes in SLURM_NODEID order. A step over several components of a heterogeneous job (`srun ... :
+    ...`) lists its nodes sorted by name, yet numbers them component by component (the training nodes, then the
+    data nodes): its order is then its components' node lists one after another (measured on Slurm 22.05)."""
+    size = parse_decimal(environ.get("SLURM_HET_SIZE", "").strip(), MAX_INDEX)
+    if not size or size < 2:
+        return nodes
+    step, ordered = set(nodes), []
+    for group in range(size):
+        name = f"SLURM_JOB_NODELIST_HET_GROUP_{group}"
+        if not environ.get(name):
+            return nodes
+        component = expand_hostlist(environ[name], name=name)
+        if step.issuperset(component):  # a component this step runs on (a step may span some of them)
+            ordered += component
+    return ordered if sorted(ordered) == sorted(nodes) else nodes
 
 
 def _node_id(environ: Mapping[str, str], nodes: list[str]) -> int:

@@ -81,8 +81,10 @@ def _remove_stale_folders() -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _conf(folder: Path, hosts: Hosts, cpus: int) -> str:
+def _conf(folder: Path, hosts: Hosts, cpus: int, partitions: Mapping[str, Sequence[int]]) -> str:
     names = ",".join(h.name for h in hosts)
+    more = "".join(f"PartitionName={name} Nodes={','.join(hosts[i].name for i in nodes)} MaxTime=INFINITE State=UP\n"
+                   for name, nodes in partitions.items())
     return f"""\
 # A test cluster made by conveyor.testing.slurm: every daemon as root, no cgroups, files in one folder.
 ClusterName=conveyortest
@@ -114,13 +116,15 @@ KillWait=5
 InactiveLimit=0
 NodeName={names} CPUs={cpus} State=UNKNOWN
 PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
-"""
+{more}"""
 
 
 class SlurmCluster:
-    """``count`` Slurm nodes host0.. on namespace hosts; see the module docstring. Use as a context manager."""
+    """``count`` Slurm nodes host0.. on namespace hosts; see the module docstring. Use as a context manager.
+    Every node is in partition ``main`` (the default); ``partitions`` adds more, by name: host indexes."""
 
-    def __init__(self, count: int = 3, *, cpus: int = 4, start_timeout: float = 60.0) -> None:
+    def __init__(self, count: int = 3, *, cpus: int = 4, start_timeout: float = 60.0,
+                 partitions: Mapping[str, Sequence[int]] | None = None) -> None:
         missing = _missing()
         if missing:
             raise SlurmError(f"Slurm is not installed ({', '.join(missing)} missing)")
@@ -133,7 +137,7 @@ class SlurmCluster:
         self.env = {**os.environ, "SLURM_CONF": str(self.folder / "slurm.conf"), "PATH": _SEARCH_PATH}
         try:
             self.hosts = Hosts(count)
-            self._start(cpus, start_timeout)
+            self._start(cpus, start_timeout, dict(partitions or {}))
         except BaseException:
             self.close()
             raise
@@ -142,14 +146,14 @@ class SlurmCluster:
     def nodes(self) -> list[str]:
         return [h.name for h in self.hosts]
 
-    def _start(self, cpus: int, timeout: float) -> None:
+    def _start(self, cpus: int, timeout: float, partitions: Mapping[str, Sequence[int]]) -> None:
         folder, hosts = self.folder, self.hosts
         for sub in ("state", *(f"spool/{h.name}" for h in hosts)):
             (folder / sub).mkdir(parents=True)
         fd = os.open(folder / "munge.key", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(os.urandom(128))
-        (folder / "slurm.conf").write_text(_conf(folder, hosts, cpus))
+        (folder / "slurm.conf").write_text(_conf(folder, hosts, cpus, partitions))
         (folder / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\n")  # no autodetection: the hosts have no cgroupfs
         self._daemon(hosts[0], "munged", ["munged", "--foreground", f"--socket={folder}/munge.socket",
                                           f"--key-file={folder}/munge.key", f"--pid-file={folder}/munged.pid",

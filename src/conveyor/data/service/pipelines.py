@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import importlib
 import json
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from conveyor.data.base import Node
@@ -45,6 +46,23 @@ def load_pipeline(spec: str, flag: str = "--pipeline") -> Dataset:
         raise PipelineMismatchError(f"{flag} {spec}: {attr}() returned {type(ds).__name__}, not a "
                                     f"conveyor.data.Dataset")
     return ds
+
+
+def check_pipeline(spec: str, folders: Sequence[str], flag: str = "--data-pipeline") -> None:
+    """Build ``spec`` here, importing from ``folders`` first as the data workers will (their working folder and the
+    script's), so that a launcher refuses a name that does not resolve, or a function that fails, before anything
+    starts. Raises :class:`DataServiceError` naming the fix."""
+    saved = list(sys.path)
+    sys.path[:0] = list(folders)
+    try:
+        load_pipeline(spec, flag=flag)
+    except DataServiceError:
+        raise
+    except Exception as e:  # the user's function failed: every data worker would fail the same way
+        raise PipelineMismatchError(f"{flag} {spec}: building it here failed ({type(e).__name__}: {e}); every data "
+                                    f"worker would fail alike: fix the function or what it reads") from None
+    finally:
+        sys.path[:] = saved
 
 
 def fingerprint(ds: Dataset) -> Any:
