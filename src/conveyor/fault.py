@@ -4,8 +4,8 @@
     CONVEYOR_FAULT="ps:0:part-written"         # a parameter server, after it wrote one part of a step
 
 Inert unless `CONVEYOR_FAULT` is set: `point()` is one dict lookup then. It fires in the first attempt
-only (`CONVEYOR_RESTART_COUNT` 0), so that the restarted job can show it survives the crash. For the
-crash tests (`tests/train/test_save_crash.py`); never set it in a real job. The points, in the order
+only (`CONVEYOR_RESTART_COUNT` 0; never in a worker restarted alone, `CONVEYOR_REJOIN`), so that the restarted
+job can show it survives the crash. For the crash tests (`tests/train/test_save_crash.py`); never set it in a real job. The points, in the order
 of a save (`conveyor.train.checkpoint.store`): `part-written` (a task's part staged), `after-parts`
 (the chief's files and every part in its temporary folder), `after-manifest` (COMPLETE written, not
 yet made durable), `after-seal` (the folder durable), `before-rename` (an older save of the step moved
@@ -23,7 +23,7 @@ import signal
 import sys
 import time
 
-from conveyor.cluster.variables import FAULT_VAR, RESTART_COUNT_VAR, TASK_INDEX_VAR, TASK_TYPE_VAR
+from conveyor.cluster.variables import FAULT_VAR, REJOIN_VAR, RESTART_COUNT_VAR, TASK_INDEX_VAR, TASK_TYPE_VAR
 
 __all__ = ["POINTS", "point"]
 
@@ -34,7 +34,7 @@ POINTS = ("part-written", "after-parts", "after-manifest", "after-seal", "before
 def point(name: str, step: int) -> None:
     """Kill this process here if `CONVEYOR_FAULT` names this task, point `name` and (if given) `step`."""
     spec = os.environ.get(FAULT_VAR)
-    if not spec or os.environ.get(RESTART_COUNT_VAR, "0") != "0":
+    if not spec or os.environ.get(RESTART_COUNT_VAR, "0") != "0" or os.environ.get(REJOIN_VAR):
         return
     fields = spec.split(":")
     if name not in fields:
