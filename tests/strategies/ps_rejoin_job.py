@@ -1,6 +1,6 @@
 """A Trainer job whose model counts every update applied, for test_ps_rejoin_run.py, under `conveyor run`.
 
-    conveyor run -n 2 --ps 2 --strategy ps-async --output-dir OUT ps_rejoin_job.py --delays 0.25,0.02
+    conveyor run -n 2 --ps 2 --strategy ps-async --output-dir OUT ps_rejoin_job.py --delays 0.25,0.1
 
 The records are the ids 0..IDS-1, dealt to the workers by `shard` and shuffled. The model is one parameter `w`
 of shape (EPOCHS * 2, IDS); a batch of ids in the worker's epoch e (the Trainer's count of passes over its
@@ -40,7 +40,7 @@ class AppliedCounts(nn.Module):
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--delays", default="0.25,0.02", help="seconds each rank sleeps after a step")
+    p.add_argument("--delays", default="0.25,0.1", help="seconds each rank sleeps after a step")
     args = p.parse_args()
     job = conveyor.init()
     delay = float(args.delays.split(",")[job.rank])
