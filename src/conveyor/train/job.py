@@ -111,14 +111,11 @@ def init(strategy: str | None = None, *, timeout: float | None = None, share_gpu
     device = task_device(found.local_rank, found.local_world_size, settings.share_gpus, env)
     _limit_threads(found.local_world_size, env)
 
-    # NCCL refuses two ranks on one GPU; sharing is allowed per job, so every rank picks the same backend
-    backend = "nccl" if device.type == "cuda" and not settings.share_gpus else "gloo"
-    # a ps-async/ssp worker restarted alone cannot join the others' group: it meets them on ps:0 (docs/ps.md)
-    rejoining = env.get(REJOIN_VAR) == "1" and parsed.uses_ps and parsed.mode != "sync"
+    backend = "nccl" if device.type == "cuda" and not settings.share_gpus else "gloo"  # NCCL: one rank per GPU
+    rejoining = _rejoining(env, parsed)
     owns_group = found.world_size > 1 and not rejoining and _join_group(found, backend, settings.timeout, env)
     recovery.mark("group")
-    job = Job(found, chosen, settings, device=device, backend=backend, owns_group=owns_group)
-    job.rejoining = rejoining
+    job = Job(found, chosen, settings, device=device, backend=backend, owns_group=owns_group, rejoining=rejoining)
     job._output_lock = output_lock
     try:
         chosen.setup(job)
@@ -140,7 +137,7 @@ class Job:
     """
 
     def __init__(self, found: Discovered, strategy: Strategy, settings: JobSettings, *, device: torch.device,
-                 backend: str, owns_group: bool) -> None:
+                 backend: str, owns_group: bool, rejoining: bool = False) -> None:
         self.rank: int = found.rank if found.rank is not None else 0
         self.world_size = found.world_size
         self.local_rank = found.local_rank
@@ -162,7 +159,7 @@ class Job:
         self.secret = found.secret  # signs parameter-server messages (never printed: not in repr)
         self._owns_group = owns_group
         #: a ps-async/ssp worker restarted alone (CONVEYOR_REJOIN=1): it joined no process group
-        self.rejoining = False
+        self.rejoining = rejoining
         self._collectives: Any = None  # where the collectives go instead of the process group (use_collectives)
         self._output_lock = None  # rank 0's lock on output_dir when no launcher holds it; released by shutdown
         self._closed = False
@@ -368,6 +365,12 @@ def _limit_threads(local_world_size: int, env: Mapping[str, str]) -> None:
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     torch.set_num_threads(threads_per_worker(local_world_size, cores))
+
+
+def _rejoining(env: Mapping[str, str], strategy: Any) -> bool:
+    """Whether this worker replaces one of a ps-async/ssp job, restarted alone (``CONVEYOR_REJOIN=1``): a gloo
+    group takes no new member, so it joins none and meets the others on ps:0 (docs/ps.md)."""
+    return env.get(REJOIN_VAR) == "1" and strategy.uses_ps and strategy.mode != "sync"
 
 
 def _join_group(found: Discovered, backend: str, timeout: float, env: Mapping[str, str]) -> bool:
