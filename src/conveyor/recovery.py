@@ -69,12 +69,13 @@ def fault_time(lines) -> float | None:
 
 
 def note_restart(log_dir: str | os.PathLike, *, attempt: int, task: str | None, seen: float, stopped: float,
-                 started: float, died: float | None = None) -> None:
-    """Append the launcher's record of the restart that started `attempt` to ``<log_dir>/restarts.json``."""
+                 started: float, died: float | None = None, alone: bool = False) -> None:
+    """Append the launcher's record of the restart that started `attempt` to ``<log_dir>/restarts.json``;
+    `alone`: only `task` was started again, during `attempt` (a ps-async/ssp worker; nothing was stopped)."""
     path = Path(log_dir) / RESTARTS_FILE
     records = _read(path)
     records.append({"attempt": attempt, "task": task, "died": died, "seen": seen, "stopped": stopped,
-                    "started": started})
+                    "started": started, **({"alone": True} if alone else {})})
     atomic_write(path, json.dumps(records, indent=1).encode())
 
 
@@ -85,10 +86,11 @@ def block(log_dir: str | os.PathLike, attempt: int, times: list[float] | None = 
     for r in _read(Path(log_dir) / RESTARTS_FILE):
         # (the part that ends at the moment, the moment); a part whose start is unknown spans back to the last known
         moments = [("", r.get("died")), ("detect", r["seen"]), ("stop", r["stopped"]), ("pause", r["started"])]
-        if r["attempt"] == attempt and times is not None:
+        if r["attempt"] == attempt and times is not None and not r.get("alone"):  # the ranks' start: not its
             moments += list(zip(TASK_PARTS, times, strict=True))
         known = [(name, t) for name, t in moments if t is not None and t >= 0]
-        entry: dict[str, Any] = {"attempt": r["attempt"], "task": r.get("task"),
+        entry: dict[str, Any] = {"attempt": r["attempt"], "task": r.get("task"), **({"alone": True} if r.get("alone")
+                                                                                   else {}),
                                  "from": "died" if r.get("died") is not None else "seen"}
         for (_, before), (name, t) in zip(known, known[1:], strict=False):
             entry[name] = max(0.0, t - before)  # clocks of one machine; max: /proc's start is in clock ticks

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import io
+import json
 import os
 import signal
 import sys
@@ -517,3 +518,35 @@ def test_an_elastic_round_ends_in_regroup_and_goes_on_counting_attempts_not_fail
     assert result.message == "lost node(s) 2 of round 0"
     assert "[worker:0] counts 3 1" in out  # the job's 4th start, after 1 failure
     assert "attempt 3: started worker:0" in err
+
+
+@pytest.mark.parametrize(("strategy", "dies", "alone"), [
+    ("ps-async", "worker:1", True), ("ps-ssp:2", "worker:1", True), ("ps-sync", "worker:1", False),
+    ("ps-async", "worker:0", False), ("ps-async", "ps:0", False)])
+def test_a_dead_ps_async_worker_is_restarted_alone_and_anything_else_restarts_the_job(tmp_path, monkeypatch, strategy,
+                                                                                       dies, alone):
+    monkeypatch.setenv("DIES", dies)
+    plan = make_plan(tmp_path, """
+        me = os.environ["CONVEYOR_TASK_TYPE"] + ":" + os.environ["CONVEYOR_TASK_INDEX"]
+        mark = os.path.join(os.environ["MARK_DIR"], me.replace(":", "-"))
+        first = not os.path.exists(mark)
+        with open(mark, "a") as f:
+            f.write(f"{os.getpid()} {os.environ.get('CONVEYOR_REJOIN', '-')} {os.environ['CONVEYOR_RESTART_COUNT']}\\n")
+        if first and me == os.environ["DIES"]:
+            time.sleep(0.2)
+            sys.exit(3)
+        time.sleep(2.0)
+    """, workers=2, ps=1, strategy=strategy)
+    result, out, err = supervise(plan, max_restarts=1)
+    assert result.ok, err
+    starts = {name: (tmp_path / name).read_text().splitlines() for name in ("worker-0", "worker-1", "ps-0")}
+    if alone:  # the ps and worker 0 kept their one process; worker 1's replacement was told, in the same attempt
+        assert f"{dies} exited with status 3; restarting {dies} alone" in err and "attempt 1" not in err
+        assert [len(starts[n]) for n in ("worker-0", "ps-0")] == [1, 1]
+        assert [line.split()[1:] for line in starts["worker-1"]] == [["-", "0"], ["1", "0"]]
+        records = json.loads((tmp_path / "output" / "logs" / "restarts.json").read_text())
+        assert [(r["task"], r["alone"]) for r in records] == [("worker:1", True)]
+    else:  # a ps task, the chief, or any worker under ps-sync: the whole job, as before
+        assert f"{dies} exited with status 3; restarting the job" in err and "attempt 1" in err
+        assert all(len(lines) == 2 for lines in starts.values()), starts
+        assert all("1" not in line.split()[1] for lines in starts.values() for line in lines)

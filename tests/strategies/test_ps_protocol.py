@@ -237,7 +237,7 @@ def test_an_unknown_kind_is_refused_listing_the_known_ones() -> None:
         read_request("fetch", {}, [])
     assert caught.value.field == "kind" and set(REQUESTS) == {
         "init", "push", "commit", "pull", "stats", "state", "load_state", "save", "restore", "position",
-        "positions", "rejoin", "ping", "done"}
+        "positions", "rejoin", "meet", "ping", "done"}
 
 
 def test_a_commit_carrying_a_data_position_over_the_bound_is_refused_naming_it() -> None:

@@ -223,3 +223,54 @@ def test_applied_positions_travel_in_the_checkpoint_shard_and_answer_a_rejoin_af
             c.close()
         for s in servers:
             s.close()
+
+
+def test_meetings_on_ps0_give_every_worker_the_process_group_results() -> None:
+    """The workers' collectives after training (and in a worker restarted alone) go through ps:0: each is a
+    numbered meeting, answered with every worker's bytes once all are in; the reductions equal the group's."""
+    import threading
+
+    from conveyor.strategies.ps import protocol as wire
+    from conveyor.strategies.ps.meetings import ServerCollectives
+
+    port = free_ports(1)[0]
+    server = ParameterServer(f"127.0.0.1:{port}", SECRET, index=0, num_workers=2, mode="async")
+    try:
+        assert isinstance(server._on_meet(wire.Meet(1, b"late", 0)), wire.WaitReply)  # worker 0 not there yet
+        assert server._on_meet(wire.Meet(0, b"first", 0)).found == {0: b"first", 1: b"late"}
+        assert server._on_meet(wire.Meet(1, b"late", 0)).found == {0: b"first", 1: b"late"}  # asked again: same
+        server._on_meet(wire.Meet(0, b"x", 1))
+        assert server._on_meet(wire.Meet(1, b"y", 1)).found == {0: b"x", 1: b"y"} and list(server.meetings) == [1]
+    finally:
+        server.close()
+
+    class Board:  # two workers' clients meeting through one dict, as ps:0 does
+        def __init__(self, rank: int, room: dict, lock: threading.Condition) -> None:
+            self.rank, self.room, self.lock = rank, room, lock
+
+        def meet(self, key: int, data: bytes) -> list[bytes]:
+            with self.lock:
+                self.room.setdefault(key, {})[self.rank] = data
+                self.lock.notify_all()
+                assert self.lock.wait_for(lambda: len(self.room[key]) == 2, timeout=10)
+                return [self.room[key][r] for r in range(2)]
+
+    room, lock, results = {}, threading.Condition(), {}
+
+    def worker(rank: int) -> None:
+        group = ServerCollectives(Board(rank, room, lock), world_size=2, rank=rank)
+        group.barrier()
+        results[rank] = (group.all_gather_bytes(bytes([rank]) * (rank + 1)), group.broadcast_bytes(b"chief", 0),
+                         group.all_reduce(torch.tensor([1.0, 2.0 * rank]), "sum"),
+                         group.all_reduce(torch.tensor([3 + rank], dtype=torch.int64), "mean"),
+                         group.all_reduce(torch.tensor([[rank, -rank]], dtype=torch.float64), "max"))
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for rank in range(2):
+        gathered, chief, total, mean, largest = results[rank]
+        assert gathered == [b"\x00", b"\x01\x01"] and chief == b"chief"
+        assert total.tolist() == [2.0, 2.0] and mean.tolist() == [3] and largest.tolist() == [[1.0, 0.0]]

@@ -36,6 +36,7 @@ __all__ = [
     "PORT_RANGE_VAR",
     "PIPELINE_VARS",
     "RESTART_COUNT_VAR",
+    "REJOIN_VAR",
     "RESUME_VAR",
     "ROUND_VAR",
     "SHARE_GPUS_VAR",
@@ -57,6 +58,7 @@ JOB_SECRET_VAR = "CONVEYOR_JOB_SECRET"
 JOB_SECRET_FILE_VAR = "CONVEYOR_JOB_SECRET_FILE"
 RESTART_COUNT_VAR = "CONVEYOR_RESTART_COUNT"
 RESUME_VAR = "CONVEYOR_RESUME"
+REJOIN_VAR = "CONVEYOR_REJOIN"
 ROUND_VAR = "CONVEYOR_ROUND"
 TIMEOUT_VAR = "CONVEYOR_TIMEOUT"
 TTY_VAR = "CONVEYOR_TTY"
@@ -113,6 +115,10 @@ VARIABLES: tuple[Variable, ...] = (
              f"{_RUN}'s supervisor, per attempt", f"{_INIT} (job.restart_count)"),
     Variable(ROUND_VAR, "an elastic job's membership round (--nnodes MIN:MAX): 0, then + 1 each time the machines "
              "change; unset in a job of fixed size", f"{_RUN}, per round (launch/elastic.py)", "the user's script"),
+    Variable(REJOIN_VAR, "1: this worker replaces one of a ps-async/ps-ssp job that died, restarted alone while the ps "
+             "tasks and the other workers go on: it takes its step and data position from the parameter servers "
+             "(PSClient.rejoin) and joins no process group", f"{_RUN}'s supervisor (docs/ps.md, \"A worker restarted "
+             "alone\")", f"{_INIT} (job.rejoining)"),
     Variable(RESUME_VAR, "0: start over, ignoring the checkpoints already there", f"{_RUN} (--no-resume)",
              f"{_INIT} (job.resume)"),
     Variable(TIMEOUT_VAR, "seconds that bound the rendezvous and every collective (default 300)",

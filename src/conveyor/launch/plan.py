@@ -35,6 +35,7 @@ from conveyor.cluster.variables import (  # re-exported: conveyor.launch.*_VAR a
     DATA_SERVICE_VAR,
     JOB_SECRET_VAR,
     OMP_DEFAULT_VAR,
+    REJOIN_VAR,
     RESTART_COUNT_VAR,
     RESUME_VAR,
     ROUND_VAR,
@@ -47,6 +48,7 @@ from conveyor.launch.binding import BIND_MODES, CpuTopology, TaskCpus, bind_cpus
 
 __all__ = [
     "OWNED_VARS",
+    "REJOIN_VAR",
     "RESTART_COUNT_VAR",
     "OMP_DEFAULT_VAR",
     "RESUME_VAR",
@@ -96,7 +98,7 @@ _FILES_RESERVED = 64
 #: TORCH_NCCL_ASYNC_ERROR_HANDLING is not among them: the caller's value is passed on, as torchrun does.
 OWNED_VARS: tuple[str, ...] = (
     "TF_CONFIG", *(v for v in TORCHRUN_VARS if v != "TORCH_NCCL_ASYNC_ERROR_HANDLING"),
-    TASK_TYPE_VAR, TASK_INDEX_VAR, JOB_SECRET_VAR, OMP_DEFAULT_VAR, ROUND_VAR, DATA_SERVICE_VAR,
+    TASK_TYPE_VAR, TASK_INDEX_VAR, JOB_SECRET_VAR, OMP_DEFAULT_VAR, ROUND_VAR, DATA_SERVICE_VAR, REJOIN_VAR,
     *owned_variables(),
 )
 

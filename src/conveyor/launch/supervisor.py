@@ -10,7 +10,9 @@ prefixed ``[worker:1]``, to stdout. The job succeeds as Kubeflow's TFJob does (t
 without a chief every worker); a failure before that restarts the whole job as :func:`.restarts.decide`
 says: up to ``max_restarts`` times with a growing pause, never for a usage error, and not again when
 the same failure (by what failed, not which task: :mod:`.failures`) repeats without a new checkpoint.
-A data worker (``conveyor run --data-workers K``) that exits is no failure: it is started again, at most
+A worker of a ``ps-async``/``ps-ssp:K`` job other than the chief is restarted alone (counted the same way; the
+ps tasks and the other workers go on; docs/ps.md, "A worker restarted alone"). A data worker
+(``conveyor run --data-workers K``) that exits is no failure: it is started again, at most
 ``DATA_WORKER_RESTARTS`` times per attempt, and listed in ``data_worker_exits`` (docs/data-service.md).
 The states it moves through: :mod:`.states`. Across machines the launchers coordinate through
 :class:`Peers` (``launch/rendezvous.py``). :meth:`Supervisor.run` must run on a thread that outlives the
@@ -32,6 +34,7 @@ from typing import IO, Any, Protocol
 
 from conveyor.cluster.failure_report import finished_path, read_report, report_path
 from conveyor.cluster.spec import DATA_JOBS
+from conveyor.cluster.strategy_name import parse_strategy
 from conveyor.errors import PeerError  # re-exported: its old home
 from conveyor.launch.failures import exit_status, peer_signature, signature, signature_line
 from conveyor.launch.plan import DATA_WORKER_RESTARTS, LaunchPlan
@@ -220,6 +223,8 @@ class Supervisor:
         self._next_peer_check = 0.0
         # the failure (or membership change) being recovered from: its moments (conveyor/recovery.py)
         self._recovery: dict = dict(recovering or {})
+        parsed = parse_strategy(plan.strategy) if plan.strategy else None
+        self._runs_apart = parsed is not None and parsed.uses_ps and parsed.mode != "sync"  # ps-async, ps-ssp:K
         #: every data worker that exited while the job ran: task, attempt, status, restarted, log (summary.json)
         self.data_worker_exits: list[dict] = []
 
@@ -289,6 +294,8 @@ class Supervisor:
             code = rt.poll()
             if code is not None and rt.launch.task.type == "data_worker":  # not the job's failure: its splits
                 return self._data_worker_died(s, rt, code)  # go to the others (docs/data-service.md)
+            if code is not None and code != 0 and self._alone(rt):  # ps-async/ssp: the others go on (docs/ps.md)
+                return self._restart_alone(s, rt, code)
             if code is not None and code != 0:
                 failure = TaskExit(rt.name, code, rt.launch.log_path)
                 self._recovery = {"task": rt.name, "seen": time.time()}
@@ -353,6 +360,40 @@ class Supervisor:
         self._tasks = [t for t in kept if t is not None]
         tasks = tuple(new if t is rt else t for t in s.tasks)
         return replace(s, tasks=tuple(t for t in tasks if t is not None))
+
+    def _alone(self, rt: RunningTask) -> bool:
+        """Whether ``rt``, which failed, is restarted by itself: a worker other than the chief (rank 0, which writes
+        the checkpoints) of a ps-async/ps-ssp job whose membership is fixed. A ps task holds state nobody else has,
+        and ps-sync's every step waits for every worker: those restart the whole job."""
+        task = rt.launch.task
+        return (self._runs_apart and task.type == "worker" and self.plan.spec.rank_of(task) != 0
+                and self._regroup_of() is None)
+
+    def _restart_alone(self, s: Running, rt: RunningTask, code: int) -> State:
+        """Start a dead ps-async/ssp worker again by itself, counted against ``max_restarts`` like any restart: the
+        ps tasks and the other workers keep running, and the new process (``CONVEYOR_REJOIN=1``) takes the dead
+        one's step and data position from the servers. When the policy says stop, the job fails as for any task."""
+        rt.pump.join(timeout=1.0)  # its last lines: the failure's signature, the fault hook's time
+        seen = time.time()
+        exited = TaskExit(rt.name, code, rt.launch.log_path, tuple(rt.tail))
+        failure = self._weigh(Failed(s.attempt, s.start_step, "task", exited))
+        decision = decide(failure, self._history, self.policy)
+        if isinstance(decision, Stop):
+            self._recovery = {"task": rt.name, "seen": seen}
+            return Failed(s.attempt, s.start_step, "task", exited)
+        self._history = (*self._history, failure)
+        self._say(f"{failure.what}; restarting {rt.name} alone in {decision.delay:g} s: the ps tasks and the other "
+                  f"workers go on, and it rejoins them where the servers say it was (restart {decision.number} of "
+                  f"{self.policy.max_restarts})")
+        if self._signals.wait(decision.delay, self.poll):
+            return self._interrupt(s.attempt)
+        new = RunningTask.start(rt.launch, s.attempt, self._console, failures=len(self._history),
+                                rejoin=len(self._history))
+        note_restart(self.plan.log_dir, attempt=s.attempt, task=rt.name, seen=seen, stopped=seen, started=time.time(),
+                     died=fault_time(rt.tail), alone=True)
+        self._say(f"{rt.name} restarted alone: pid {new.proc.pid}")
+        self._tasks = [new if t is rt else t for t in self._tasks]
+        return replace(s, tasks=tuple(new if t is rt else t for t in s.tasks))
 
     def _interrupt(self, attempt: int) -> Interrupted:
         signum = self._signals.received[0]

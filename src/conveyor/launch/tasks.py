@@ -31,7 +31,7 @@ import psutil
 
 from conveyor.cluster.failure_report import finished_by, finished_path
 from conveyor.launch.binding import format_cpus
-from conveyor.launch.plan import RESTART_COUNT_VAR, RESUME_VAR, TORCHRUN_RESTART_VAR, TTY_VAR, TaskLaunch
+from conveyor.launch.plan import REJOIN_VAR, RESTART_COUNT_VAR, RESUME_VAR, TORCHRUN_RESTART_VAR, TTY_VAR, TaskLaunch
 
 __all__ = ["TAIL_LINES", "Console", "RunningTask", "segments", "stop_tasks"]
 
@@ -181,19 +181,22 @@ class TaskLog:
         self.close()
 
 
-def _task_env(launch: TaskLaunch, attempt: int, tty: bool, failures: int | None = None) -> dict[str, str]:
+def _task_env(launch: TaskLaunch, attempt: int, tty: bool, failures: int | None = None,
+              rejoin: int = 0) -> dict[str, str]:
     env = dict(launch.env)
-    env[RESTART_COUNT_VAR] = str(attempt)
+    env[RESTART_COUNT_VAR] = str(attempt)  # a worker restarted alone is in its peers' attempt (and says so below)
     if TORCHRUN_RESTART_VAR in env:  # training tasks only, as the plan set it
         # torchrun's meaning: restarts after failures (max_restarts - remaining), not membership changes;
         # without an elastic round the two counts are equal
         env[TORCHRUN_RESTART_VAR] = str(attempt if failures is None else failures)
     if tty:
         env.setdefault(TTY_VAR, "1")
-    if attempt:
+    if attempt or rejoin:
         # A restart continues this job from its own latest checkpoint, even under --no-resume
         # (which only means: do not pick up checkpoints that were there before the job began).
         env[RESUME_VAR] = "1"
+    if rejoin:  # it takes its step and data position from the parameter servers (docs/ps.md)
+        env[REJOIN_VAR] = "1"
     return env
 
 
@@ -223,14 +226,18 @@ class RunningTask:
         return self.launch.name
 
     @classmethod
-    def start(cls, launch: TaskLaunch, attempt: int, console: Console, failures: int | None = None) -> RunningTask:
+    def start(cls, launch: TaskLaunch, attempt: int, console: Console, failures: int | None = None,
+              rejoin: int = 0) -> RunningTask:
         """Start ``launch`` for ``attempt`` (after ``failures`` restarts for failures, where an elastic job's
-        membership rounds make the two differ) in a new session, dying with the launcher (Linux)."""
+        membership rounds make the two differ) in a new session, dying with the launcher (Linux). ``rejoin``
+        (> 0): it replaces a worker that died, alone, as the job's ``rejoin``-th restart (``CONVEYOR_REJOIN``)."""
         log = TaskLog(launch.log_path, launch.name, console.say)
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-        log.write(f"=== restart {attempt} === {stamp}\n" if attempt else f"=== {launch.name} started === {stamp}\n")
+        log.write(f"=== restarted alone ({rejoin}) === {stamp}\n" if rejoin else
+                  f"=== restart {attempt} === {stamp}\n" if attempt else f"=== {launch.name} started === {stamp}\n")
         try:
-            proc = subprocess.Popen(launch.argv, env=_task_env(launch, attempt, console.live_ok, failures),
+            env = _task_env(launch, attempt, console.live_ok, failures, rejoin)
+            proc = subprocess.Popen(launch.argv, env=env,
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     start_new_session=True, preexec_fn=_child_setup(os.getpid(), launch.cpus))
         except subprocess.SubprocessError as e:  # what an error in preexec_fn becomes: only the binding can fail

@@ -18,17 +18,23 @@ The training loop asks these questions and never branches on the strategy. Two a
   runs at its own pace, into further epochs of its shard if need be, and all stop when the steps
   committed by all workers together reach the job's total (TensorFlow's global step). The count, the
   planned total and every worker's newest data position live on a :class:`ProgressBoard` that the
-  strategy provides (ps:0 for the parameter-server strategies), not on a shared file system.
+  strategy provides (ps:0 for the parameter-server strategies), not on a shared file system. Each step
+  leaves its position with the servers (``track``): a worker that dies is replaced alone (``rejoined``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+import warnings
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
 
-__all__ = ["Coordinator", "IndependentCoordinator", "LockstepCoordinator", "ProgressBoard"]
+__all__ = ["MAX_TRACKED_BYTES", "Coordinator", "IndependentCoordinator", "LockstepCoordinator", "ProgressBoard"]
+
+_REJOIN_FORMAT = "conveyor.trainer.rejoin"
+MAX_TRACKED_BYTES = 1 << 20  # what the parameter servers keep per worker (protocol.MAX_POSITION_BYTES)
 
 
 class _Policy(Protocol):
@@ -104,6 +110,17 @@ class Coordinator:
         """(the job's step, its total) when it is not this worker's own step count (None: it is)."""
         return None
 
+    #: this worker replaces one that died, restarted alone: it continues from :meth:`rejoined`, not a checkpoint
+    replacement: bool = False
+
+    def track(self, position: Callable[[], dict[str, Any]]) -> None:
+        """Before each step's update: leave where this worker will be after the step (``position()``, JSON-able)
+        where a replacement of it would find it. Lockstep workers do not (a death restarts every worker)."""
+
+    def rejoined(self) -> dict[str, Any] | None:
+        """A replacement's starting point: what :meth:`track` left last for its predecessor (None: nothing)."""
+        return None
+
 
 class LockstepCoordinator(Coordinator):
     """Workers that move one step at a time together (see the module docstring)."""
@@ -153,6 +170,9 @@ class ProgressBoard(Protocol):
     def positions(self) -> list[bytes | None]:
         """Every worker's newest published position (index = rank; None: nothing published yet)."""
 
+    # Optional (boards of workers that can be restarted alone): ``replacement`` (this worker is one),
+    # ``track(data)`` (the position to send with this step's commit), ``rejoined()`` (the predecessor's, or None).
+
 
 class IndependentCoordinator(Coordinator):
     """Workers that run apart and stop on a shared step count (see the module docstring)."""
@@ -160,6 +180,8 @@ class IndependentCoordinator(Coordinator):
     def __init__(self, job: Any, board: ProgressBoard) -> None:
         super().__init__(job)
         self.board = board
+        self.replacement = bool(getattr(board, "replacement", False))
+        self._too_large = False
         self.offset = 0  # steps all workers committed before this run (from the checkpoint)
         self.planned: int | None = None  # the total of all workers' steps the job stops at
         self.done = False  # this worker stopped: the job's count ends on `planned` once the others commit
@@ -220,6 +242,36 @@ class IndependentCoordinator(Coordinator):
 
     def checkpoint_extra(self) -> dict[str, Any]:
         return {"global_steps": self.shared_progress()[0]}  # the final save meets every worker: all committed
+
+    def track(self, position: Callable[[], dict[str, Any]]) -> None:
+        if self._too_large:
+            return
+        data = json.dumps({"format": _REJOIN_FORMAT, "offset": self.offset, **position()}, separators=(",", ":"))
+        size = len(data)
+        if size > MAX_TRACKED_BYTES:  # the servers would refuse the commit: this worker cannot be replaced
+            self._too_large = True
+            data = json.dumps({"format": _REJOIN_FORMAT, "too_large": size})
+            warnings.warn(f"worker {self.rank}: its data position is {size} bytes, over the "
+                          f"{MAX_TRACKED_BYTES} the parameter servers keep per worker, so a replacement of it could "
+                          f"not continue where it was: if it dies, its replacement stops with an error. A smaller "
+                          f"shuffle buffer (or interleave cycle) makes the position smaller", stacklevel=3)
+        self.board.track(data.encode())
+
+    def rejoined(self) -> dict[str, Any] | None:
+        data = self.board.rejoined()
+        if data is None:
+            return None
+        doc = json.loads(bytes(data).decode())
+        if not isinstance(doc, dict) or doc.get("format") != _REJOIN_FORMAT:
+            raise ValueError(f"worker {self.rank} was restarted alone, but the position the parameter servers hold "
+                             f"for it is not a Trainer's (another program trained with them): restart the whole job")
+        if "too_large" in doc:
+            raise ValueError(f"worker {self.rank} was restarted alone, but its predecessor's data position "
+                             f"({doc['too_large']} bytes) was too large for the parameter servers to keep, so where "
+                             f"it was is unknown: make the position smaller (a smaller shuffle buffer) and run the "
+                             f"job again")
+        self.offset = int(doc["offset"])
+        return doc
 
     def shared_progress(self) -> tuple[int, int | None] | None:
         if self.done:  # what the job ends on (finished() says why), not this worker's last, older, answer

@@ -35,7 +35,14 @@ from conveyor.cluster.argv import discover_with_flags
 from conveyor.cluster.output_lock import lock_for_script
 from conveyor.cluster.settings import JobSettings
 from conveyor.cluster.strategy_name import default_strategy, parse_strategy
-from conveyor.cluster.variables import FAST_EXIT_VAR, OMP_DEFAULT_VAR, RESTART_COUNT_VAR, RESUME_VAR, TIMEOUT_VAR
+from conveyor.cluster.variables import (
+    FAST_EXIT_VAR,
+    OMP_DEFAULT_VAR,
+    REJOIN_VAR,
+    RESTART_COUNT_VAR,
+    RESUME_VAR,
+    TIMEOUT_VAR,
+)
 from conveyor.comm.gloo_interface import GLOO_IFNAME_VAR, interface_for
 from conveyor.comm.mpi_rendezvous import agree_rendezvous
 from conveyor.comm.process_group import collective_guard, init_process_group
@@ -104,11 +111,11 @@ def init(strategy: str | None = None, *, timeout: float | None = None, share_gpu
     device = task_device(found.local_rank, found.local_world_size, settings.share_gpus, env)
     _limit_threads(found.local_world_size, env)
 
-    # NCCL refuses two ranks on one GPU; sharing is allowed per job, so every rank picks the same backend
-    backend = "nccl" if device.type == "cuda" and not settings.share_gpus else "gloo"
-    owns_group = found.world_size > 1 and _join_group(found, backend, settings.timeout, env)
+    backend = "nccl" if device.type == "cuda" and not settings.share_gpus else "gloo"  # NCCL: one rank per GPU
+    rejoining = _rejoining(env, parsed)
+    owns_group = found.world_size > 1 and not rejoining and _join_group(found, backend, settings.timeout, env)
     recovery.mark("group")
-    job = Job(found, chosen, settings, device=device, backend=backend, owns_group=owns_group)
+    job = Job(found, chosen, settings, device=device, backend=backend, owns_group=owns_group, rejoining=rejoining)
     job._output_lock = output_lock
     try:
         chosen.setup(job)
@@ -130,7 +137,7 @@ class Job:
     """
 
     def __init__(self, found: Discovered, strategy: Strategy, settings: JobSettings, *, device: torch.device,
-                 backend: str, owns_group: bool) -> None:
+                 backend: str, owns_group: bool, rejoining: bool = False) -> None:
         self.rank: int = found.rank if found.rank is not None else 0
         self.world_size = found.world_size
         self.local_rank = found.local_rank
@@ -151,6 +158,9 @@ class Job:
         self.timeout = settings.timeout
         self.secret = found.secret  # signs parameter-server messages (never printed: not in repr)
         self._owns_group = owns_group
+        #: a ps-async/ssp worker restarted alone (CONVEYOR_REJOIN=1): it joined no process group
+        self.rejoining = rejoining
+        self._collectives: Any = None  # where the collectives go instead of the process group (use_collectives)
         self._output_lock = None  # rank 0's lock on output_dir when no launcher holds it; released by shutdown
         self._closed = False
         # nccl moves only CUDA tensors; gloo only CPU ones here. Byte collectives build their tensors there.
@@ -189,7 +199,9 @@ class Job:
     def barrier(self) -> None:
         """Wait until every rank gets here (a no-op with one process)."""
         self._check_open("barrier")
-        if self.world_size > 1:
+        if self._collectives is not None and self.world_size > 1:
+            self._collectives.barrier()
+        elif self.world_size > 1:
             with collective_guard(self, "barrier"):
                 dist.barrier()
 
@@ -199,6 +211,8 @@ class Job:
         payload = _as_bytes(data, "all_gather_bytes(data)")
         if self.world_size == 1:
             return [payload]
+        if self._collectives is not None:
+            return self._collectives.all_gather_bytes(payload)
         with collective_guard(self, "all_gather_bytes"):
             # First the lengths, so every rank can pad its bytes to the longest: all_gather needs equal shapes.
             length = torch.tensor([len(payload)], dtype=torch.int64, device=self._comm_device)
@@ -226,6 +240,8 @@ class Job:
             payload = b""
         if self.world_size == 1:
             return payload
+        if self._collectives is not None:
+            return self._collectives.broadcast_bytes(payload, src)
         with collective_guard(self, "broadcast_bytes"):
             length = torch.tensor([len(payload)], dtype=torch.int64, device=self._comm_device)
             dist.broadcast(length, src=src)
@@ -247,6 +263,8 @@ class Job:
             raise ValueError(f"all_reduce(op={op!r}); expected one of 'sum', 'mean', 'max', 'min', 'product'")
         if self.world_size == 1:
             return tensor
+        if self._collectives is not None:
+            return self._collectives.all_reduce(tensor, key)
         work = tensor if tensor.device == self._comm_device else tensor.to(self._comm_device)
         with collective_guard(self, "all_reduce"):
             # gloo has no AVG: mean is a sum divided here (integer tensors get an integer quotient).
@@ -259,6 +277,11 @@ class Job:
         if work is not tensor:
             tensor.copy_(work)
         return tensor
+
+    def use_collectives(self, collectives: Any) -> None:
+        """From now on, ``barrier``/``all_gather_bytes``/``broadcast_bytes``/``all_reduce`` go to ``collectives``
+        instead of the process group (workers running apart meet on ps:0: ``strategies/ps/meetings.py``)."""
+        self._collectives = collectives
 
     # -- lifetime ---------------------------------------------------------------------------------
 
@@ -276,10 +299,12 @@ class Job:
             return
         self._closed = True
         try:
+            if wait_for_peers and self._collectives is not None and self.world_size > 1:
+                self._meet_at_end()
             self.strategy.shutdown()
         finally:
             if self._owns_group and dist.is_initialized():
-                if wait_for_peers and self.world_size > 1:
+                if wait_for_peers and self.world_size > 1 and self._collectives is None:
                     try:
                         dist.barrier()
                     except Exception:  # noqa: BLE001 - a peer already gone: leave anyway
@@ -287,6 +312,13 @@ class Job:
                 dist.destroy_process_group()
             if self._output_lock is not None:
                 self._output_lock.release()
+
+    def _meet_at_end(self) -> None:
+        """Every worker is shutting down (the process group's barrier, where the workers meet elsewhere)."""
+        try:
+            self._collectives.barrier()
+        except Exception:  # noqa: BLE001 - a peer already gone: leave anyway
+            pass
 
     def __enter__(self) -> Job:
         return self
@@ -333,6 +365,12 @@ def _limit_threads(local_world_size: int, env: Mapping[str, str]) -> None:
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     torch.set_num_threads(threads_per_worker(local_world_size, cores))
+
+
+def _rejoining(env: Mapping[str, str], strategy: Any) -> bool:
+    """Whether this worker replaces one of a ps-async/ssp job, restarted alone (``CONVEYOR_REJOIN=1``): a gloo
+    group takes no new member, so it joins none and meets the others on ps:0 (docs/ps.md)."""
+    return env.get(REJOIN_VAR) == "1" and strategy.uses_ps and strategy.mode != "sync"
 
 
 def _join_group(found: Discovered, backend: str, timeout: float, env: Mapping[str, str]) -> bool:

@@ -77,6 +77,10 @@ def summarize(job: Any, prof: StepProfiler, *, wall: float, steps: int, epochs: 
     if added:
         summary.update(added)
     if job.is_chief:
+        if "recovery" not in summary:  # workers restarted alone in this attempt (ps-async/ssp): the launcher's records
+            alone = recovery.block(Path(job.output_dir) / "logs", int(job.restart_count))
+            if alone:
+                summary["recovery"] = alone
         data_service = dispatcher_report()  # the job's data service's figures (conveyor k8s: none merges them later)
         if data_service is not None:
             summary["data_service"] = data_service

@@ -261,11 +261,16 @@ class _Run:
     def start(self) -> None:
         t = self.t
         recovery.mark("fit")
-        resumed = resume(self.job, t.checkpoints, self.items)
+        # A worker restarted alone (ps-async/ssp) continues where the servers applied its predecessor's last step;
+        # the others' checkpoint is older, and reading it would take collectives it has no group for.
+        rejoined = self.coord.rejoined() if self.coord.replacement else None
+        resumed = None if self.coord.replacement else resume(self.job, t.checkpoints, self.items)
         recovery.mark("restored")
         t.step = resumed.step if resumed else 0
         self.resumed_from = self.checkpointer.last_saved = resumed.step if resumed else None
-        self.batches.start(resumed is not None, self.position)
+        if self.coord.replacement:
+            t.step = self.resumed_from = self._take_over(rejoined)
+        self.batches.start(resumed is not None or rejoined is not None, self.position)
         if resumed is not None and self._already_done():
             self._finished_before()
             return
@@ -286,6 +291,7 @@ class _Run:
                 self.prof.cancel_step()
                 break
             self.prof.mark("input_wait")
+            self.coord.track(self._tracked)  # sent with this step's commit: where a replacement would continue
             inputs, targets = split_batch(batch)
             step, shadow = self.strategy.step, self.batches.shadow
             comm_before = step.comm_seconds()
@@ -334,6 +340,30 @@ class _Run:
                   f"nothing left to do and its outputs in {self.out} are left as they are. To train again from "
                   f"scratch, run it with --no-resume (CONVEYOR_RESUME=0) or another --output-dir; to train longer, "
                   f"raise epochs / max_steps.", file=sys.stderr, flush=True)
+
+    def _tracked(self) -> dict[str, Any]:
+        """Where this worker is once the step in progress is applied: what a replacement of it continues from."""
+        data = self.batches.place(shard=[int(v) for v in self.job.data_shard])
+        return {"step": self.t.step + 1, "steps_per_epoch": self.batches.steps_per_epoch,
+                "data": json.loads(data.to_bytes())}
+
+    def _take_over(self, rejoined: dict[str, Any] | None) -> int:
+        """A replacement's step, data position and steps per epoch, from what its predecessor last sent with an
+        applied step (:meth:`_tracked`); with nothing sent (it died in its first step) its data starts over."""
+        rank = self.job.rank
+        if rejoined is None:
+            warnings.warn(f"worker {rank} was restarted alone, but its predecessor committed no step with a data "
+                          f"position, so where it was is unknown; its data starts over from the first epoch",
+                          stacklevel=3)
+            return 0
+        self.position.data = DataPosition.from_doc(rejoined["data"], f"the parameter servers' position of worker "
+                                                                     f"{rank}")
+        spe = rejoined.get("steps_per_epoch")
+        self.position.steps_per_epoch = int(spe) if spe else None
+        print(f"worker {rank} restarted alone: continuing at step {rejoined['step']}, epoch "
+              f"{self.position.data.epoch} after {self.position.data.batches} batch(es), as the parameter servers "
+              f"applied it", flush=True)
+        return int(rejoined["step"])
 
     def _run_info(self) -> dict[str, Any]:
         """What the checkpoint records of this run besides the workers' positions."""
@@ -442,6 +472,11 @@ class _Batches:
     def position(self) -> DataPosition:
         return DataPosition.now(epoch=self.t.epoch, batches=self.in_epoch, root_seed=self.root_seed,
                                 iterator=None if self.it is None else self.it.state_dict(), leftover=self.leftover)
+
+    def place(self, shard: list[int]) -> DataPosition:
+        """:meth:`position` without the RNG states (the pipeline's randomness is its seed's), read every step."""
+        return DataPosition(self.t.epoch, self.in_epoch, self.root_seed,
+                            None if self.it is None else self.it.state_dict(), None, self.leftover, shard)
 
     def close(self) -> None:
         if self.it is not None:

@@ -130,6 +130,23 @@ class PSConnections:
         reply = self._ask_first(wire.Positions(self.rank), wire.PositionsReply, what="positions")
         return [reply.found.get(rank) for rank in range(self.num_workers)]
 
+    def meet(self, key: int, data: bytes) -> list[bytes]:
+        """Meeting ``key`` on ps:0, the workers' collectives where they run apart (``meetings.py``): every worker's
+        ``data`` in rank order, once all sent theirs (asked again meanwhile, up to the timeout)."""
+        deadline = time.monotonic() + self.timeout
+        sleep = _SLEEP_MIN
+        while True:
+            reply = self._ask_first(wire.Meet(self.rank, bytes(data), int(key)), wire.PositionsReply, wire.WaitReply,
+                                    what="meet")
+            if isinstance(reply, wire.PositionsReply):
+                return [reply.found[rank] for rank in range(self.num_workers)]
+            if time.monotonic() > deadline:
+                raise ServerUnavailable(f"not every worker reached meeting {key} on ps:0 within {self.timeout:g} s: "
+                                        f"another worker is stuck or gone (see its log)", name="ps:0",
+                                        address=self._links[0].address)
+            time.sleep(sleep)
+            sleep = min(sleep * 2, 0.05)
+
     # -- lifetime ---------------------------------------------------------------------------------
 
     def close(self, *, done: bool = True) -> None:

@@ -5,8 +5,8 @@
     reply = read_reply(message, CommitReply, what="commit")
 
 Requests go from a worker to a ps task: ``init``, ``push``, ``commit``, ``pull``, ``stats``, ``state``,
-``load_state``, ``save``, ``restore``, ``position``, ``positions``, ``rejoin``, ``ping``, ``done``; each class says
-its fields, and the table of requests, replies and their fields is in docs/ps.md, "The
+``load_state``, ``save``, ``restore``, ``position``, ``positions``, ``rejoin``, ``meet``, ``ping``, ``done``; each
+class says its fields, and the table of requests, replies and their fields is in docs/ps.md, "The
 parameter-server protocol".
 
 Promises: ``from_header`` refuses a header with a missing field, a field of the wrong type or out of
@@ -32,7 +32,8 @@ from conveyor.strategies.ps.packing import pack, unpack
 
 __all__ = [
     "REQUESTS", "CommitReply", "Commit", "Done", "Init", "InitReply", "LoadState", "OkReply", "ParamsReply",
-    "MAX_POSITION_BYTES", "Ping", "Position", "Positions", "PositionsReply", "ProtocolError", "Pull", "Push", "Refused",
+    "MAX_POSITION_BYTES", "Meet", "Ping", "Position", "Positions", "PositionsReply", "ProtocolError", "Pull", "Push",
+    "Refused",
     "Rejoin", "RejoinReply", "Restore", "Save", "SaveReply", "State", "StateReply", "Stats", "StatsReply", "WaitReply",
     "read_reply", "read_request",
 ]
@@ -426,6 +427,24 @@ class Position(_Message):
         return cls(rank, tensors[0].numpy().tobytes())
 
 
+@dataclass(frozen=True)
+class Meet(Position):
+    """Worker ``rank``'s ``data`` for meeting ``key`` on ps:0: the workers' collectives where they run apart
+    (ps-async/ssp, after training, and a worker restarted alone that joined no process group; ``meetings.py``).
+    Answered with every worker's data (a ``positions`` reply) once all are in, else ``wait``."""
+
+    KIND = "meet"
+    key: int = 0
+
+    def to_header(self) -> dict[str, Any]:
+        return {"rank": self.rank, "key": self.key}
+
+    @classmethod
+    def _read(cls, f: _Fields, tensors: list[Any]) -> Meet:
+        position = Position._read(f, tensors)
+        return cls(position.rank, position.data, f.whole("key"))
+
+
 def _uint8(data: bytes) -> torch.Tensor:
     # torch.frombuffer refuses an empty buffer.
     return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
@@ -436,7 +455,8 @@ def _is_bytes(tensor: Any) -> bool:
 
 
 REQUESTS: dict[str, type[_Message]] = {cls.KIND: cls for cls in (
-    Init, Push, Commit, Pull, Stats, State, LoadState, Save, Restore, Position, Positions, Rejoin, Ping, Done)}
+    Init, Push, Commit, Pull, Stats, State, LoadState, Save, Restore, Position, Positions, Rejoin, Meet, Ping,
+    Done)}
 
 
 def read_request(kind: str, header: Any, tensors: Sequence[Any], *, num_workers: int | None = None,

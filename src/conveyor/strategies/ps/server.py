@@ -180,7 +180,7 @@ def _check_step(clocks: Clocks, label: str, rank: int, step: int) -> None:
 class ParameterServer:
     """One ps task's state and request handler (docs/ps.md, "The parameter-server protocol").
 
-    Long because it is the protocol's one handler: a method per request kind (fifteen), each a few lines
+    Long because it is the protocol's one handler: a method per request kind (sixteen), each a few lines
     delegating to the update rule, the optimizer, the shard files or the applied log."""
 
     def __init__(self, address: str, secret: bytes, *, index: int, num_workers: int, mode: str,
@@ -200,6 +200,7 @@ class ParameterServer:
         self.counters: Counter[str] = Counter()
         self.positions: dict[int, bytes] = {}  # each worker's newest data position (workers running apart)
         self.applied = AppliedLog()  # async/ssp: what was applied from whom, for a worker restarted alone
+        self.meetings: dict[int, dict[int, bytes]] = {}  # ps:0: the workers' collectives by key (``meet``)
         self.shard_files = ShardFiles(index, shards)
         self._held = HeldPulls(per_peer=MAX_HELD_PER_PEER, total=MAX_HELD_PER_PEER * 2 * num_workers)  # till ready
         #: a pull from a peer with more reply bytes than this still unsent is answered 'wait' (set at init:
@@ -435,6 +436,17 @@ class ParameterServer:
 
     def _on_positions(self, positions: wire.Positions) -> wire.PositionsReply:
         return wire.PositionsReply(dict(self.positions))
+
+    def _on_meet(self, meet: wire.Meet) -> wire.PositionsReply | wire.WaitReply:
+        """The workers' collective ``key`` (on ps:0): every worker's data once all are in (asked again until
+        then). Once one is complete every worker is past the others, which are dropped (workers number their
+        meetings from 0 again at each training loop's end)."""
+        held = self.meetings.setdefault(meet.key, {})
+        held[meet.rank] = meet.data
+        if len(held) < self.num_workers:
+            return wire.WaitReply()
+        self.meetings = {meet.key: held}
+        return wire.PositionsReply(dict(held))
 
     def _on_done(self, done: wire.Done) -> wire.OkReply:
         finished = self.rule.clocks.done

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import sys
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,6 +39,7 @@ from conveyor.fileio import atomic_write
 from conveyor.strategies.base import Step, Strategy, check_optimizer
 from conveyor.strategies.coordination import Coordinator, IndependentCoordinator, LockstepCoordinator
 from conveyor.strategies.ps.client import PSClient
+from conveyor.strategies.ps.meetings import ServerCollectives
 from conveyor.strategies.ps.reshard import ReshardError, reshard
 from conveyor.strategies.ps.server import ShardFiles
 from conveyor.train.checkpoint.items import Item, Model, StepWrite
@@ -60,6 +62,13 @@ class PSStrategy(Strategy):
         self.client: PSClient | None = None
         #: async/ssp: step() only sends the pull, the next forward (or state_dict()) receives it.
         self.prefetch = mode != "sync"
+        #: what :meth:`PSClient.rejoin` answered a worker restarted alone (its predecessor's newest applied position)
+        self.rejoined: bytes | None = None
+
+    @property
+    def rejoining(self) -> bool:
+        """Whether this worker replaces one that died, restarted alone (``CONVEYOR_REJOIN=1``, async/ssp only)."""
+        return bool(getattr(self._job, "rejoining", False))
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -80,6 +89,8 @@ class PSStrategy(Strategy):
         self.client = PSClient(addresses, secret, rank=job.rank, num_workers=job.world_size,
                                sender=f"{job.task_type}:{job.task_index}", timeout=job.timeout)
         self.step = _PSStep(self)
+        if getattr(job, "rejoining", False):  # restarted alone: no process group; it meets the others on ps:0
+            job.use_collectives(ServerCollectives(self.client, world_size=job.world_size, rank=job.rank))
         atexit.register(self.shutdown)
 
     def prepare(self, model: nn.Module, optimizer: Any, *, split: Sequence[str] | None = None
@@ -91,8 +102,12 @@ class PSStrategy(Strategy):
             raise ValueError("parameter-server strategies run on CPU workers for now; use 'allreduce' on GPUs")
         model = model.to(self.job.device)
         placement = self.client.connect(model, optimizer)
+        if self.rejoining:  # where its predecessor's last applied step left it (the Trainer continues from there)
+            self.rejoined = self.client.rejoin()
+            print(f"worker {self.job.rank} rejoins the parameter servers after {self.client.step} of its steps",
+                  flush=True)
         buffers = [b for b in model.buffers() if b.is_floating_point() or b.dtype in (torch.int64, torch.int32)]
-        if self.job.world_size > 1 and buffers:
+        if self.job.world_size > 1 and buffers and not self.rejoining:
             # Buffers (BatchNorm statistics) are not on the servers: start every worker from rank 0's.
             with collective_guard(self.job, "buffer broadcast from rank 0"):
                 for buffer in buffers:
@@ -115,7 +130,7 @@ class PSStrategy(Strategy):
         counting their shared steps and leaving their data positions with ps:0."""
         if self.mode == "sync" or job.world_size == 1:
             return LockstepCoordinator(job)
-        return IndependentCoordinator(job, _ServerBoard(self._client("training")))
+        return IndependentCoordinator(job, _ServerBoard(self._client("training"), self))
 
     def _client(self, what: str) -> PSClient:
         if self.client is None:
@@ -160,7 +175,9 @@ class PSStrategy(Strategy):
             except Exception as exc:  # noqa: BLE001 - a report must not stop the shutdown
                 print(f"parameter servers: no statistics ({type(exc).__name__}: {exc})", flush=True)
         client, self.client = self.client, None
-        client.close()
+        # A worker dying of an uncaught exception (atexit runs after it is printed) is not done: its replacement
+        # (restarted alone) takes its place, and the servers must not stop as if it had finished.
+        client.close(done=getattr(sys, "last_value", None) is None)
 
     def _print_stats(self, stats: dict[str, Any]) -> None:
         load = ", ".join(f"ps:{i} {(o + n) / 2**20:.1f} MiB"
@@ -197,11 +214,20 @@ class _ServerBoard:
     """The :class:`~conveyor.strategies.coordination.ProgressBoard` of workers running apart: ps:0.
 
     The shared step count and the announced total travel with every commit (no extra request);
-    data positions go to ps:0 only when a checkpoint is due.
+    data positions go to ps:0 only when a checkpoint is due. The position after each step's batch travels with
+    that step's commit to every server (``track``): what a replacement of this worker resumes from (``rejoined``).
     """
 
-    def __init__(self, client: PSClient) -> None:
+    def __init__(self, client: PSClient, strategy: PSStrategy) -> None:
         self.client = client
+        self.replacement = strategy.rejoining
+        self._strategy = strategy
+
+    def track(self, position: bytes) -> None:
+        self.client.position = position  # sent with the next commit when it changed
+
+    def rejoined(self) -> bytes | None:
+        return self._strategy.rejoined
 
     def global_progress(self) -> tuple[int, int | None]:
         return self.client.global_steps, self.client.plan
@@ -238,6 +264,9 @@ class _PSStep(Step):
         client = self._strategy.client
         if client is None or not self._strategy.prefetch or int(job.world_size) == 1:
             return  # ps-sync: step() returned with every worker's last step in place
+        # From here the workers meet on ps:0, numbering their meetings from 0: a worker restarted alone is in no
+        # process group, and took part in no collective so far (strategies/ps/meetings.py).
+        job.use_collectives(ServerCollectives(client, world_size=job.world_size, rank=job.rank))
         job.barrier()
         client.finish_pull()  # the pull in flight, possibly stale, is collected first (one per connection)
         client.pull()
