@@ -321,6 +321,23 @@ def test_shard_stages_needs_the_pipeline_strategy_and_two_replicas_per_stage() -
     JobSettings(strategy="pipeline", stages=2).check_job(2)  # without the flag: one replica is fine
 
 
+def test_a_sharded_checkpoint_resumed_without_shard_stages_is_refused_naming_the_fix() -> None:
+    """`-n 2` (one replica a stage) cannot take --shard-stages, so a checkpoint of -n 4 --shard-stages resumed there
+    is refused (as a resume on any job without the flag), naming the flag and the export."""
+    from types import SimpleNamespace
+
+    from conveyor.strategies.pipeline.checkpoint import CHECKPOINT_FORMAT, StagesItem
+    from conveyor.strategies.pipeline.split import plan_split
+
+    plan = plan_split(make_model(), stages=STAGES)
+    strategy = SimpleNamespace(_plan=lambda: plan, shard_stages=False)
+    header = {"format": CHECKPOINT_FORMAT, "split": plan.signature(), "replicas": 2, "shards": 2}
+    with pytest.raises(ValueError, match=r"written with --shard-stages \(each stage in 2 FSDP shards\) and this job "
+                                         r"does not shard its stages: resume with --shard-stages .*conveyor checkpoint "
+                                         r"export"):
+        StagesItem(strategy, optimizer=None).restore("optimizer", SimpleNamespace(tree=lambda name: header))
+
+
 def test_shard_stages_reaches_the_tasks_as_its_variable() -> None:
     settings = JobSettings(strategy="pipeline", stages=2, shard_stages=True)
     env = settings.environ()
