@@ -14,8 +14,8 @@ synchronous, so the last checkpoint before it is sealed).
 from __future__ import annotations
 
 import argparse
-import json
-import os
+import sys
+from pathlib import Path
 
 import torch
 from test_pipeline_sharded import BATCH, make_data, make_model, make_optimizer  # this folder: the script's own
@@ -23,6 +23,9 @@ from torch import nn
 
 import conveyor
 from conveyor.data import Dataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from elastic_ids_job import id_logger  # noqa: E402  (the elastic benchmark's id log, shared)
 
 EPOCHS, CHECKPOINT_EVERY = 2, 4
 
@@ -42,20 +45,11 @@ def main() -> None:
     x, y = make_data()
     ids = torch.arange(len(x), dtype=x.dtype).unsqueeze(1)
     train = Dataset.from_tensor_slices((x, torch.cat([y, ids], dim=1))).shard(*job.data_shard).batch(BATCH)
-    log = open(os.path.join(job.output_dir, f"ids-{job.rank}.jsonl"), "a")
-
-    def record(event) -> None:
-        ids = [int(v) for v in event.targets[:, 1]]
-        log.write(json.dumps({"run": args.run, "epoch": event.epoch, "step": event.step, "ids": ids}) + "\n")
-        log.flush()
-        if event.step == args.stop_at:
-            os._exit(3)
-
+    record = id_logger(job, args.run, args.stop_at, lambda event: event.targets[:, 1])
     trainer = conveyor.Trainer(job, model, optimizer, loss_fn, train, epochs=EPOCHS, callbacks=[record],
                                checkpoint_every_steps=CHECKPOINT_EVERY, log_every_steps=100,
                                async_checkpoint=args.stop_at is None)
     trainer.fit()
-    log.close()
     job.shutdown()
 
 
