@@ -16,6 +16,7 @@ import importlib.util
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -61,6 +62,22 @@ def pipeline(folder: str, split: str, job, batch_size: int, seed: int, training:
     return records.map(parse).batch(batch_size).prefetch(2)
 
 
+def id_logger(job, run: str, stop_at: int | None, ids_of) -> Any:
+    """A Trainer callback appending the ids ``ids_of(event)`` of every step this task applied ({run, epoch, step,
+    ids}) to OUT/ids-<rank>.jsonl, flushed each time; at step ``stop_at`` (if given) the task exits with status 3,
+    as a crash would. Also the id log of tests/strategies/sharded_pipeline_job.py."""
+    log = open(os.path.join(job.output_dir, f"ids-{job.rank}.jsonl"), "a")  # closed by the process's exit
+
+    def record(event) -> None:
+        ids = [int(v) for v in ids_of(event)]
+        log.write(json.dumps({"run": run, "epoch": event.epoch, "step": event.step, "ids": ids}) + "\n")
+        log.flush()
+        if event.step == stop_at:
+            os._exit(3)
+
+    return record
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("data")
@@ -75,21 +92,12 @@ def main() -> None:
     torch.manual_seed(args.seed)
     module = WithoutId(digits_net())
     model, optimizer = job.prepare(module, torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9))
-    log = open(os.path.join(job.output_dir, f"ids-{job.rank}.jsonl"), "a")
-
-    def record(event) -> None:
-        ids = [int(v) for v in event.inputs[:, 64]]
-        log.write(json.dumps({"run": args.run, "epoch": event.epoch, "step": event.step, "ids": ids}) + "\n")
-        log.flush()
-        if event.step == args.stop_at:
-            os._exit(3)
-
+    record = id_logger(job, args.run, args.stop_at, lambda event: event.inputs[:, 64])
     conveyor.Trainer(job, model, optimizer, nn.functional.cross_entropy,
                      pipeline(args.data, "train", job, args.batch_size, args.seed, training=True),
                      eval_data=pipeline(args.data, "test", job, 256, args.seed, training=False),
                      epochs=args.epochs, checkpoint_every_steps=args.checkpoint_every, callbacks=[record],
                      progress=False, async_checkpoint=False).fit()
-    log.close()
     job.shutdown()
 
 

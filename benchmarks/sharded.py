@@ -6,7 +6,8 @@ The model: ``--depth`` residual blocks ``relu(Linear(w, w)) + x`` (depth from ``
 parameters), Adam, a batch of ``--batch`` rows per rank, gloo on CPU, 2 ranks as ``conveyor run -n 2
 --strategy fsdp`` starts them. Contenders, each in a FRESH pair of processes so that each rank's peak RSS
 (``VmHWM``) is its own: ``ddp`` (torch's DistributedDataParallel loop), ``conveyor`` (``conveyor.init``,
-``job.prepare``), ``bare_fsdp2`` (``fully_shard`` per block, then the root; Adam over the shards). Each rank
+``job.prepare``), ``bare_fsdp2`` (``fully_shard`` per block, then the root; Adam over the shards), and
+``pipeline_fsdp`` (``--strategy pipeline --stages 2 --shard-stages``: 4 processes, 2 replicas a stage). Each rank
 measures its memory parts from RSS at phase boundaries of three untimed steps (``measured_parts``: parameters,
 gradients, Adam state, activations, communication buffers), the peak reset per phase (/proc/self/clear_refs);
 the bytes its shard holds by numel are shown beside them as a check. Then ``--steps`` timed steps.
@@ -40,7 +41,10 @@ CONTENDERS = (
     h.Contender("ddp", "torch DistributedDataParallel, Adam"),
     h.Contender("conveyor", "conveyor.init('fsdp'); job.prepare(model, Adam)"),
     h.Contender("bare_fsdp2", "fully_shard per block + root, Adam over the shards"),
+    h.Contender("pipeline_fsdp", "--strategy pipeline --stages 2 --shard-stages: 4 processes (2 stages x 2 shards)"),
 )
+#: processes per contender's run: pipeline x FSDP needs 2 replicas a stage (2 stages x 1 shard is refused)
+PROCESSES = {"pipeline_fsdp": 4}
 GOALS = (
     h.Goal("memory: conveyor fsdp largest-rank peak RSS / DDP's", "memory_ratio", 0.6, "<="),
     h.Goal("speed: conveyor fsdp / bare FSDP2, paired median per-step ratio", "paired_median", 0.97),
@@ -97,13 +101,14 @@ def _bare_fsdp2(model: Any) -> Any:
 
 
 def _init(kind: str) -> Any:
-    """Bring the default process group up (conveyor's job for ``conveyor``, else torch's), imports included."""
+    """Bring the default process group up (conveyor's job for ``conveyor`` and ``pipeline_fsdp``, else torch's),
+    imports included."""
     import torch.distributed as dist
 
-    if kind == "conveyor":
+    if kind in ("conveyor", "pipeline_fsdp"):
         import conveyor
 
-        return conveyor.init("fsdp")
+        return conveyor.init("fsdp" if kind == "conveyor" else "pipeline")  # pipeline: the launcher's flags
     import torch.distributed.fsdp  # noqa: F401  (FSDP2/DTensor imports belong to the baseline, not the parameters)
 
     dist.init_process_group("gloo")
@@ -114,7 +119,7 @@ def _wrap(kind: str, model: Any, job: Any) -> tuple[Any, Any]:
     """(model, optimizer) of one contender; ``_init`` brought the default process group up."""
     import torch
 
-    if kind == "conveyor":
+    if kind in ("conveyor", "pipeline_fsdp"):
         return job.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-4))
     if kind == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
@@ -127,6 +132,20 @@ def _step(model: Any, optimizer: Any, x: Any) -> None:
     optimizer.zero_grad(set_to_none=True)
     model(x).square().mean().backward()
     optimizer.step()
+
+
+def _square_mean(outputs: Any, _targets: Any) -> Any:
+    """Every contender's loss: the outputs' mean square (the pipeline's last stage is given it as ``loss_fn``)."""
+    return outputs.square().mean()
+
+
+def _build(kind: str, width: int, depth: int) -> Any:
+    """The model: ``pipeline_fsdp`` the same blocks (same parameters) as an ``nn.Sequential``, which ``--stages``
+    cuts, the others ``make_model``'s."""
+    from torch import nn
+
+    model = make_model(width, depth)
+    return nn.Sequential(*model.layers) if kind == "pipeline_fsdp" else model
 
 
 def _held_bytes(model: Any, optimizer: Any) -> dict[str, int]:
@@ -175,6 +194,25 @@ def phased_step(model: Any, optimizer: Any, x: Any, meter: Meter, step: int) -> 
     meter.mark(f"zeroed{step}")
 
 
+def phased_pipeline_step(job: Any, optimizer: Any, x: Any, meter: Meter, step: int) -> None:
+    """``phased_step`` under pipeline x FSDP: torch's schedule runs every microbatch's forward and backward in one
+    call, so the forward mark is taken where it starts; its activations fall in the backward's transient (comm)."""
+    import torch
+
+    runner = job.strategy.runner
+    meter.reset()
+    meter.mark(f"forward{step}")
+    meter.reset()
+    loss = runner.train(x, torch.zeros(len(x), 1), _square_mean)  # the stage's reduce-scatter at its end
+    meter.mark(f"backward{step}")
+    meter.reset()
+    optimizer.step()
+    meter.mark(f"optimizer{step}")
+    runner.end_step(loss)
+    optimizer.zero_grad(set_to_none=True)
+    meter.mark(f"zeroed{step}")
+
+
 def measured_parts(level: dict[str, int], high: dict[str, int]) -> dict[str, int]:
     """Memory parts from RSS at the phase boundaries of ``memory_worker``'s three untimed steps, in bytes.
 
@@ -210,22 +248,29 @@ def memory_worker(config: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    job = _init(config["contender"])
+    kind = config["contender"]
+    job = _init(kind)
     meter = Meter()
     meter.mark("base")  # the interpreter, torch and the process group: what every part is measured above
-    model = make_model(config["width"], config["depth"])
+    model = _build(kind, config["width"], config["depth"])
     meter.mark("built")
-    model, optimizer = _wrap(config["contender"], model, job)
+    model, optimizer = _wrap(kind, model, job)
     meter.mark("wrapped")  # construction and sharding's own peak is high["wrapped"]
     x = torch.randn(config["batch"], config["width"], generator=torch.Generator().manual_seed(dist.get_rank()))
     for step in (1, 2, 3):  # not timed: the 1st creates Adam's state, the 3rd is a steady step (measured_parts)
-        phased_step(model, optimizer, x, meter, step)
+        if kind == "pipeline_fsdp":
+            phased_pipeline_step(job, optimizer, x, meter, step)
+        else:
+            phased_step(model, optimizer, x, meter, step)
     dist.barrier()
     meter.reset()
     times = []
     for _ in range(config["steps"]):
         start = time.perf_counter()
-        _step(model, optimizer, x)
+        if kind == "pipeline_fsdp":
+            job.train_step(model, optimizer, _square_mean, x, torch.zeros(len(x), 1))
+        else:
+            _step(model, optimizer, x)
         dist.barrier()
         times.append(time.perf_counter() - start)
     meter.mark("end")
@@ -303,21 +348,26 @@ def worker_main(config: dict[str, Any]) -> None:
 
 
 def _launches(config: dict[str, Any], workdir: Path) -> list[tuple[list[str], dict[str, str]]]:
-    """(argv, env) of each of the pair's processes, as `conveyor run -n 2 --strategy fsdp` gives them."""
+    """(argv, env) of each of the run's processes, as `conveyor run -n 2 --strategy fsdp` gives them (``pipeline_fsdp``:
+    `conveyor run -n 4 --strategy pipeline --stages 2 --shard-stages`)."""
     from conveyor.launch import OWNED_VARS, RunOptions, free_ports, local_plan
 
     env = {k: v for k, v in os.environ.items() if k not in OWNED_VARS and not k.startswith("CONVEYOR_")}
     env |= {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
     env.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # freed blocks go back to the OS (module docstring)
-    options = RunOptions(script=str(HERE), script_args=("--worker", json.dumps(config)), workers=2, strategy="fsdp",
+    shape: dict[str, Any] = {"workers": 2, "strategy": "fsdp"}
+    if config["contender"] == "pipeline_fsdp":
+        shape = {"workers": PROCESSES["pipeline_fsdp"], "strategy": "pipeline", "stages": 2, "shard_stages": True}
+    options = RunOptions(script=str(HERE), script_args=("--worker", json.dumps(config)), **shape,
                          data_dir=str(workdir / "data"), output_dir=str(workdir / "output"), python=sys.executable)
-    ports = free_ports(3)
+    ports = free_ports(shape["workers"] + 1)
     plan = local_plan(options, ports[:-1], master_port=ports[-1], secret=secrets.token_bytes(32), environ=env)
     return [(list(t.argv), dict(t.env)) for t in plan.tasks]
 
 
 def run_pair(config: dict[str, Any], workdir: Path, timeout: float) -> list[dict[str, Any]]:
-    """Run one pair to its end; both ranks' results, or ``ContenderFailed`` with the logs' tails."""
+    """Run one pair (``pipeline_fsdp``: 4 processes) to its end; every rank's results, or ``ContenderFailed`` with
+    the logs' tails."""
     workdir.mkdir(parents=True, exist_ok=True)
     config = {**config, "result_dir": str(workdir)}
     procs = []
@@ -336,10 +386,10 @@ def run_pair(config: dict[str, Any], workdir: Path, timeout: float) -> list[dict
                 proc.kill()
                 proc.wait(timeout=30)
             log.close()
-    if codes != [0, 0]:
-        tails = " || ".join((workdir / f"rank{r}.log").read_text(errors="replace")[-600:] for r in range(2))
+    if codes != [0] * len(procs):
+        tails = " || ".join((workdir / f"rank{r}.log").read_text(errors="replace")[-600:] for r in range(len(procs)))
         raise h.ContenderFailed(f"{config['contender']}: exit codes {codes} (None: timed out): {tails}")
-    return [json.loads((workdir / f"rank{r}.json").read_text()) for r in range(2)]
+    return [json.loads((workdir / f"rank{r}.json").read_text()) for r in range(len(procs))]
 
 
 def _pair_ratios(run: list[dict[str, Any]]) -> tuple[list[float], list[str]]:
@@ -366,6 +416,7 @@ def derive(memory: dict[str, list[dict[str, Any]] | None], paired: list[dict[str
     peak = out["peak_rss_bytes"]
     out["memory_ratio"] = h.ratio(peak.get("conveyor"), peak.get("ddp"))
     out["memory_ratio_bare"] = h.ratio(peak.get("bare_fsdp2"), peak.get("ddp"))
+    out["memory_ratio_pipeline_fsdp"] = h.ratio(peak.get("pipeline_fsdp"), peak.get("ddp"))  # 4 processes, not 2
     rate = out["steps_per_second"]
     out["speed_vs_ddp"] = h.ratio(rate.get("conveyor"), rate.get("ddp"))
     if paired:
@@ -388,7 +439,8 @@ HOW = """parts measured from RSS at phase boundaries (MALLOC_MMAP_THRESHOLD_ fre
   step's forward to after its backward (graph freed); activations = growth in its forward; comm = the steady
   step's standing RSS less base, params and adam (DDP's buckets) + its largest forward/backward peak above the
   phase's ends (FSDP: gathered blocks, reduce-scatter buffers); adam tmp = the 1st optimizer.step's peak above
-  its end; (n) = the same by numel;
+  its end; (n) = the same by numel; pipeline_fsdp: 4 processes (2 stages x 2 shards, 1/4 of the model each),
+  its schedule runs forward and backward together: activations are in its comm, 0 shown;
   sum = base + the five parts; PEAK = VmHWM over the whole run"""
 
 
@@ -412,8 +464,9 @@ def table(memory: dict[str, list[dict[str, Any]] | None], d: dict[str, Any]) -> 
                          h.fmt(r["peak_rss"] / gib, ".2f"), h.fmt(1 / h.median(r["seconds"]), ".3f")))
     lines = [h.format_rows(rows, left=(0,)), HOW, "",
              f"largest-rank peak RSS / DDP's: conveyor {h.fmt(d['memory_ratio'], '.3f')}, bare FSDP2 "
-             f"{h.fmt(d['memory_ratio_bare'], '.3f')}; conveyor steps/s / DDP's {h.fmt(d['speed_vs_ddp'], '.3f')} "
-             f"(separate pairs)"]
+             f"{h.fmt(d['memory_ratio_bare'], '.3f')}, pipeline x FSDP (4 processes) "
+             f"{h.fmt(d.get('memory_ratio_pipeline_fsdp'), '.3f')}; conveyor steps/s / DDP's "
+             f"{h.fmt(d['speed_vs_ddp'], '.3f')} (separate pairs)"]
     if "paired_median" in d:
         ms, (one, two) = d["paired_step_ms"], d["paired_sides"]
         lines.append(f"paired (same 2 processes, {len(d['paired_ratios'])} pairs): {two} {ms[two]:.0f} ms, "
@@ -487,9 +540,9 @@ def main(argv: list[str] | None = None) -> int:
         for name in [*args.contenders, "paired", *swap]:
             print(f"  {name} ...", flush=True)
             sides = config["sides"][::-1] if name == "paired_swapped" else config["sides"]
+            kind = "paired" if name.startswith("paired") else name  # paired_swapped: the paired run, other order
             try:
-                got = run_pair({**config, "sides": sides, "contender": name.split("_")[0]}, Path(tmp) / name,
-                               args.timeout)
+                got = run_pair({**config, "sides": sides, "contender": kind}, Path(tmp) / name, args.timeout)
             except h.ContenderFailed as e:
                 errors.append(str(e)[:2000])
                 got = None

@@ -42,6 +42,16 @@ def test_derive_takes_the_largest_rank_and_the_paired_median(bench):
     assert d["parts_bytes"] == {"ddp": {"parameters": 12}, "conveyor": {"parameters": 6}}  # the largest rank's
 
 
+def test_pipeline_fsdp_is_judged_by_its_largest_rank_of_four_against_ddp(bench):
+    def rank(peak):
+        return {"peak_rss": peak, "seconds": [0.25], "parts": {"parameters": peak}}
+
+    d = bench.derive({"ddp": [rank(10), rank(12)], "pipeline_fsdp": [rank(3), rank(4), rank(3), rank(2)]}, None)
+    assert d["memory_ratio_pipeline_fsdp"] == pytest.approx(4 / 12) and math.isnan(d["memory_ratio"])
+    assert "pipeline x FSDP (4 processes) 0.333" in bench.table({}, d)
+    assert bench.PROCESSES == {"pipeline_fsdp": 4}
+
+
 def test_paired_ratios_pool_both_build_orders_and_an_aa_run_compares_by_position(bench):
     first = [{"sides": ["conveyor", "bare"], "seconds": {"conveyor": [2.0, 2.0], "bare": [1.0, 1.0]},
               "conveyor_comm_per_step": {}}]
@@ -90,3 +100,23 @@ def test_quick_run_measures_every_contender(bench, tmp_path):
     comm = d["conveyor_comm_per_step"]
     assert comm["all_gather_seconds"] > 0 and comm["reduce_scatter_seconds"] > 0, comm
     assert "uptime" in report["machine"] and {g["name"] for g in report["goals"]} == {g.name for g in bench.GOALS}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_quick_pipeline_fsdp_measures_four_ranks_each_holding_a_quarter(bench, tmp_path):
+    """The pipeline_fsdp run at `--quick`'s size (no paired run): 4 processes as `conveyor run -n 4 --strategy
+    pipeline --stages 2 --shard-stages` starts them (2 stages of 2 blocks, each sharded over 2 replicas), whose held
+    parameters and Adam state (by numel) add up to the whole model's once each."""
+    args = bench.parse_args(["--quick"])
+    config = {"width": args.width, "depth": args.depth, "batch": args.batch, "steps": args.steps,
+              "contender": "pipeline_fsdp"}
+    ranks = bench.run_pair(config, tmp_path / "pipeline_fsdp", 300.0)
+    assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3]
+    whole = args.depth * (args.width ** 2 + args.width) * 4  # fp32 bytes
+    assert sum(r["held"]["parameters"] for r in ranks) == whole, [r["held"] for r in ranks]
+    assert sum(r["held"]["optimizer_state"] for r in ranks) == 2 * whole  # Adam's two moments, sharded alike
+    assert all(r["held"]["parameters"] < whole / 2 for r in ranks)  # a stage's shard, not a stage
+    assert all(r["peak_rss"] > 0 and len(r["seconds"]) == args.steps for r in ranks)
+    assert set(ranks[0]["parts"]) >= set(bench.PARTS)

@@ -5,13 +5,15 @@ with the environment ``conveyor run -n 4 --strategy pipeline --stages 2 --shard-
 process writes its stage's whole parameters (gathered from the shards) to JSON, and the tests compare them
 with one process training the whole model with Adam on the replicas' combined batch (fp32). The resume on
 another replica count launches 6 (2 × 3) on the checkpoint of 4; the kill -9 test runs sharded_pipeline_job.py
-under ``conveyor run`` itself, with the test-only fault hook (``CONVEYOR_FAULT``).
+under ``conveyor run`` itself, with the test-only fault hook (``CONVEYOR_FAULT``), and the resume on another ``-n``
+runs it under ``conveyor run -n 4``, stopped, then ``-n 6``, against one process on the batches its id logs name.
 
     pytest tests/strategies/test_pipeline_sharded.py -m multiprocess --durations=5
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import subprocess
@@ -114,17 +116,20 @@ def launched_equal_to_one_process(scenario: str, out: Path) -> tuple[list[dict],
     return results, expected, model
 
 
-def conveyor_run(script: Path, out: Path, *flags: str, env: dict[str, str] | None = None) -> str:
-    """`conveyor run -n 4 --strategy pipeline --stages 2 --shard-stages FLAGS --output-dir OUT SCRIPT` in a clean
-    environment (no launcher's variables, no GPU, one thread a process); its output, once it succeeded."""
+def conveyor_run(script: Path, out: Path, *flags: str, env: dict[str, str] | None = None, processes: int = 4,
+                 args: tuple[str, ...] = (), fails: bool = False) -> str:
+    """`conveyor run -n PROCESSES --strategy pipeline --stages 2 --shard-stages FLAGS --output-dir OUT SCRIPT ARGS`
+    in a clean environment (no launcher's variables, no GPU, one thread a process); its output, once it succeeded
+    (or, with ``fails``, once it failed)."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("CONVEYOR_", "SLURM_", "TORCHELASTIC_"))
              and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG")}
     clean.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **(env or {}))
-    command = [sys.executable, "-m", "conveyor.cli.main", "run", "-n", "4", "--strategy", "pipeline", "--stages", "2",
-               "--shard-stages", "--output-dir", str(out), "--timeout", "120", *flags, str(script)]
+    command = [sys.executable, "-m", "conveyor.cli.main", "run", "-n", str(processes), "--strategy", "pipeline",
+               "--stages", "2", "--shard-stages", "--output-dir", str(out), "--timeout", "120", *flags, str(script),
+               *args]
     proc = subprocess.run(command, env=clean, capture_output=True, text=True, timeout=300)
     said = proc.stdout + proc.stderr
-    assert proc.returncode == 0, said[-4000:]
+    assert (proc.returncode != 0) == fails, said[-4000:]
     return said
 
 
@@ -212,6 +217,71 @@ def test_a_shard_killed_mid_run_restarts_from_its_checkpoint_and_ends_bit_identi
         assert torch.equal(got[name], tensor), f"{name} differs from the uninterrupted run"
 
 
+def applied_steps(out: Path, kept: dict[str, int | None]) -> list[tuple[str, int, int, list[list[int]]]]:
+    """(run, epoch, step, each replica's ids) of every step that stayed in the model, in order: sharded_pipeline_job's
+    id logs of the first stages' processes (ranks 0, 2, ...), a run's steps after its `kept` step left out (undone)."""
+    steps: dict[tuple[str, int], tuple[int, list[list[int]]]] = {}
+    for log in sorted(out.glob("ids-*.jsonl")):
+        if int(log.stem.split("-")[1]) % STAGES == 0:
+            for e in map(json.loads, log.read_text().splitlines()):
+                if kept[e["run"]] is None or e["step"] <= kept[e["run"]]:
+                    steps.setdefault((e["run"], e["step"]), (e["epoch"], []))[1].append(e["ids"])
+    return [(run, epoch, step, ids) for (run, step), (epoch, ids) in sorted(steps.items(), key=lambda i: i[0][1])]
+
+
+def one_process_on(steps: list[tuple[int, list[list[int]]]]) -> dict[str, torch.Tensor]:
+    """One process taking `steps` (the job's replica count, each replica's ids) on the job's data: each step's
+    loss the replicas' mean of their batch-mean losses (a replica with no batch adds zero, as a zero-weight step)."""
+    model = make_model()
+    optimizer = make_optimizer(model)
+    x, y = make_data()
+    for replicas, batches in steps:
+        optimizer.zero_grad()
+        sum(nn.functional.mse_loss(model(x[ids]), y[ids]) for ids in batches).div(replicas).backward()
+        optimizer.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_conveyor_run_of_two_replicas_resumed_on_three_reads_each_record_once_and_ends_as_one_process(
+        tmp_path: Path) -> None:
+    """sharded_pipeline_job.py under `conveyor run -n 4 --shard-stages` (2 stages x 2 replicas) checkpoints at step 4
+    and stops after step 5; `conveyor run -n 6` (2 x 3) resumes it. The chief says the data and the shards were
+    redistributed; the 32 records the first epoch had left (16 per old replica) are dealt over the 3 replicas and
+    reach the model once each, as every record of the second epoch; the last checkpoint holds each stage's 3 shard
+    parts, and exported whole it equals one process taking the same steps on the same batches (Adam, fp32)."""
+    job, out = ROOT / "tests" / "strategies" / "sharded_pipeline_job.py", tmp_path / "out"
+    # microbatches of 1 (under GPipe: 1F1B wants one per stage at least): the redistributed epoch has batches of 3
+    flags = ("--schedule", "gpipe", "--microbatches", "1", "--max-restarts", "0")
+    stopped = conveyor_run(job, out, *flags, args=("--run", "first", "--stop-at", "5"), fails=True)
+    assert "exited with status 3" in stopped, stopped[-3000:]
+    conveyor_run(job, out, *flags, processes=6, args=("--run", "second"))
+    said = (out / "logs" / "worker-0.log").read_text()
+    assert ("resumed step 4, written by 4 workers, on 6 workers: data and shards redistributed (each stage's 2 "
+            "shards re-split into 3)\n") in said, said[-3000:]
+    steps = applied_steps(out, {"first": 4, "second": None})
+    assert [(run, epoch, step, len(ids)) for run, epoch, step, ids in steps][3:6] == [
+        ("first", 0, 4, 2), ("second", 0, 5, 3), ("second", 0, 6, 3)], steps  # the leftover: 2 steps, 3 replicas
+    for epoch in (0, 1):  # the redistributed epoch, then one of the 3 replicas' own shards
+        counts = collections.Counter(i for _, e, _, ids in steps if e == epoch for batch in ids for i in batch)
+        assert sorted(counts) == list(range(STEPS * REPLICAS * BATCH)), (epoch, sorted(counts))
+        assert set(counts.values()) == {1}, (epoch, [i for i, c in counts.items() if c > 1])
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["steps"], summary["resumed_from_step"], summary["world_size"]) == (len(steps), 4, 6), summary
+    last = out / "checkpoints" / f"step-{len(steps):08d}"
+    assert (last / "COMPLETE").is_file() and sorted(p.name for p in last.glob("stage-*.safetensors")) == [
+        f"stage-{s}-shard-{r}.safetensors" for s in range(STAGES) for r in range(3)], sorted(last.iterdir())
+    from safetensors.torch import load_file
+
+    from conveyor.train.checkpoint.export import export_model
+
+    (path,) = export_model(out, tmp_path / "whole")  # every stage's 3 shards joined
+    got = load_file(path)
+    assert all(torch.isfinite(v).all() for v in got.values())
+    assert_equal_to(got, one_process_on([({"first": REPLICAS, "second": 3}[run], ids) for run, _, _, ids in steps]))
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(600)
@@ -219,8 +289,8 @@ def test_shards_of_two_replicas_resume_on_three_with_the_same_whole_state_and_tr
     """2 stages x 2 shards train RESUME_AT steps and commit a checkpoint; 2 stages x 3 shards (6 processes, other
     starting parameters) restore it as the Trainer does: each stage's shards re-split. The whole state (every
     stage's parameters and Adam state, gathered) equals the saved one bit for bit, and the rest of the steps end
-    where one process training on the combined batches ends. Model side only: the Trainer's data positions refuse
-    another replica count for pipeline jobs (a stage's processes share a data shard)."""
+    where one process training on the combined batches ends. Model side only: a `conveyor run` resume on another
+    `-n`, through the Trainer and its data, is the test above."""
     from safetensors.torch import load_file
 
     saved = launch("reshard-save", tmp_path / "save")
@@ -234,7 +304,8 @@ def test_shards_of_two_replicas_resume_on_three_with_the_same_whole_state_and_tr
         for key in before:
             assert torch.equal(before[key], after[key]), (stage, key)
     log = (tmp_path / "load" / "rank0.log").read_text()
-    assert f"resumed step {RESUME_AT}, written with 2 shard(s) per stage, on 3" in log, log[-3000:]
+    assert (f"resumed step {RESUME_AT}, written by 4 workers, on 6 workers: shards redistributed (each stage's 2 "
+            f"shards re-split into 3)") in log, log[-3000:]
     assert [r["local"]["0.weight"] for r in loaded[0::STAGES]] == [[5, 4], [5, 4], [5, 4]]  # 15 rows as 5 + 5 + 5
     expected, _ = reference(RESHARD_ROWS)
     for replica in range(3):
@@ -248,6 +319,23 @@ def test_shard_stages_needs_the_pipeline_strategy_and_two_replicas_per_stage() -
         JobSettings(strategy="pipeline", stages=2, shard_stages=True).check_job(2)
     JobSettings(strategy="pipeline", stages=2, shard_stages=True).check_job(4)
     JobSettings(strategy="pipeline", stages=2).check_job(2)  # without the flag: one replica is fine
+
+
+def test_a_sharded_checkpoint_resumed_without_shard_stages_is_refused_naming_the_fix() -> None:
+    """`-n 2` (one replica a stage) cannot take --shard-stages, so a checkpoint of -n 4 --shard-stages resumed there
+    is refused (as a resume on any job without the flag), naming the flag and the export."""
+    from types import SimpleNamespace
+
+    from conveyor.strategies.pipeline.checkpoint import CHECKPOINT_FORMAT, StagesItem
+    from conveyor.strategies.pipeline.split import plan_split
+
+    plan = plan_split(make_model(), stages=STAGES)
+    strategy = SimpleNamespace(_plan=lambda: plan, shard_stages=False)
+    header = {"format": CHECKPOINT_FORMAT, "split": plan.signature(), "replicas": 2, "shards": 2}
+    with pytest.raises(ValueError, match=r"written with --shard-stages \(each stage in 2 FSDP shards\) and this job "
+                                         r"does not shard its stages: resume with --shard-stages .*conveyor checkpoint "
+                                         r"export"):
+        StagesItem(strategy, optimizer=None).restore("optimizer", SimpleNamespace(tree=lambda name: header))
 
 
 def test_shard_stages_reaches_the_tasks_as_its_variable() -> None:

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from conveyor.strategies.pipeline.runner import check_schedule, schedule_class
 from conveyor.strategies.pipeline.split import (
     SplitError,
     check_microbatches,
@@ -107,6 +108,17 @@ def test_a_batch_must_cut_into_equal_microbatches() -> None:
         check_microbatches(30, 4)
     with pytest.raises(SplitError, match=r"a batch of 2 sample\(s\).*--microbatches 2"):
         check_microbatches(2, 4)
+
+
+def test_1f1b_with_fewer_microbatches_than_stages_is_refused_naming_the_flags() -> None:
+    """torch's own refusal came at the first step, naming no flag (found by --microbatches 1 on 2 stages)."""
+    check_schedule(schedule_class("1f1b"), 2, 2)
+    check_schedule(schedule_class("gpipe"), 1, 2)  # GPipe runs any number
+    with pytest.raises(SplitError, match=r"--schedule 1f1b on 2 stages needs 2 microbatches or more per batch "
+                                         r"\(--microbatches 1\): give --microbatches 2 or more, .*--schedule gpipe"):
+        check_schedule(schedule_class("1f1b"), 1, 2)
+    with pytest.raises(SplitError, match=r"on 3 stages .*\(a batch of 7 cut into 1\)"):  # a fitted count
+        check_schedule(schedule_class("1f1b"), default_microbatches(3, 7), 3, 7)
 
 
 @pytest.mark.parametrize(("stages", "batch", "expected"), [

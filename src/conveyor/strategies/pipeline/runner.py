@@ -40,7 +40,7 @@ from torch.distributed.pipelining.schedules import _ScheduleForwardOnly
 
 from conveyor.strategies.pipeline.split import SplitError, SplitPlan, check_microbatches, default_microbatches
 
-__all__ = ["SCHEDULES", "StageRunner", "schedule_class"]
+__all__ = ["SCHEDULES", "StageRunner", "check_schedule", "schedule_class"]
 
 #: the schedules conveyor runs: one stage per process
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -56,6 +56,16 @@ def schedule_class(name: str) -> type:
         raise SplitError(f"--schedule {name}: that schedule runs several stages in each process (virtual stages), "
                          f"which conveyor does not do yet; use --schedule 1f1b or gpipe")
     raise SplitError(f"--schedule {name!r} is not a pipeline schedule conveyor knows; use 1f1b or gpipe")
+
+
+def check_schedule(schedule_cls: type, microbatches: int, stages: int, batch: int | None = None) -> None:
+    """torch's 1F1B needs a microbatch per stage at least (its warm-up fills every stage); torch refuses fewer at a
+    job's first step with a ValueError that names no flag, so conveyor refuses it first, naming them."""
+    if issubclass(schedule_cls, Schedule1F1B) and microbatches < stages:
+        cut = f"a batch of {batch} cut into {microbatches}" if batch is not None else f"--microbatches {microbatches}"
+        raise SplitError(f"--schedule 1f1b on {stages} stages needs {stages} microbatches or more per batch ({cut}): "
+                         f"give --microbatches {stages} or more, with a batch size that it divides, or --schedule "
+                         f"gpipe, which runs any number")
 
 
 class _Clock:
@@ -204,6 +214,7 @@ class StageRunner:
         if training:
             chunks = self._fit(len(inputs))
             check_microbatches(len(inputs), chunks)
+            check_schedule(self.schedule_cls, chunks, self.num_stages, len(inputs))
         else:  # forward only: any equal cut works, so the largest count up to M that divides the batch
             limit = self.microbatches or default_microbatches(self.num_stages)
             chunks = next(m for m in range(min(limit, len(inputs)), 0, -1) if len(inputs) % m == 0)

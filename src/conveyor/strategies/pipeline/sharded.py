@@ -21,7 +21,6 @@ unsharded stages loads into shards the same way (one saved part per stage). Expo
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
@@ -93,9 +92,11 @@ def restore_shard(strategy: Any, optimizer: Any, header: dict[str, Any], ckpt: C
             parts = [ckpt.part_tree(f"stage-{s.stage}")]
             sharded = s.module.model_parameters()
         state = resharded(parts, sharded, s.module.model_state_dict(), optimizer, s.replica, s.replicas, ckpt)
-        if s.job.is_chief:
-            print(f"resumed step {ckpt.step}, written with {shards or 'unsharded'} shard(s) per stage, on "
-                  f"{s.replicas}: each stage's shards re-split", file=sys.stderr, flush=True)
+        # said in the chief's one resume line with the data's (train/resume.py: announcement), as under fsdp
+        saved = int(header.get("replicas") or shards or 1) * s.runner.num_stages
+        ckpt.reworld.append(("workers", saved, int(s.job.world_size), "shards",
+                             f"each stage's {shards} shards re-split into {s.replicas}" if shards else
+                             f"each stage's whole part split into {s.replicas} shards"))
     _load_local(s.module, state["model"], ckpt)
     optimizer.load_state_dict(sharded_like(optimizer, state["optimizer"]))
 

@@ -36,7 +36,7 @@ from conveyor.comm.process_group import collective_guard
 from conveyor.strategies.base import Strategy, check_optimizer
 from conveyor.strategies.pipeline.checkpoint import StagesItem
 from conveyor.strategies.pipeline.figures import pipeline_figures
-from conveyor.strategies.pipeline.runner import StageRunner, schedule_class
+from conveyor.strategies.pipeline.runner import StageRunner, check_schedule, schedule_class
 from conveyor.strategies.pipeline.sharded import shard_stage, stage_mesh
 from conveyor.strategies.pipeline.split import (
     SplitError,
@@ -114,6 +114,8 @@ class PipelineStrategy(Strategy):
                              "(at most as many tasks per machine as GPUs, without --share-gpus)")
         if self.microbatches is not None and self.microbatches < 1:  # None: fitted to the first batch (runner.py)
             raise SplitError(f"--microbatches {self.microbatches}: expected a whole number >= 1")
+        if self.microbatches is not None:  # refused before any process group, not at the first step
+            check_schedule(schedule_class(self.schedule), self.microbatches, stages)
         self.replicas, self.stage, self.replica = world // stages, job.rank % stages, job.rank // stages
         if self.shard_stages:
             try:
