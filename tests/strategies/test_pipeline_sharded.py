@@ -117,7 +117,9 @@ def launched_equal_to_one_process(scenario: str, out: Path) -> tuple[list[dict],
 def conveyor_run(script: Path, out: Path, *flags: str, env: dict[str, str] | None = None) -> str:
     """`conveyor run -n 4 --strategy pipeline --stages 2 --shard-stages FLAGS --output-dir OUT SCRIPT` in a clean
     environment (no launcher's variables, no GPU, one thread a process); its output, once it succeeded."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("CONVEYOR_", "SLURM_", "TORCHELASTIC_"))
+    from taskrun import launcher_var  # keeps the quick exit and the port range (tests/taskrun.py)
+
+    clean = {k: v for k, v in os.environ.items() if not launcher_var(k)
              and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG")}
     clean.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **(env or {}))
     command = [sys.executable, "-m", "conveyor.cli.main", "run", "-n", "4", "--strategy", "pipeline", "--stages", "2",
