@@ -39,6 +39,9 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 import gpu_check_parts as parts  # noqa: E402
 
+# conveyor.cluster.variables' PORT_RANGE_VAR and FAST_EXIT_VAR, by name: this script runs before conveyor is installed
+_MACHINE_VARS = ("CONVEYOR_PORT_RANGE", "CONVEYOR_FAST_EXIT")
+
 # Seconds per part on the GPU machine: 480 in all, the issue's limit, inside one 600 s call. A part may also use
 # what the parts before it left unused.
 BUDGETS = {"install": 45, "tests": 60, "train": 100, "case_study": 215, "strategies": 60}
@@ -71,7 +74,9 @@ def run_part(name: str, fn: Callable[[parts.Context, float], dict[str, Any]], ct
 
 def make_context(args: argparse.Namespace) -> parts.Context:
     work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
+    # No job's variables leak in (output folder, task, secret); how the machine runs processes does: the free-port
+    # range (the parallel suite gives each worker its own) and the quick exit (the suite's tasks take it)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_") or k in _MACHINE_VARS}
     env["PYTHONUNBUFFERED"] = "1"
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU run proves the code, and no GPU may leak into it

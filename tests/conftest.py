@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from conveyor.cluster.variables import FAST_EXIT_VAR
 from conveyor.launch.ports import PORT_RANGE_VAR
 from conveyor.testing.hosts import Hosts, unavailable
 
+ROOT = Path(__file__).resolve().parents[1]
 # The ports below the kernel's ephemeral range that the workers of a parallel run share out.
 _FIRST_PORT = 10000
 
@@ -55,3 +57,17 @@ def make_hosts():
     for hosts in made:
         hosts.close()
 
+
+
+@pytest.fixture(scope="session")
+def digits_data(tmp_path_factory) -> Path:
+    """A --data-dir holding the digits example's TFRecord shards (``digits/``), written once per session (per xdist
+    worker) here, for every test file that runs the example: otherwise the first job of each file has its chief
+    import scikit-learn and convert them again (seconds of CPU). The jobs only read it."""
+    pytest.importorskip("sklearn", reason="the digits come from scikit-learn (pip install 'conveyor[examples]')")
+    folder = tmp_path_factory.mktemp("digits-data")
+    spec = importlib.util.spec_from_file_location("digits_train", ROOT / "examples" / "digits" / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.write_tfrecords(str(folder / "digits"))
+    return folder

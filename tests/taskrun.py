@@ -13,11 +13,24 @@ from typing import IO
 import pytest
 
 from conveyor.cluster import local_cluster, task_environment
-from conveyor.launch.ports import free_ports
+from conveyor.cluster.variables import FAST_EXIT_VAR
+from conveyor.launch.ports import PORT_RANGE_VAR, free_ports
 
 # Variables that would make the tasks discover something other than what the test gives them.
 _FOREIGN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG",
             "OMP_NUM_THREADS")
+
+
+# How this machine runs processes, not which job they belong to: kept in a clean environment. Dropped, every task
+# paid the slow exit (a CPU-second with torch._dynamo loaded) and a launcher took its ports outside the xdist
+# worker's range (tests/conftest.py).
+MACHINE_VARS = (FAST_EXIT_VAR, PORT_RANGE_VAR)
+LAUNCHER_PREFIXES = ("CONVEYOR_", "SLURM_", "TORCHELASTIC_")
+
+
+def launcher_var(name: str, prefixes: tuple[str, ...] = LAUNCHER_PREFIXES) -> bool:
+    """Whether ``name`` is an outer launcher's or job's variable, which a clean environment drops."""
+    return name.startswith(prefixes) and name not in MACHINE_VARS
 
 
 def local_job_envs(out: Path, world: int, strategy: str, *, gpus: bool = False) -> list[dict[str, str]]:
@@ -29,7 +42,7 @@ def local_job_envs(out: Path, world: int, strategy: str, *, gpus: bool = False) 
     ports = free_ports(world + 1)
     spec = local_cluster(num_workers=world, num_ps=0, ports=ports[:world])
     base = {k: v for k, v in os.environ.items()
-            if k not in _FOREIGN and not k.startswith(("CONVEYOR_", "SLURM_", "TORCHELASTIC_"))}
+            if k not in _FOREIGN and not launcher_var(k)}
     if not gpus:
         base["CUDA_VISIBLE_DEVICES"] = ""
     return [base | task_environment(spec, task, secret=b"test-secret", data_dir=out / "data",

@@ -3,7 +3,8 @@
 ``install()`` registers, once per process, an exit handler that collects the garbage there is, then freezes
 every object left (``gc.freeze``). The ``conveyor`` command (launcher, ps and data-service roles: conveyor's own
 code) calls it; a training task only with ``CONVEYOR_FAST_EXIT=1`` (the test suite sets it), since a user's
-objects in reference cycles could still hold unwritten data.
+objects in reference cycles could still hold unwritten data. ``user_code()``: a process that has loaded a user's
+code (a ``conveyor`` command importing a data pipeline) follows the training tasks' rule from then on.
 
 Why: a process that imported torch, and torch._dynamo with it (an optimizer's first step and DDP import it),
 spends about a second of CPU at exit in the collector's passes over those modules (0.45 s with torch alone, as
@@ -20,16 +21,37 @@ from __future__ import annotations
 
 import atexit
 import gc
+import os
+from collections.abc import Mapping
+
+from conveyor.cluster.variables import FAST_EXIT_VAR
 
 _installed = False
+_withdrawn = False
 
 
 def install() -> None:
     """Register the exit handler (a second call does nothing)."""
     global _installed
-    if not _installed:
+    if not _installed and not _withdrawn:
         _installed = True
         atexit.register(_freeze)
+
+
+def asked(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the user (or the test suite) asked a process running user code for the quick exit."""
+    return (os.environ if environ is None else environ).get(FAST_EXIT_VAR) == "1"
+
+
+def user_code(environ: Mapping[str, str] | None = None) -> None:
+    """This process now holds a user's objects: withdraw the handler (now and for later ``install()`` calls)
+    unless :func:`asked`, since a user's object in a reference cycle may still have data to write."""
+    global _installed, _withdrawn
+    if not asked(environ):
+        _withdrawn = True
+        if _installed:
+            _installed = False
+            atexit.unregister(_freeze)
 
 
 def _freeze() -> None:

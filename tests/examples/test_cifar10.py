@@ -101,32 +101,41 @@ def test_resnet20_is_a_sequential_of_blocks_with_the_papers_size():
     assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
 
 
+@pytest.fixture(scope="module")
+def seeded(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """Three synthetic runs of 6 steps, seeds 3, 3 and 4, by name; shared by the smoke test and the seed test."""
+    runs = {}
+    for name, seed in (("a", 3), ("b", 3), ("c", 4)):
+        folder = tmp_path_factory.mktemp(f"seed-{name}")
+        runs[name] = folder, _run(folder, "--synthetic", "--synthetic-size", "64", "--batch-size", "8", "--max-steps",
+                                  "6", "--log-every", "1", "--seed", str(seed))
+    return runs
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_synthetic_smoke_run(tmp_path):
-    run = _run(tmp_path, "--synthetic", "--synthetic-size", "64", *TINY)
+@pytest.mark.timeout(600)  # builds the three seeded runs when it runs first
+def test_synthetic_smoke_run(seeded):
+    tmp_path, run = seeded["a"]
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     summary = _summary(tmp_path)
-    assert summary["steps"] == 2 and summary["strategy"] == "local"
+    assert summary["steps"] == 6 and summary["strategy"] == "local"
     assert 0.0 <= summary["eval_accuracy"] <= 1.0
     assert "test accuracy" in run.stdout
 
 
-def _losses(folder: Path, seed: int) -> list[float]:
-    folder.mkdir()
-    run = _run(folder, "--synthetic", "--synthetic-size", "64", "--batch-size", "8", "--max-steps", "6",
-               "--log-every", "1", "--seed", str(seed))
+def _losses(seeded, name: str) -> list[float]:
+    folder, run = seeded[name]
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     records = [json.loads(line) for line in (folder / "out" / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in records if r.get("event") == "train"]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_the_seed_reaches_the_augmentation_two_runs_with_one_seed_are_identical(tmp_path):
+@pytest.mark.timeout(600)
+def test_the_seed_reaches_the_augmentation_two_runs_with_one_seed_are_identical(seeded):
     """--seed reaches the shuffle and the map workers' crops and flips (conveyor.data.set_seed), not only the
     model's initial weights: two runs with one seed see the same batches, step for step."""
-    first, again, other = (_losses(tmp_path / name, seed) for name, seed in (("a", 3), ("b", 3), ("c", 4)))
+    first, again, other = (_losses(seeded, name) for name in ("a", "b", "c"))
     assert len(first) == 6 and first == again
     assert other != first
 

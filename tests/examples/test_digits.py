@@ -49,10 +49,10 @@ def finish(run: subprocess.Popen, out: Path, timeout: float = 240) -> str:
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    """One data folder for every run here: the first run's chief writes the TFRecord shards (scikit-learn and
-    the conversion, seconds of CPU) and the later runs read them, as a user's second run would."""
-    return tmp_path_factory.mktemp("digits-data")
+def data(digits_data) -> Path:
+    """One data folder for every run here, its shards written once for the session (tests/conftest.py): the runs
+    read them, as a user's second run would."""
+    return digits_data
 
 
 @pytest.fixture(scope="module")
@@ -218,18 +218,14 @@ def test_a_nan_loss_stops_the_job_naming_it_and_keeps_the_last_finite_checkpoint
         assert np.isfinite(value).all(), f"{name} of {steps[-1].name} is not finite"
 
 
-def test_a_finished_job_run_again_changes_nothing(tmp_path, data):
-    out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "conveyor.cli.main", "run", "-n", "2", "--data-dir", str(data), "--output-dir",
-           str(out), str(SCRIPT), "--epochs", "1"]
-    first = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert first.returncode == 0, first.stderr[-3000:]
+def test_a_finished_job_run_again_changes_nothing(tmp_path, data, uninterrupted):
+    out = uninterrupted(())  # the allreduce reference: the killed-run tests above have read it already
     kept = ["summary.json", "metrics.jsonl", *(str(p.relative_to(out)) for p in (out / "trace").rglob("*")
                                               if p.is_file()), *(str(p.relative_to(out)) for p in
                                                                  (out / "plots").rglob("*") if p.is_file())]
     before = {name: (out / name).read_bytes() for name in kept}
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    log = again.stdout + again.stderr
+    again = launch(data, out)  # the command that finished it, as written
+    log = finish(again, out)
     assert again.returncode == 0 and "this job already finished" in log and "test accuracy" in log, log[-3000:]
     assert {name: (out / name).read_bytes() for name in kept} == before
     (tmp_path / "cluster.json").write_text(json.dumps(CLUSTER))

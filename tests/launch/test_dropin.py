@@ -116,8 +116,10 @@ def run_to_end(argv: list[str], cwd: Path, env: dict[str, str], timeout: float =
 
 
 def clean_env() -> dict[str, str]:
+    from taskrun import launcher_var  # keeps the quick exit and the port range (tests/taskrun.py)
+
     drop = set(TORCHRUN_VARS) | {"OMP_NUM_THREADS", "TF_CONFIG"}
-    return {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("CONVEYOR_")}
+    return {k: v for k, v in os.environ.items() if k not in drop and not launcher_var(k, ("CONVEYOR_",))}
 
 
 def test_a_torchrun_ddp_script_gives_the_same_result_under_conveyor_run_as_under_torchrun(tmp_path):

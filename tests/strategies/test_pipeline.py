@@ -247,14 +247,6 @@ def test_stages_sharing_one_gpu_are_refused_naming_the_fix(tmp_path: Path) -> No
     assert "pipeline stages on shared GPUs" in logs(tmp_path, 2) and "one stage per GPU" in logs(tmp_path, 2)
 
 
-@pytest.fixture(scope="module")
-def digits_data(tmp_path_factory) -> Path:
-    """One data folder for every digits run here: the first run's chief writes the TFRecord shards (scikit-learn
-    and the conversion, seconds of CPU), the later runs read them."""
-    pytest.importorskip("sklearn", reason="the digits come from scikit-learn (pip install 'conveyor[examples]')")
-    return tmp_path_factory.mktemp("digits-data")
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_three_uneven_stages_train_the_digits_example_with_the_trainer(tmp_path: Path, digits_data: Path) -> None:

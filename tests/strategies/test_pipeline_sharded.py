@@ -121,7 +121,9 @@ def conveyor_run(script: Path, out: Path, *flags: str, env: dict[str, str] | Non
     """`conveyor run -n PROCESSES --strategy pipeline --stages 2 --shard-stages FLAGS --output-dir OUT SCRIPT ARGS`
     in a clean environment (no launcher's variables, no GPU, one thread a process); its output, once it succeeded
     (or, with ``fails``, once it failed)."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("CONVEYOR_", "SLURM_", "TORCHELASTIC_"))
+    from taskrun import launcher_var  # keeps the quick exit and the port range (tests/taskrun.py)
+
+    clean = {k: v for k, v in os.environ.items() if not launcher_var(k)
              and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG")}
     clean.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **(env or {}))
     command = [sys.executable, "-m", "conveyor.cli.main", "run", "-n", str(processes), "--strategy", "pipeline",

@@ -216,8 +216,9 @@ def launch(scenario: str, strategy: str, out: Path, deadline: float = LAUNCH_DEA
     out.mkdir(parents=True, exist_ok=True)
     ports = free_ports(WORLD + NUM_PS + 1)
     spec = local_cluster(num_workers=WORLD, num_ps=NUM_PS, ports=ports[:-1])
-    base = {k: v for k, v in os.environ.items()
-            if k not in _FOREIGN and not k.startswith(("CONVEYOR_", "SLURM_", "TORCHELASTIC_"))}
+    from taskrun import launcher_var, wait_all  # here: this file also runs as the workers' script, outside pytest
+
+    base = {k: v for k, v in os.environ.items() if k not in _FOREIGN and not launcher_var(k)}
     procs = []
     for i, task in enumerate((*spec.training_tasks, *(t for t in spec.tasks if t.type == "ps"))):
         env = base | task_environment(spec, task, secret=SECRET, data_dir=out / "data", output_dir=out / "output",
@@ -228,7 +229,6 @@ def launch(scenario: str, strategy: str, out: Path, deadline: float = LAUNCH_DEA
         log = open(out / f"{task.type}{task.index}.log", "wb")
         procs.append((subprocess.Popen([sys.executable, __file__, scenario, str(out)], env=env, stdout=log,
                                        stderr=subprocess.STDOUT), log))
-    from taskrun import wait_all  # here: this file also runs as the workers' script, outside pytest
 
     wait_all(procs, deadline, f"{scenario}: tasks", lambda: logs(out))
     results = []
@@ -614,8 +614,9 @@ def test_garbage_and_forged_messages_change_nothing(tmp_path: Path, sync_runs) -
 @pytest.mark.timeout(LAUNCH_DEADLINE + 60)
 def test_conveyor_run_starts_ps_tasks_that_exit_cleanly(tmp_path: Path) -> None:
     """`conveyor run -n 2 --ps 2 --strategy ps-sync` on this same script: the launcher's path end to end."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in _FOREIGN and not k.startswith(("CONVEYOR_", "SLURM_", "TORCHELASTIC_"))}
+    from taskrun import launcher_var
+
+    env = {k: v for k, v in os.environ.items() if k not in _FOREIGN and not launcher_var(k)}
     env["OMP_NUM_THREADS"] = "1"
     out = tmp_path / "results"
     out.mkdir()

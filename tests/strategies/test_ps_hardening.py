@@ -40,8 +40,9 @@ _LONG_COMMAND = 0x06  # flags: command frame with an 8-byte size
 
 
 def _clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items()
-            if k not in _FOREIGN and not k.startswith(("CONVEYOR_", "SLURM_", "TORCHELASTIC_"))}
+    from taskrun import launcher_var  # keeps the quick exit and the port range (tests/taskrun.py)
+
+    return {k: v for k, v in os.environ.items() if k not in _FOREIGN and not launcher_var(k)}
 
 
 _VICTIM = """

@@ -202,8 +202,9 @@ def test_show_lists_steps_items_sizes_strategy_and_leftovers(tmp_path: Path, cap
 
 
 def conveyor_run(out: Path, *flags: str, workers: int = 2) -> None:
-    env = {k: v for k, v in os.environ.items()
-           if k not in _FOREIGN and not k.startswith(("CONVEYOR_", "SLURM_", "TORCHELASTIC_"))}
+    from taskrun import launcher_var  # keeps the quick exit and the port range (tests/taskrun.py)
+
+    env = {k: v for k, v in os.environ.items() if k not in _FOREIGN and not launcher_var(k)}
     env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, "-m", "conveyor.cli.main", "run", "-n", str(workers), *flags, "--output-dir",
                            str(out), "--timeout", "120", str(JOB)], env=env, capture_output=True, text=True,

@@ -89,8 +89,8 @@ def final_tensors(out: Path, final: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("digits-data")
+def data(digits_data) -> Path:
+    return digits_data  # the shards written once for the session (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -639,7 +639,8 @@ params = [p.detach().flatten().tolist() for p in model.module.parameters()]
     {"params": params, "summary": summary, "warnings": [str(w.message) for w in caught]}))
 job.shutdown()
 # everything is written and the group destroyed: skip interpreter finalization, where gloo's threads can still
-# hold work objects and abort a finished process (pytorch/pytorch PR 179291; Job.shutdown's docstring)
+# hold work objects and abort a finished process (pytorch/pytorch PR 179291; Job.shutdown's docstring). Kept:
+# _two_workers starts these processes itself and requires exit 0; only `conveyor run` forgives that abort
 sys.stdout.flush()
 os._exit(0)
 '''

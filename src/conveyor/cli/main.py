@@ -58,7 +58,9 @@ def build_parser(commands: Sequence[Command] = COMMANDS) -> argparse.ArgumentPar
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line `argv` (default: sys.argv[1:]); return the exit status."""
-    exiting.install()  # a launcher's rendezvous and several commands import torch: a quick exit (conveyor.exiting)
+    # a launcher's rendezvous and several commands import torch: a quick exit (conveyor.exiting), withdrawn
+    # when the command loads a user's code (a data pipeline) unless CONVEYOR_FAST_EXIT=1, as in training tasks
+    exiting.install()
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -161,7 +161,8 @@ VARIABLES: tuple[Variable, ...] = (
              f"{_RUN} and conveyor.launch.free_ports"),
     Variable(FAST_EXIT_VAR, "1: a training task leaves without the garbage collector's passes over what it imported "
              "(conveyor.exiting; objects still reachable at exit are not finalized one by one)",
-             "the user; the test suite (tests/conftest.py)", "conveyor.init (conveyor.train.job)"),
+             "the user; the test suite (tests/conftest.py)",
+             "conveyor.init (conveyor.train.job); a conveyor command that loads a data pipeline (conveyor.exiting)"),
 )
 
 #: The names alone, in the table's order.

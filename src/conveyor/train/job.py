@@ -36,7 +36,6 @@ from conveyor.cluster.output_lock import lock_for_script
 from conveyor.cluster.settings import JobSettings
 from conveyor.cluster.strategy_name import default_strategy, parse_strategy
 from conveyor.cluster.variables import (
-    FAST_EXIT_VAR,
     OMP_DEFAULT_VAR,
     REJOIN_VAR,
     RESTART_COUNT_VAR,
@@ -57,7 +56,7 @@ DEFAULT_TIMEOUT = 300.0
 
 # A user's task runs the user's code: objects in reference cycles may still hold unwritten data at exit, so the
 # quick exit (conveyor.exiting) is theirs to ask for; the test suite asks (a second of CPU per task).
-if os.environ.get(FAST_EXIT_VAR) == "1":
+if exiting.asked():
     exiting.install()
 
 _OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}

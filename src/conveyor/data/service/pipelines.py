@@ -19,6 +19,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from conveyor import exiting
 from conveyor.data.base import Node
 from conveyor.data.pipeline import Dataset
 from conveyor.data.service.protocol import DataServiceError, PipelineMismatchError
@@ -30,6 +31,7 @@ def load_pipeline(spec: str, flag: str = "--pipeline") -> Dataset:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise PipelineMismatchError(f"{flag} {spec!r}: expected MODULE:FUNCTION, e.g. myjob.input:train_pipeline")
+    exiting.user_code()  # a `conveyor` command (launcher, data worker) now holds the user's objects
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
