@@ -128,11 +128,25 @@ def _run(job: dict) -> int:
     os.dup2(out, 2)
     os.close(null)
     os.close(out)
+    before = os.environ.get("PYTHONPATH", "")
     os.environ.clear()
     os.environ.update(job["env"])
     os.chdir(job["cwd"])
+    first = 0 if sys.flags.safe_path else 1  # after the script's folder, as the interpreter puts PYTHONPATH
+    sys.path[first:first] = [os.path.abspath(p) for p in path_prefix(before, job["env"].get("PYTHONPATH", ""))]
     _fresh_state(job["env"], job["cpus"])
     return _run_main(job["argv"][1:])
+
+
+def path_prefix(template: str, task: str) -> list[str] | None:
+    """The folders ``task``'s PYTHONPATH puts before ``template``'s, which it ends with; None when it does not."""
+    if task == template:
+        return []
+    if not template:
+        return task.split(os.pathsep)
+    if task.endswith(os.pathsep + template):
+        return task[:-len(template) - 1].split(os.pathsep)
+    return None
 
 
 def _die_with(parent: int) -> None:

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from conveyor.cluster.variables import WARM_START_VAR
-from conveyor.launch.template import MAX_MESSAGE
+from conveyor.launch.template import MAX_MESSAGE, path_prefix
 
 __all__ = ["Template", "WarmProcess", "configure", "load_time_difference", "shutdown", "spawn"]
 
@@ -35,7 +35,7 @@ READY_TIMEOUT = 120.0  # the template's imports under load; a task start waits f
 REPLY_TIMEOUT = 30.0
 #: Variables read when an interpreter or a library loads (so a fork of the template cannot take a new value):
 #: Python's own, the dynamic loader's, OpenMP's and MKL's, torch's C++ logging. OMP_NUM_THREADS is applied
-#: in the child (torch.set_num_threads) and PYTHONPATH compared on its own.
+#: in the child (torch.set_num_threads); a PYTHONPATH that adds folders before the template's is applied too.
 LOAD_TIME_PREFIXES = ("PYTHON", "LD_", "OMP_", "KMP_", "GOMP_", "MKL_", "TORCH_", "MALLOC_", "GLIBC_")
 
 
@@ -46,6 +46,8 @@ def load_time_difference(template_env: Mapping[str, str], env: Mapping[str, str]
         if not name.startswith(LOAD_TIME_PREFIXES):
             continue
         if name == "OMP_NUM_THREADS" and env.get(name, "").isdigit() and int(env[name]) > 0:
+            continue
+        if name == "PYTHONPATH" and path_prefix(template_env.get(name, ""), env.get(name, "")) is not None:
             continue
         if template_env.get(name) != env.get(name):
             return f"{name} ({env.get(name, 'unset')} for the task, {template_env.get(name, 'unset')} in the template)"
@@ -136,8 +138,12 @@ class Template:
             except OSError:
                 data = b""
             if not data:
-                code = self.proc.wait(timeout=READY_TIMEOUT) if self.proc is not None else None
+                try:
+                    code = self.proc.wait(timeout=10.0) if self.proc is not None else None
+                except subprocess.TimeoutExpired:
+                    code = "unknown: still running"
                 self._fail(f"the template process exited (status {code})")
+                self.sock.close()
                 return
             message = json.loads(data)
             with self._cond:
@@ -159,9 +165,9 @@ class Template:
             self._cond.notify_all()
         self.ready.set()
         try:
-            self.sock.close()
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the reader thread's recv; close alone would not
         except OSError:
-            pass
+            pass  # the template is gone already
 
     def status(self, pid: int) -> int | None:
         """``pid``'s exit status, None while it runs. Once the template is gone its tasks die with it
@@ -255,10 +261,11 @@ def configure(enabled: bool, python: str = sys.executable, environ: Mapping[str,
 
 
 def shutdown() -> None:
-    """End the template, if one was started (the next warm start starts another)."""
-    global _template
+    """End the template, if one was started, and forget :func:`configure`'s choice and the lines said."""
+    global _template, _configured
     with _lock:
-        template, _template = _template, None
+        template, _template, _configured = _template, None, None
+        _said.clear()
     if template is not None:
         template.close()
 
