@@ -198,7 +198,7 @@ def test_a_restart_after_a_failure_is_forked_again(template, tmp_path):
     """)
     result, out, err = supervise(plan)
     assert result.ok and result.restarts == 1, err
-    assert f"[worker:0] attempt 0 parent {template.proc.pid}" in out
+    assert f"[worker:0] attempt 0 parent {template.proc.pid}" in out, err
     assert f"[worker:0] attempt 1 parent {template.proc.pid}" in out
 
 

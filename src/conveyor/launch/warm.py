@@ -34,9 +34,12 @@ __all__ = ["Template", "WarmProcess", "configure", "load_time_difference", "shut
 READY_TIMEOUT = 120.0  # the template's imports under load; a task start waits for them at most this long
 REPLY_TIMEOUT = 30.0
 #: Variables read when an interpreter or a library loads (so a fork of the template cannot take a new value):
-#: Python's own, the dynamic loader's, OpenMP's and MKL's, torch's C++ logging. OMP_NUM_THREADS is applied
-#: in the child (torch.set_num_threads); a PYTHONPATH that adds folders before the template's is applied too.
-LOAD_TIME_PREFIXES = ("PYTHON", "LD_", "OMP_", "KMP_", "GOMP_", "MKL_", "TORCH_", "MALLOC_", "GLIBC_")
+#: Python's own, the dynamic loader's and allocator's, OpenMP's and MKL's, and torch's read at import (its C++
+#: logging, TORCH_LOGS, dynamo's and inductor's configuration); torch's others (TORCH_NCCL_*, ...) are read
+#: when used. OMP_NUM_THREADS is applied in the child (torch.set_num_threads); a PYTHONPATH that adds folders
+#: before the template's is applied too.
+LOAD_TIME_PREFIXES = ("PYTHON", "LD_", "MALLOC_", "GLIBC_", "OMP_", "KMP_", "GOMP_", "MKL_", "TORCH_CPP_",
+                      "TORCH_SHOW_CPP", "TORCH_LOGS", "TORCH_COMPILE", "TORCHDYNAMO_", "TORCHINDUCTOR_")
 
 
 def load_time_difference(template_env: Mapping[str, str], env: Mapping[str, str]) -> str | None:
@@ -225,7 +228,10 @@ class Template:
 
     def close(self) -> None:
         """End the template (its tasks, if any still run, die with it) and wait for it."""
+        importing = not self.ready.is_set()
         self._fail("the template was closed")
+        if importing and self.proc is not None:
+            self.proc.kill()  # it reads the socket only once its imports are done
         if self.proc is not None:
             try:
                 self.proc.wait(timeout=5.0)
