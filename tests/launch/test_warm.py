@@ -96,7 +96,8 @@ PROBE = """
 import json, os, sys
 import helper  # a module beside the script
 out = {"name": __name__, "file": __file__, "argv": sys.argv, "path0": sys.path[0], "helper": helper.VALUE,
-       "spec": __spec__ and [__spec__.name, __spec__.origin], "package": __package__, "cwd": os.getcwd(), "pythonpath": sys.path[1:3]}
+       "spec": __spec__ and [__spec__.name, __spec__.origin], "package": __package__,
+       "cwd": os.getcwd(), "pythonpath": sys.path[1:3]}
 with open(os.environ["PROBE_OUT"], "w") as f:
     json.dump(out, f)
 """

@@ -49,8 +49,8 @@ from conveyor.launch import (
     free_ports,
     join,
     local_plan,
+    warm,
 )
-from conveyor.launch import warm
 from conveyor.launch.binding import BIND_MODES
 from conveyor.launch.elastic import JobEnded, Membership, NodeSpan, parse_nnodes
 from conveyor.launch.plan import DATA_REPORT

@@ -16,6 +16,7 @@ supervisors). Why and the limits: ``docs/launcher.md``, "Warm starts".
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -264,6 +265,8 @@ def configure(enabled: bool, python: str = sys.executable, environ: Mapping[str,
         _configured = enabled
         if enabled and _template is None:
             _template = Template(python, os.environ if environ is None else environ)
+            atexit.unregister(shutdown)
+            atexit.register(shutdown)  # waited for: its CPU (its tasks' too) is then counted as the launcher's
 
 
 def shutdown() -> None:
@@ -283,6 +286,8 @@ def _current(env: Mapping[str, str]) -> Template | None:
         if enabled and _template is None:  # started by the first task: with its start-up variables
             loaded = {k: v for k, v in env.items() if k.startswith(LOAD_TIME_PREFIXES)}
             _template = Template(sys.executable, {**os.environ, **loaded})
+            atexit.unregister(shutdown)
+            atexit.register(shutdown)
         return _template if enabled else None
 
 
