@@ -25,9 +25,10 @@ def _ephemeral_low() -> int:
 def pytest_configure(config):
     """Every task a test starts leaves without the collector's passes over torch (conveyor.exiting, ~1 CPU-s a
     task), and is forked from its launcher's template with torch imported (launch/warm.py: ~3.5 CPU-s less a
-    training task, and a restart's). Under pytest-xdist, give this worker (gw<i> of n) its own slice of the ports below the ephemeral range:
-    every free_ports() of its tests and of the launchers they start (the variable is inherited) comes from it,
-    so two workers never hand out one port, and no outgoing connection's source port takes one meanwhile."""
+    training task, and a restart's). Under pytest-xdist, give this worker (gw<i> of n) its own slice of the
+    ports below the ephemeral range: every free_ports() of its tests and of the launchers they start (the variable
+    is inherited) comes from it, so two workers never hand out one port, and no outgoing connection's source port
+    takes one meanwhile."""
     os.environ.setdefault(FAST_EXIT_VAR, "1")
     os.environ.setdefault(WARM_START_VAR, "1")
     worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")

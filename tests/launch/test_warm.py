@@ -36,6 +36,7 @@ def template(monkeypatch):
     monkeypatch.setenv("WARM_TEST_LAUNCHER_ONLY", "1")  # in the template's environment, not in the tasks'
     warm.shutdown()
     warm.configure(True)
+    assert warm._template.ready.wait(WAIT)  # else a script without torch would start a new interpreter
     yield warm._template
     warm.shutdown()
 

@@ -7,10 +7,11 @@
 (:mod:`conveyor.launch.template`) when it can; it returns None - the caller starts the task with Popen as
 always - where it cannot: warm starts are off, ``argv`` is another interpreter or has interpreter flags,
 the task's environment differs from the template's in a variable read only at an interpreter's or a
-library's start (:func:`load_time_difference`), or the template failed or died (said once). The process
-it returns is the task's own (its pid leads its process group); its exit status comes from the template,
-which reaps it, and is -SIGKILL for every task still running when the template dies (its tasks die with
-it). ``CONVEYOR_WARM_START=1`` turns warm starts on where :func:`configure` was not called (the tests'
+library's start (:func:`load_time_difference`), the template is still importing and the script does not
+import torch or conveyor itself (a new interpreter is ready sooner), or the template failed or died (said
+once). The process it returns is the task's own (its pid leads its process group); its exit status comes
+from the template, which reaps it, and is -SIGKILL for every task still running when the template dies (its
+tasks die with it). ``CONVEYOR_WARM_START=1`` turns warm starts on where :func:`configure` was not called (the tests'
 supervisors). Why and the limits: ``docs/launcher.md``, "Warm starts".
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -291,6 +293,20 @@ def _current(env: Mapping[str, str]) -> Template | None:
         return _template if enabled else None
 
 
+_TORCH_IMPORT = re.compile(rb"^[ \t]*(?:import|from)[ \t]+(?:torch|conveyor)\b", re.MULTILINE)
+
+
+def _imports_torch(argv: Sequence[str]) -> bool:
+    """Whether the task's script imports torch or conveyor itself (read, not run); a module (-m) is assumed to."""
+    if argv[1] == "-m":
+        return True
+    try:
+        with open(argv[1], "rb") as f:
+            return _TORCH_IMPORT.search(f.read(1 << 20)) is not None
+    except OSError:
+        return False
+
+
 def _say_once(say: Callable[[str], None], message: str) -> None:
     if message not in _said:
         _said.add(message)
@@ -307,6 +323,8 @@ def spawn(argv: Sequence[str], env: Mapping[str, str], cpus: Sequence[int],
         return None  # interpreter flags (-u, -X ...) take effect at its start only
     if not set(cpus) <= os.sched_getaffinity(0):
         return None  # Popen's binding fails, naming the way out
+    if not template.ready.is_set() and not _imports_torch(argv):
+        return None  # a new interpreter is ready sooner than the template's imports, which it would not use
     different = load_time_difference(template.environ, env)
     if different is not None:
         _say_once(say, f"warm start not used for {' '.join(argv[1:3])}: {different} is read at start-up only; "
