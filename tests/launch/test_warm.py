@@ -243,3 +243,16 @@ def test_which_differences_need_a_new_process():
     assert "LD_PRELOAD" in warm.load_time_difference(base, {**base, "LD_PRELOAD": "x.so"})
     assert "PYTHONUNBUFFERED" in warm.load_time_difference(base, {"OMP_NUM_THREADS": "4"})
     assert path_prefix("/b", "/a:/b") == ["/a"] and path_prefix("", "/a") == ["/a"] and path_prefix("/b", "/a") is None
+
+
+def test_conveyor_run_flag(tmp_path):
+    write(tmp_path, "import os\nimport torch\nprint(f'parent {os.getppid()}')\n")
+    for flag in ("--warm-start", "--no-warm-start"):
+        proc = subprocess.Popen([sys.executable, "-m", "conveyor.cli.main", "run", "-n", "2", flag, "--output-dir",
+                                 str(tmp_path / flag), str(tmp_path / "task.py")], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env={**os.environ, "CONVEYOR_WARM_START": "1"})
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out
+        parents = [line.rsplit(" ", 1)[1] for line in out.splitlines() if " parent " in line]
+        assert len(parents) == 2 and len(set(parents)) == 1, out
+        assert (parents[0] == str(proc.pid)) == (flag == "--no-warm-start"), out

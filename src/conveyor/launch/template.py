@@ -136,6 +136,7 @@ def _run(job: dict) -> int:
     first = 0 if sys.flags.safe_path else 1  # after the script's folder, as the interpreter puts PYTHONPATH
     sys.path[first:first] = [os.path.abspath(p) for p in path_prefix(before, job["env"].get("PYTHONPATH", ""))]
     _fresh_state(job["env"], job["cpus"])
+    sys.orig_argv = list(job["argv"])
     return _run_main(job["argv"][1:])
 
 
