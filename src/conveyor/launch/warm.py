@@ -34,7 +34,7 @@ from conveyor.launch.template import MAX_MESSAGE, path_prefix
 
 __all__ = ["Template", "WarmProcess", "configure", "load_time_difference", "shutdown", "spawn"]
 
-READY_TIMEOUT = 120.0  # the template's imports under load; a task start waits for them at most this long
+READY_TIMEOUT = 120.0  # the template's imports under load; a task's start waits for them at most this long
 REPLY_TIMEOUT = 30.0
 #: Variables read when an interpreter or a library loads (so a fork of the template cannot take a new value):
 #: Python's own, the dynamic loader's and allocator's, OpenMP's and MKL's, and torch's read at import (its C++
@@ -192,8 +192,8 @@ class Template:
 
     def start(self, argv: Sequence[str], env: Mapping[str, str], cpus: Sequence[int]) -> WarmProcess:
         """Fork one task; OSError when the template cannot (then ``failure`` says why where it is for good)."""
-        if not self.ready.wait(READY_TIMEOUT):
-            self._fail(f"the template did not finish its imports in {READY_TIMEOUT:g} s")
+        if not self.ready.wait(READY_TIMEOUT):  # a loaded machine: this task starts anew, later ones may not
+            raise OSError(f"the template had not finished its imports after {READY_TIMEOUT:g} s")
         if self.failure is not None:
             raise OSError(self.failure)
         out_r, out_w = os.pipe()
@@ -333,5 +333,5 @@ def spawn(argv: Sequence[str], env: Mapping[str, str], cpus: Sequence[int],
     try:
         return template.start(argv, env, cpus)
     except OSError as e:
-        _say_once(say, f"warm starts off: {e}; tasks start with a new interpreter")
+        _say_once(say, f"warm start not used: {e}; started with a new interpreter")
         return None
