@@ -30,9 +30,9 @@ import time
 
 #: What the template imports before serving: what every training task imports anyway (torch imports dynamo
 #: on an optimizer's first step and in DDP's constructor), and conveyor's training modules.
-PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.utils.data", "conveyor.train", "conveyor.strategies")
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.utils.data", "conveyor.train", "conveyor.strategies",
+           "conveyor.launch.tasks")
 MAX_MESSAGE = 4 << 20  # the largest request (a task's environment); the launcher sends nothing larger
-_PR_SET_PDEATHSIG = 1
 
 
 def main() -> None:
@@ -117,11 +117,12 @@ def _reap(sock: socket.socket) -> None:
 
 def _run(job: dict) -> int:
     """In the forked child: become the task, run its script; the status it exits with."""
-    template = os.getppid()
+    from conveyor.launch.tasks import _child_setup
+
     os.setsid()
-    if job["cpus"]:
-        os.sched_setaffinity(0, job["cpus"])
-    _die_with(template)
+    setup = _child_setup(os.getppid(), tuple(job["cpus"]))  # what a Popen'd task does between fork and exec
+    if setup is not None:
+        setup()
     out = job["out_fd"]
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -149,16 +150,6 @@ def path_prefix(template: str, task: str) -> list[str] | None:
     if task.endswith(os.pathsep + template):
         return task[:-len(template) - 1].split(os.pathsep)
     return None
-
-
-def _die_with(parent: int) -> None:
-    import ctypes
-
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    if os.getppid() != parent:  # the template died between fork and prctl: no signal will come
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _fresh_state(env: dict, cpus: list[int]) -> None:
