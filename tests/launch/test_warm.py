@@ -24,21 +24,24 @@ from conveyor.launch.plan import TaskLaunch
 from conveyor.launch.tasks import Console, RunningTask
 from conveyor.launch.template import path_prefix
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]  # the template's imports, under load
 
 WAIT = 300.0  # a task's whole life, the template's imports included, on a loaded machine
 
 
-@pytest.fixture
-def template(monkeypatch):
-    """A template of this test's own, started with the test's environment; ended afterwards."""
-    monkeypatch.setenv("PYTHONUNBUFFERED", "1")
-    monkeypatch.setenv("WARM_TEST_LAUNCHER_ONLY", "1")  # in the template's environment, not in the tasks'
-    warm.shutdown()
-    warm.configure(True)
-    assert warm._template.ready.wait(WAIT)  # else a script without torch would start a new interpreter
-    yield warm._template
-    warm.shutdown()
+@pytest.fixture(scope="module")
+def template():
+    """A template of this module's own (its imports take a minute on a loaded machine: paid once), started with
+    the tests' environment plus a variable the tasks do not get; ended afterwards."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONUNBUFFERED", "1")
+        patch.setenv("WARM_TEST_LAUNCHER_ONLY", "1")  # in the template's environment, not in the tasks'
+        warm.shutdown()
+        warm.configure(True)
+        shared = warm._template
+        assert shared.ready.wait(WAIT)  # else a script without torch would start a new interpreter
+        yield shared
+        warm.shutdown()
 
 
 def write(tmp_path: Path, body: str, name: str = "task.py") -> Path:
@@ -217,15 +220,19 @@ def test_an_abort_after_the_script_ended_counts_as_finished(template, tmp_path):
     assert f"done {template.proc.pid}" in out and "counted as finished" in err
 
 
-def test_a_dead_template_falls_back_to_new_processes(template, tmp_path):
-    assert template.ready.wait(WAIT)
-    template.proc.kill()
-    template.proc.wait(WAIT)
+def test_a_dead_template_falls_back_to_new_processes(template, tmp_path, monkeypatch):
+    doomed = warm.Template(template.python, template.environ)  # the module's own stays for the other tests
+    monkeypatch.setattr(warm, "_template", doomed)
+    monkeypatch.setattr(warm, "_said", set())
+    assert doomed.ready.wait(WAIT)
+    doomed.proc.kill()
+    doomed.proc.wait(WAIT)
     plan = make_plan(tmp_path, 'print(f"parent {os.getppid()}")\n', workers=2)
     result, out, err = supervise(plan)
     assert result.ok, err
     assert out.count(f"parent {os.getpid()}") == 2
-    assert err.count("warm start not used: the template process exited (status -9); started with a new interpreter") == 1
+    said = "warm start not used: the template process exited (status -9); started with a new interpreter"
+    assert err.count(said) == 1
 
 
 def test_a_start_up_variable_that_differs_is_a_new_process(template, tmp_path):
