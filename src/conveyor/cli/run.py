@@ -218,9 +218,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _warm_start(flag: bool | None, options: RunOptions, environ: Mapping[str, str]) -> None:
     """Start the warm-start template now, importing while the launcher plans and meets the other nodes; only for
-    tasks run by this interpreter (the template is one)."""
+    tasks run by this interpreter (the template is one), and a script that imports torch or conveyor itself
+    (another would not wait for the template: its imports would be for nothing)."""
     wanted = flag if flag is not None else environ.get(WARM_START_VAR) == "1"
     same = os.path.abspath(options.python) == os.path.abspath(sys.executable)
+    same = same and warm.imports_torch((options.python, options.script))
     # what every task's environment has beyond the caller's, among the variables read at start-up (plan.py)
     warm.configure(wanted and same, python=sys.executable, environ={**environ, "PYTHONUNBUFFERED": "1"})
 

@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from conveyor.cluster.variables import WARM_START_VAR
 from conveyor.launch.template import MAX_MESSAGE, path_prefix
 
-__all__ = ["Template", "WarmProcess", "configure", "load_time_difference", "shutdown", "spawn"]
+__all__ = ["Template", "WarmProcess", "configure", "imports_torch", "load_time_difference", "shutdown", "spawn"]
 
 READY_TIMEOUT = 120.0  # the template's imports under load; a task's start waits for them at most this long
 REPLY_TIMEOUT = 30.0
@@ -296,7 +296,7 @@ def _current(env: Mapping[str, str]) -> Template | None:
 _TORCH_IMPORT = re.compile(rb"^[ \t]*(?:import|from)[ \t]+(?:torch|conveyor)\b", re.MULTILINE)
 
 
-def _imports_torch(argv: Sequence[str]) -> bool:
+def imports_torch(argv: Sequence[str]) -> bool:
     """Whether the task's script imports torch or conveyor itself (read, not run); a module (-m) is assumed to."""
     if argv[1] == "-m":
         return True
@@ -323,7 +323,7 @@ def spawn(argv: Sequence[str], env: Mapping[str, str], cpus: Sequence[int],
         return None  # interpreter flags (-u, -X ...) take effect at its start only
     if not set(cpus) <= os.sched_getaffinity(0):
         return None  # Popen's binding fails, naming the way out
-    if not template.ready.is_set() and not _imports_torch(argv):
+    if not template.ready.is_set() and not imports_torch(argv):
         return None  # a new interpreter is ready sooner than the template's imports, which it would not use
     different = load_time_difference(template.environ, env)
     if different is not None:
