@@ -39,9 +39,13 @@ def main() -> None:
     """The template's entry point: preload, serve; in a forked child, run the task and exit with its status."""
     sock = socket.socket(fileno=int(sys.argv[1]))
     started = time.process_time()
-    for name in PRELOAD:
-        __import__(name)
     import torch
+
+    for name in PRELOAD:
+        try:
+            __import__(name)
+        except Exception:  # noqa: BLE001 - what is not preloaded is imported by the task that needs it, as before
+            pass
 
     if torch.cuda.is_initialized():  # an import above must never do this: forked children could not use CUDA
         _send(sock, {"error": "CUDA was initialised while preloading; warm starts need a template without it"})
