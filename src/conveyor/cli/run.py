@@ -35,7 +35,7 @@ from conveyor.cluster.settings import add_arguments as add_settings
 from conveyor.cluster.settings import agreed_flags
 from conveyor.cluster.settings import given as given_settings
 from conveyor.cluster.validate import seconds as valid_seconds
-from conveyor.cluster.variables import JOB_SECRET_FILE_VAR, JOB_SECRET_VAR, OUTPUT_LOCK_VAR
+from conveyor.cluster.variables import JOB_SECRET_FILE_VAR, JOB_SECRET_VAR, OUTPUT_LOCK_VAR, WARM_START_VAR
 from conveyor.data.service.pipelines import check_pipeline
 from conveyor.data.service.protocol import DataServiceError
 from conveyor.fileio import atomic_write
@@ -49,6 +49,7 @@ from conveyor.launch import (
     free_ports,
     join,
     local_plan,
+    warm,
 )
 from conveyor.launch.binding import BIND_MODES
 from conveyor.launch.elastic import JobEnded, Membership, NodeSpan, parse_nnodes
@@ -140,6 +141,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="the job's message-signing secret as hex digits, in a file only you can read (chmod "
                      f"600); default: ${JOB_SECRET_FILE_VAR}, ${JOB_SECRET_VAR}, else a fresh random one on one "
                      "machine. Required with --nnodes > 1: give every node the same file")
+    job.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=None,
+                     help="fork each task (every restart too) from a process that has torch imported, started with "
+                     f"the launcher, instead of a new interpreter (default: ${WARM_START_VAR}=1, else off; "
+                     "docs/launcher.md, Warm starts)")
     job.add_argument("--dry-run", action="store_true", help="print every task's command and environment; start nothing")
     place = parser.add_argument_group("placement: CPUs and GPUs")
     place.add_argument("--bind", default="none", choices=BIND_MODES,
@@ -193,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not os.path.isfile(options.script):
         raise CommandError(f"{options.script}: no such file (the script every task runs)")
+    _warm_start(args.warm_start, options, environ)
     if args.nnodes == 1:
         ports = free_ports(options.tasks_per_node + 1)  # one per task, one for torch's store (MASTER_PORT)
         # the tasks are told where the lock is before it is taken: the plan is checked first, so that a job
@@ -208,6 +214,17 @@ def run(args: argparse.Namespace) -> int:
         if args.span.elastic:
             return _run_elastic(args, options, environ, secret)
         return _run_node(args, options, environ, secret)
+
+
+def _warm_start(flag: bool | None, options: RunOptions, environ: Mapping[str, str]) -> None:
+    """Start the warm-start template now, importing while the launcher plans and meets the other nodes; only for
+    tasks run by this interpreter (the template is one), and a script that imports torch or conveyor itself
+    (another would not wait for the template: its imports would be for nothing)."""
+    wanted = flag if flag is not None else environ.get(WARM_START_VAR) == "1"
+    same = os.path.abspath(options.python) == os.path.abspath(sys.executable)
+    same = same and warm.imports_torch((options.python, options.script))
+    # what every task's environment has beyond the caller's, among the variables read at start-up (plan.py)
+    warm.configure(wanted and same, python=sys.executable, environ={**environ, "PYTHONUNBUFFERED": "1"})
 
 
 @contextlib.contextmanager

@@ -47,6 +47,7 @@ __all__ = [
     "TTY_VAR",
     "VARIABLES",
     "Variable",
+    "WARM_START_VAR",
 ]
 
 TASK_TYPE_VAR = "CONVEYOR_TASK_TYPE"
@@ -77,6 +78,7 @@ DATA_SERVICE_VAR = "CONVEYOR_DATA_SERVICE"
 CHECKPOINT_ASYNC_VAR = "CONVEYOR_CHECKPOINT_ASYNC"
 PORT_RANGE_VAR = "CONVEYOR_PORT_RANGE"
 FAST_EXIT_VAR = "CONVEYOR_FAST_EXIT"
+WARM_START_VAR = "CONVEYOR_WARM_START"
 #: ``conveyor run --stages/--microbatches/--schedule/--split``, by flag (read by the pipeline strategy)
 PIPELINE_VARS = {"stages": PIPELINE_STAGES_VAR, "microbatches": PIPELINE_MICROBATCHES_VAR,
                  "schedule": PIPELINE_SCHEDULE_VAR, "split": PIPELINE_SPLIT_VAR}
@@ -163,6 +165,9 @@ VARIABLES: tuple[Variable, ...] = (
              "(conveyor.exiting; objects still reachable at exit are not finalized one by one)",
              "the user; the test suite (tests/conftest.py)",
              "conveyor.init (conveyor.train.job); a conveyor command that loads a data pipeline (conveyor.exiting)"),
+    Variable(WARM_START_VAR, "1: the launcher forks each task from a template process with torch imported, 0: "
+             "a new interpreter each (docs/launcher.md, Warm starts)", "the user (the default of conveyor run's "
+             "--warm-start); the test suite (tests/conftest.py)", f"{_RUN} (conveyor.launch.warm)"),
 )
 
 #: The names alone, in the table's order.

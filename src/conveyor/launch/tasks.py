@@ -30,6 +30,7 @@ from typing import IO
 import psutil
 
 from conveyor.cluster.failure_report import finished_by, finished_path
+from conveyor.launch import warm
 from conveyor.launch.binding import format_cpus
 from conveyor.launch.plan import REJOIN_VAR, RESTART_COUNT_VAR, RESUME_VAR, TORCHRUN_RESTART_VAR, TTY_VAR, TaskLaunch
 
@@ -213,7 +214,7 @@ class RunningTask:
     its output. ``tail`` holds its last output lines."""
 
     launch: TaskLaunch
-    proc: subprocess.Popen
+    proc: subprocess.Popen | warm.WarmProcess
     log: TaskLog
     pump: threading.Thread
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
@@ -235,11 +236,12 @@ class RunningTask:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         log.write(f"=== restarted alone ({rejoin}) === {stamp}\n" if rejoin else
                   f"=== restart {attempt} === {stamp}\n" if attempt else f"=== {launch.name} started === {stamp}\n")
+        env = _task_env(launch, attempt, console.live_ok, failures, rejoin)
         try:
-            env = _task_env(launch, attempt, console.live_ok, failures, rejoin)
-            proc = subprocess.Popen(launch.argv, env=env,
-                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    start_new_session=True, preexec_fn=_child_setup(os.getpid(), launch.cpus))
+            # forked from the launcher's template with torch imported where it can (launch/warm.py), else a new process
+            proc = warm.spawn(launch.argv, env, launch.cpus, console.say) or subprocess.Popen(
+                launch.argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                start_new_session=True, preexec_fn=_child_setup(os.getpid(), launch.cpus))
         except subprocess.SubprocessError as e:  # what an error in preexec_fn becomes: only the binding can fail
             log.close()
             raise OSError(f"cannot bind {launch.name} to cpus {format_cpus(launch.cpus)}, which the launcher was "
