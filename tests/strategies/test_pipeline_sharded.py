@@ -389,7 +389,7 @@ def resumed(job, out: Path, header: dict, name: str, part: dict) -> tuple[object
 
     model = make_model()
     model, optimizer = job.prepare(model, make_optimizer(model))
-    saved = SimpleNamespace(tree=lambda _: header, step=RESUME_AT, path=out,
+    saved = SimpleNamespace(tree=lambda _: header, step=RESUME_AT, path=out, reworld=[],  # the resume line's parts
                             part_tree=lambda asked: part if asked == name else pytest.fail("read " + asked))
     job.strategy.checkpoint_items(model, optimizer)["optimizer"].restore("optimizer", saved)
     for x, y in list(batches(job.data_shard[1]))[RESUME_AT:]:
