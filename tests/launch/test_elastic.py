@@ -123,8 +123,8 @@ TASK = """
 class Job:
     """Launchers of one elastic job on 127.0.0.1, their output in files; the tasks write into ``tmp_path``."""
 
-    def __init__(self, tmp_path: Path, span: str = "2:3", timeout: float = 60.0):
-        self.tmp, self.span, self.timeout = tmp_path, span, timeout
+    def __init__(self, tmp_path: Path, span: str = "2:3", timeout: float = 60.0, node_timeout: float = 3.0):
+        self.tmp, self.span, self.timeout, self.node_timeout = tmp_path, span, timeout, node_timeout
         self.endpoint = f"127.0.0.1:{free_ports(1)[0]}"
         (tmp_path / "task.py").write_text(textwrap.dedent(TASK))
         self.procs: dict[str, subprocess.Popen] = {}
@@ -134,7 +134,7 @@ class Job:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "conveyor.cli.main", "run", "-n", "1", "--nnodes", self.span, "--rdzv",
                  self.endpoint, *(["--node-rank", "0"] if host else []), "--output-dir", str(self.tmp / name),
-                 "--timeout", str(self.timeout), "--node-timeout", "3", "--rdzv-last-call", "1",
+                 "--timeout", str(self.timeout), "--node-timeout", str(self.node_timeout), "--rdzv-last-call", "1",
                  "--restart-delay", "0", *extra, "task.py"],
                 cwd=self.tmp, stdout=out, stderr=err, env={**os.environ, "CONVEYOR_JOB_SECRET": SECRET_HEX})
         self.procs[name] = proc
@@ -210,6 +210,24 @@ def test_a_lost_node_leaves_the_survivors_to_finish_without_a_replacement(job):
     (record,) = json.loads((j.tmp / "a" / "logs" / "restarts.json").read_text())
     assert record["attempt"] == 1 and record["seen"] <= record["stopped"] <= record["started"], record
     assert not (j.tmp / "b" / "logs" / "restarts.json").exists()  # one writer: the chief's node
+
+
+@pytest.mark.multiprocess
+def test_a_killed_launcher_is_lost_at_once_by_its_lifeline_not_after_the_node_timeout(job):
+    j = job(node_timeout=60.0, timeout=120.0)
+    j.start("a", host=True)
+    j.start("b")
+    j.start("c")
+    j.wait_for(lambda: len(list(j.tmp.glob("seen-0-*"))) == 3)
+    started = time.monotonic()
+    j.procs["c"].send_signal(signal.SIGKILL)  # its kernel closes its connection to node 0
+    j.wait_for(lambda: len(list(j.tmp.glob("seen-1-*"))) == 2)
+    assert time.monotonic() - started < 30  # the heartbeat alone would take --node-timeout 60 s
+    err = j.err("a")
+    assert "of round 0: its launcher's connection to node 0 closed (the process is gone); the job goes on without " \
+           "it, with 2 node(s)" in err, err
+    for name in "ab":
+        assert j.wait(name) == 0, j.err(name)
 
 
 @pytest.mark.multiprocess
@@ -415,3 +433,42 @@ def test_a_joiner_that_differs_is_refused_naming_what(tmp_path, theirs, needle):
     c.tick(0.0)
     refused = record(peers, "conveyor/refused/1")["description"]
     assert refused.startswith("rendezvous at 10.0.0.1:29400: a joining node (host1 at 10.0.0.2) ") and needle in refused
+
+
+class ClosedLifeline:
+    """Lifelines whose member ``node`` closes its connection at the first poll after ``close()``."""
+
+    def __init__(self):
+        self.pending: set[int] = set()
+
+    def poll(self):
+        gone, self.pending = self.pending, set()
+        return gone
+
+    def close(self):
+        pass
+
+
+def test_a_closed_lifeline_loses_the_node_at_once_and_the_survivors_close_the_next_round_without_a_last_call(
+        tmp_path):
+    store = DictStore()
+    c, peers = coordinator(tmp_path, store, span=NodeSpan(2, 4))
+    c._lifelines = ClosedLifeline()
+    for node in (0, 1, 2):
+        want(peers, node, 0)
+        beat(peers, node, 0)
+    c.tick(0.0)
+    c.tick(5.5)  # MIN, no MAX: the last call (5 s) for round 0
+    assert record(peers, "conveyor/round/0")["members"] == [0, 1, 2]
+    beat(peers, 1, 1)
+    beat(peers, 2, 1)
+    c.tick(6.0)
+    c._lifelines.pending = {2}  # its launcher was killed: well within --node-timeout 3
+    c.tick(6.1)
+    reason = record(peers, "conveyor/regroup/0")["description"]
+    assert "lost node(s) 2 of round 0: its launcher's connection to node 0 closed (the process is gone)" in reason
+    want(peers, 0, 1, attempt=1)
+    want(peers, 1, 1)
+    beat(peers, 1, 2)
+    c.tick(6.3)  # every survivor is back, no newcomer: no last call
+    assert record(peers, "conveyor/round/1")["members"] == [0, 1]
