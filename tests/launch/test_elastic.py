@@ -129,11 +129,12 @@ class Job:
         (tmp_path / "task.py").write_text(textwrap.dedent(TASK))
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, *extra: str, host: bool = False) -> subprocess.Popen:
+    def start(self, name: str, *extra: str, host: bool = False, output: str | None = None) -> subprocess.Popen:
         with open(self.tmp / f"{name}.out", "w") as out, open(self.tmp / f"{name}.err", "w") as err:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "conveyor.cli.main", "run", "-n", "1", "--nnodes", self.span, "--rdzv",
-                 self.endpoint, *(["--node-rank", "0"] if host else []), "--output-dir", str(self.tmp / name),
+                 self.endpoint, *(["--node-rank", "0"] if host else []),
+                 "--output-dir", str(self.tmp / (output or name)),
                  "--timeout", str(self.timeout), "--node-timeout", str(self.node_timeout), "--rdzv-last-call", "1",
                  "--restart-delay", "0", *extra, "task.py"],
                 cwd=self.tmp, stdout=out, stderr=err, env={**os.environ, "CONVEYOR_JOB_SECRET": SECRET_HEX})
@@ -228,6 +229,59 @@ def test_a_killed_launcher_is_lost_at_once_by_its_lifeline_not_after_the_node_ti
            "it, with 2 node(s)" in err, err
     for name in "ab":
         assert j.wait(name) == 0, j.err(name)
+
+
+DRAINED = """
+    import os, pathlib, sys, time
+    import torch
+    from torch import nn
+    import conveyor
+    from conveyor.data import Dataset
+    from conveyor.train.trainer import Trainer
+
+    rnd = int(os.environ["CONVEYOR_ROUND"])
+    latest = pathlib.Path(os.environ["CONVEYOR_OUTPUT_DIR"], "checkpoints", "latest")
+    start = int(latest.read_text().strip().split("-")[-1]) if latest.exists() else 0
+    job = conveyor.init()
+    x = torch.arange(64, dtype=torch.float32).reshape(32, 2)
+    data = Dataset.from_tensor_slices((x.numpy(), (x[:, 0] % 2).long().numpy())).shard(job.world_size, job.rank)
+    torch.manual_seed(0)
+    linear = nn.Linear(2, 2)
+    model, opt = job.prepare(linear, torch.optim.SGD(linear.parameters(), lr=0.01))
+    steps = pathlib.Path(f"steps-{job.rank}.txt")
+
+    def slow(event):  # round 0 runs until the node that joins is there; round 1 takes 5 steps and ends
+        with steps.open("a") as f:
+            f.write(f"{rnd} {event.step}\\n")
+        if rnd == 0:
+            time.sleep(0.05)
+
+    Trainer(job, model, opt, nn.functional.cross_entropy, data.batch(4), epochs=100000,
+            max_steps=start + (5 if rnd else 100000), checkpoint_every_steps=100000, progress=False,
+            callbacks=[slow]).fit()
+    job.shutdown()
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_node_that_joins_stops_the_steps_at_a_checkpoint_so_none_is_undone(job):
+    j = job(span="1:2", timeout=120.0)
+    (j.tmp / "task.py").write_text(textwrap.dedent(DRAINED))
+    j.start("a", host=True, output="out")  # one output folder: node b's worker reads the checkpoint node 0's wrote
+    j.wait_for(lambda: (j.tmp / "steps-0.txt").exists())  # round 0: node 0 alone (MIN 1), stepping
+    j.start("b", output="out")
+    for name in "ab":
+        assert j.wait(name, timeout=200) == 0, j.err(name)
+    lines = [tuple(map(int, line.split())) for line in (j.tmp / "steps-0.txt").read_text().splitlines()]
+    round0 = [step for rnd, step in lines if rnd == 0]
+    round1 = [step for rnd, step in lines if rnd == 1]
+    err = j.err("a")
+    saved = int(err.split("the job is re-formed at checkpoint step ")[1].split()[0].rstrip(";,"))
+    assert round0[-1] == saved, (round0[-3:], saved, err)  # the chief stopped at the checkpoint: no step past it
+    assert round1 == [saved + 1 + i for i in range(5)], round1  # round 1 resumed from it, on 2 workers
+    assert "stopped at this checkpoint until round 1 starts" in (j.tmp / "out" / "logs" / "worker-0.log").read_text()
+    assert (j.tmp / "steps-1.txt").read_text().split()[:2] == ["1", str(saved + 1)]
 
 
 @pytest.mark.multiprocess
@@ -458,10 +512,13 @@ def test_a_closed_lifeline_loses_the_node_at_once_and_the_survivors_close_the_ne
         want(peers, node, 0)
         beat(peers, node, 0)
     c.tick(0.0)
-    c.tick(5.5)  # MIN, no MAX: the last call (5 s) for round 0
+    for t, count in ((2.5, 1), (5.0, 2), (5.5, 3)):  # MIN, no MAX: the last call (5 s) for round 0
+        beat(peers, 1, count)
+        beat(peers, 2, count)
+        c.tick(t)
     assert record(peers, "conveyor/round/0")["members"] == [0, 1, 2]
-    beat(peers, 1, 1)
-    beat(peers, 2, 1)
+    beat(peers, 1, 4)
+    beat(peers, 2, 4)
     c.tick(6.0)
     c._lifelines.pending = {2}  # its launcher was killed: well within --node-timeout 3
     c.tick(6.1)
@@ -469,6 +526,28 @@ def test_a_closed_lifeline_loses_the_node_at_once_and_the_survivors_close_the_ne
     assert "lost node(s) 2 of round 0: its launcher's connection to node 0 closed (the process is gone)" in reason
     want(peers, 0, 1, attempt=1)
     want(peers, 1, 1)
-    beat(peers, 1, 2)
+    beat(peers, 1, 5)
     c.tick(6.3)  # every survivor is back, no newcomer: no last call
     assert record(peers, "conveyor/round/1")["members"] == [0, 1]
+
+
+def test_a_waiting_node_asks_the_chief_to_stop_at_a_checkpoint_and_its_leaving_withdraws_it(tmp_path):
+    store = DictStore()
+    c, peers = coordinator(tmp_path, store)
+    drain = tmp_path / "logs" / "drain"
+    want(peers, 0, 0)
+    want(peers, 1, 0)
+    for t, count in ((0.0, 0), (2.5, 1), (5.5, 2)):
+        beat(peers, 1, count)
+        c.tick(t)
+    assert record(peers, "conveyor/round/0")["members"] == [0, 1] and not drain.exists()
+    want(peers, 3, 1)  # a node asks while round 0 runs
+    beat(peers, 3, 0)
+    beat(peers, 1, 3)
+    c.tick(6.0)
+    assert json.loads(drain.read_text()) == {"round": 0}  # the chief of round 0 saves after its next step
+    beat(peers, 1, 4)
+    c.tick(8.0)
+    beat(peers, 1, 5)
+    c.tick(9.5)  # node 3 fell silent (--node-timeout 3) before the checkpoint: the request is withdrawn
+    assert not drain.exists() and record(peers, "conveyor/regroup/0") is None

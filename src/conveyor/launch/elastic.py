@@ -22,6 +22,8 @@ membership".
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import secrets
 import socket
 import sys
@@ -33,6 +35,7 @@ from typing import Any, Literal
 
 from conveyor.cluster import split_address
 from conveyor.errors import PeerError, RendezvousError
+from conveyor.fileio import atomic_write
 from conveyor.launch.liveness import Heartbeat, Lifelines, beat_interval, farewell, lifeline
 from conveyor.launch.plan import NodeInfo
 from conveyor.launch.ports import free_ports
@@ -47,12 +50,14 @@ from conveyor.launch.rendezvous import (
     local_address,
     settings_difference,
 )
+from conveyor.recovery import drain_path
 from conveyor.stepfolders import CheckpointError, resume_step
 
 __all__ = ["JobEnded", "Membership", "NodeSpan", "Round", "RoundPeers", "parse_nnodes", "round_decision"]
 
 _P = "conveyor/"
 _POLL = 0.1
+_CHECKPOINT_LOOK = 1.0  # how often the coordinator looks for a new checkpoint while a node waits (no drain asked)
 _UNRANKED = "(elastic, not yet ranked)"  # how a joiner names itself before it has a node rank
 
 
@@ -328,6 +333,8 @@ class Coordinator:
         self._io, self.span, self.endpoint, self._settings = io, span, endpoint, dict(settings)
         self.timeout, self.last_call, self.node_timeout = timeout, last_call, node_timeout
         self._checkpoints = checkpoint_dir
+        self._drain = drain_path(os.path.dirname(os.path.abspath(checkpoint_dir)))  # <output>/logs/drain
+        self._drain_asked = False
         self._lifelines = lifelines
         self.closed: set[int] = set()  # members whose lifeline closed: lost at once, not after node_timeout
         self.round, self.collecting = 0, True
@@ -345,6 +352,7 @@ class Coordinator:
         self._thread = threading.Thread(target=self._run, name="conveyor-membership", daemon=True)
 
     def start(self) -> None:
+        self._withdraw(force=True)  # an earlier job's request in this output folder could name a round of this one
         self._put(f"{_P}open", {"round": 0})
         self._thread.start()
 
@@ -354,6 +362,7 @@ class Coordinator:
             self._thread.join(timeout=self.timeout + 5.0)
         if self._lifelines is not None:
             self._lifelines.close()
+        self._withdraw(force=True)
         self._io.release()
 
     def _run(self) -> None:
@@ -466,7 +475,9 @@ class Coordinator:
             self._attempt += 1  # that attempt's restart: a waiting node joins there
         if not waiting or len(self.members) >= self.span.max:
             self._mark = None
+            self._withdraw()  # the node that waited left: the chief goes on
             return
+        self._ask_drain()
         step = self._new_checkpoint(now)
         if failed or step is not None:
             when = "the restart after a failure" if failed else f"checkpoint step {step}"
@@ -474,20 +485,38 @@ class Coordinator:
             self._regroup(now, f"{len(waiting)} node(s) wait to join ({names}); the job is re-formed at {when}")
 
     def _new_checkpoint(self, now: float) -> int | None:
-        """A checkpoint newer than the one there when a node began to wait (looked at once a second)."""
+        """A checkpoint newer than the one there when a node began to wait (looked at once a second, every tick while
+        a drain is asked)."""
         if self._mark is not None and now < self._mark[0]:
             return None
         try:
             step = resume_step(self._checkpoints, verify=False, warn=False)
         except (CheckpointError, OSError):
             step = None
+        look = now + (_POLL if self._drain_asked else _CHECKPOINT_LOOK)  # a drain's checkpoint comes soon
         if self._mark is None:
-            self._mark = (now + 1.0, step)
+            self._mark = (look, step)
             return None
-        self._mark = (now + 1.0, self._mark[1])
+        self._mark = (look, self._mark[1])
         return step if step is not None and step != self._mark[1] else None
 
+    def _ask_drain(self) -> None:
+        """Ask the chief of this round to save after its next step and stop there (train/drain.py): the job then
+        re-forms at that checkpoint with no step past it to undo."""
+        if not self._drain_asked:
+            with contextlib.suppress(OSError):  # (unwritable: the job re-forms at the next periodic checkpoint)
+                self._drain.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write(self._drain, json.dumps({"round": self.round}).encode())
+            self._drain_asked = True
+
+    def _withdraw(self, force: bool = False) -> None:
+        if self._drain_asked or force:
+            with contextlib.suppress(OSError):
+                self._drain.unlink(missing_ok=True)
+            self._drain_asked = False
+
     def _regroup(self, now: float, reason: str) -> None:
+        self._drain_asked = False  # (the request names the old round: the chief stays stopped until its SIGTERM)
         self._put(f"{_P}regroup/{self.round}", {"description": reason})
         self.expected = {0} | {n for n in self.members if n not in self.lost}
         self.round += 1
