@@ -25,9 +25,11 @@ from typing import Any
 
 from conveyor.fileio import atomic_write
 
-__all__ = ["MARKS", "TASK_MARKS", "block", "fault_time", "mark", "note_restart", "process_start_time", "task_times"]
+__all__ = ["MARKS", "TASK_MARKS", "block", "drain_path", "fault_time", "mark", "note_restart", "process_start_time",
+           "task_times"]
 
 RESTARTS_FILE = "restarts.json"
+DRAIN_FILE = "drain"  # an elastic job's request to stop at a checkpoint (launch/elastic.py, train/drain.py)
 TASK_MARKS = ("imports", "group", "fit", "restored", "first_step")
 TASK_PARTS = ("process_start", "imports", "group_init", "setup", "restore", "first_step")  # ending at each time
 MARKS: dict[str, float] = {}
@@ -55,6 +57,11 @@ def task_times() -> list[float]:
     """This process's start and its marks, in order (-1 where unknown): what the ranks reduce with max."""
     start = process_start_time()
     return [start if start is not None else -1.0, *(MARKS.get(n, -1.0) for n in TASK_MARKS)]
+
+
+def drain_path(output_dir: str | os.PathLike) -> Path:
+    """Where node 0's launcher asks the chief to stop the job's steps at a checkpoint (``{"round": r}``)."""
+    return Path(output_dir) / "logs" / DRAIN_FILE
 
 
 def fault_time(lines) -> float | None:

@@ -3,7 +3,12 @@
 The short run (--quick: 90 s per run, one worker host killed at 45 s and back 20 s later) is the test of the
 10-minute benchmark: the job never stops (every launcher that ends by itself exits 0, no gap past --period), the
 failure is seen (the world shrinks, then grows back), its stall is split into parts and goodput is counted; its
-value is not asserted (a short run on a shared machine).
+value is not asserted (a short run on a shared machine). (It was opt-in for a while: after the loss, 3 workers
+over 8 files gave one a log window of zero-weight steps only, which skipped the record's all-reduce, and gloo
+aborted every restart alike until the launcher gave up; train/reporting.py now always takes part.) It is still
+opt-in (GOODPUT_TEST=1) for another reason: the failure run trains the peer's epochs x 0.8, counted at the load
+the peer ran under; when the machine gets quieter in between, the failure run can finish before the kill at 45 s
+(seen once: 1.7 x the peer's pace, no record after the kill, KeyError 'workers_after').
 It needs root (network namespaces) and skips without; the hosts are removed on every exit path.
 """
 
@@ -76,8 +81,8 @@ def test_quick_goodput_run_on_namespace_hosts(bench, tmp_path, capsys):
     reason = hosts_module.unavailable()
     if reason:
         pytest.skip(reason)
-    if os.environ.get("GOODPUT_TEST") != "1":  # failed 1 of 3 full-suite runs: a launcher's exit, not yet explained
-        pytest.skip("the quick goodput run is opt-in until its flake is found: GOODPUT_TEST=1")
+    if os.environ.get("GOODPUT_TEST") != "1":  # see the module docstring: a quieter failure run can end before its kill
+        pytest.skip("the quick goodput run is opt-in until its epochs follow the load: GOODPUT_TEST=1")
     assert bench.main(["--section", "goodput", "--quick", "--out", str(tmp_path), "--dir", str(tmp_path)]) == 0
     mine = f"{hosts_module.PREFIX}{os.getpid()}x"  # (other processes may make hosts meanwhile)
     assert not [ns for ns in hosts_module._namespaces() if ns.startswith(mine)]  # the hosts were removed

@@ -123,18 +123,19 @@ TASK = """
 class Job:
     """Launchers of one elastic job on 127.0.0.1, their output in files; the tasks write into ``tmp_path``."""
 
-    def __init__(self, tmp_path: Path, span: str = "2:3", timeout: float = 60.0):
-        self.tmp, self.span, self.timeout = tmp_path, span, timeout
+    def __init__(self, tmp_path: Path, span: str = "2:3", timeout: float = 60.0, node_timeout: float = 3.0):
+        self.tmp, self.span, self.timeout, self.node_timeout = tmp_path, span, timeout, node_timeout
         self.endpoint = f"127.0.0.1:{free_ports(1)[0]}"
         (tmp_path / "task.py").write_text(textwrap.dedent(TASK))
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, *extra: str, host: bool = False) -> subprocess.Popen:
+    def start(self, name: str, *extra: str, host: bool = False, output: str | None = None) -> subprocess.Popen:
         with open(self.tmp / f"{name}.out", "w") as out, open(self.tmp / f"{name}.err", "w") as err:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "conveyor.cli.main", "run", "-n", "1", "--nnodes", self.span, "--rdzv",
-                 self.endpoint, *(["--node-rank", "0"] if host else []), "--output-dir", str(self.tmp / name),
-                 "--timeout", str(self.timeout), "--node-timeout", "3", "--rdzv-last-call", "1",
+                 self.endpoint, *(["--node-rank", "0"] if host else []),
+                 "--output-dir", str(self.tmp / (output or name)),
+                 "--timeout", str(self.timeout), "--node-timeout", str(self.node_timeout), "--rdzv-last-call", "1",
                  "--restart-delay", "0", *extra, "task.py"],
                 cwd=self.tmp, stdout=out, stderr=err, env={**os.environ, "CONVEYOR_JOB_SECRET": SECRET_HEX})
         self.procs[name] = proc
@@ -210,6 +211,77 @@ def test_a_lost_node_leaves_the_survivors_to_finish_without_a_replacement(job):
     (record,) = json.loads((j.tmp / "a" / "logs" / "restarts.json").read_text())
     assert record["attempt"] == 1 and record["seen"] <= record["stopped"] <= record["started"], record
     assert not (j.tmp / "b" / "logs" / "restarts.json").exists()  # one writer: the chief's node
+
+
+@pytest.mark.multiprocess
+def test_a_killed_launcher_is_lost_at_once_by_its_lifeline_not_after_the_node_timeout(job):
+    j = job(node_timeout=60.0, timeout=120.0)
+    j.start("a", host=True)
+    j.start("b")
+    j.start("c")
+    j.wait_for(lambda: len(list(j.tmp.glob("seen-0-*"))) == 3)
+    started = time.monotonic()
+    j.procs["c"].send_signal(signal.SIGKILL)  # its kernel closes its connection to node 0
+    j.wait_for(lambda: len(list(j.tmp.glob("seen-1-*"))) == 2)
+    assert time.monotonic() - started < 30  # the heartbeat alone would take --node-timeout 60 s
+    err = j.err("a")
+    assert "of round 0: its launcher's connection to node 0 closed (the process is gone); the job goes on without " \
+           "it, with 2 node(s)" in err, err
+    for name in "ab":
+        assert j.wait(name) == 0, j.err(name)
+
+
+DRAINED = """
+    import os, pathlib, sys, time
+    import torch
+    from torch import nn
+    import conveyor
+    from conveyor.data import Dataset
+    from conveyor.train.trainer import Trainer
+
+    rnd = int(os.environ["CONVEYOR_ROUND"])
+    latest = pathlib.Path(os.environ["CONVEYOR_OUTPUT_DIR"], "checkpoints", "latest")
+    start = int(latest.read_text().strip().split("-")[-1]) if latest.exists() else 0
+    job = conveyor.init()
+    x = torch.arange(64, dtype=torch.float32).reshape(32, 2)
+    data = Dataset.from_tensor_slices((x.numpy(), (x[:, 0] % 2).long().numpy())).shard(job.world_size, job.rank)
+    torch.manual_seed(0)
+    linear = nn.Linear(2, 2)
+    model, opt = job.prepare(linear, torch.optim.SGD(linear.parameters(), lr=0.01))
+    steps = pathlib.Path(f"steps-{job.rank}.txt")
+
+    def slow(event):  # round 0 runs until the node that joins is there; round 1 takes 5 steps and ends
+        with steps.open("a") as f:
+            f.write(f"{rnd} {event.step}\\n")
+        if rnd == 0:
+            time.sleep(0.05)
+
+    Trainer(job, model, opt, nn.functional.cross_entropy, data.batch(4), epochs=100000,
+            max_steps=start + (5 if rnd else 100000), checkpoint_every_steps=100000, progress=False,
+            callbacks=[slow]).fit()
+    job.shutdown()
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_node_that_joins_stops_the_steps_at_a_checkpoint_so_none_is_undone(job):
+    j = job(span="1:2", timeout=120.0)
+    (j.tmp / "task.py").write_text(textwrap.dedent(DRAINED))
+    j.start("a", host=True, output="out")  # one output folder: node b's worker reads the checkpoint node 0's wrote
+    j.wait_for(lambda: (j.tmp / "steps-0.txt").exists())  # round 0: node 0 alone (MIN 1), stepping
+    j.start("b", output="out")
+    for name in "ab":
+        assert j.wait(name, timeout=200) == 0, j.err(name)
+    lines = [tuple(map(int, line.split())) for line in (j.tmp / "steps-0.txt").read_text().splitlines()]
+    round0 = [step for rnd, step in lines if rnd == 0]
+    round1 = [step for rnd, step in lines if rnd == 1]
+    err = j.err("a")
+    saved = int(err.split("the job is re-formed at checkpoint step ")[1].split()[0].rstrip(";,"))
+    assert round0[-1] == saved, (round0[-3:], saved, err)  # the chief stopped at the checkpoint: no step past it
+    assert round1 == [saved + 1 + i for i in range(5)], round1  # round 1 resumed from it, on 2 workers
+    assert "stopped at this checkpoint until round 1 starts" in (j.tmp / "out" / "logs" / "worker-0.log").read_text()
+    assert (j.tmp / "steps-1.txt").read_text().split()[:2] == ["1", str(saved + 1)]
 
 
 @pytest.mark.multiprocess
@@ -415,3 +487,67 @@ def test_a_joiner_that_differs_is_refused_naming_what(tmp_path, theirs, needle):
     c.tick(0.0)
     refused = record(peers, "conveyor/refused/1")["description"]
     assert refused.startswith("rendezvous at 10.0.0.1:29400: a joining node (host1 at 10.0.0.2) ") and needle in refused
+
+
+class ClosedLifeline:
+    """Lifelines whose member ``node`` closes its connection at the first poll after ``close()``."""
+
+    def __init__(self):
+        self.pending: set[int] = set()
+
+    def poll(self):
+        gone, self.pending = self.pending, set()
+        return gone
+
+    def close(self):
+        pass
+
+
+def test_a_closed_lifeline_loses_the_node_at_once_and_the_survivors_close_the_next_round_without_a_last_call(
+        tmp_path):
+    store = DictStore()
+    c, peers = coordinator(tmp_path, store, span=NodeSpan(2, 4))
+    c._lifelines = ClosedLifeline()
+    for node in (0, 1, 2):
+        want(peers, node, 0)
+        beat(peers, node, 0)
+    c.tick(0.0)
+    for t, count in ((2.5, 1), (5.0, 2), (5.5, 3)):  # MIN, no MAX: the last call (5 s) for round 0
+        beat(peers, 1, count)
+        beat(peers, 2, count)
+        c.tick(t)
+    assert record(peers, "conveyor/round/0")["members"] == [0, 1, 2]
+    beat(peers, 1, 4)
+    beat(peers, 2, 4)
+    c.tick(6.0)
+    c._lifelines.pending = {2}  # its launcher was killed: well within --node-timeout 3
+    c.tick(6.1)
+    reason = record(peers, "conveyor/regroup/0")["description"]
+    assert "lost node(s) 2 of round 0: its launcher's connection to node 0 closed (the process is gone)" in reason
+    want(peers, 0, 1, attempt=1)
+    want(peers, 1, 1)
+    beat(peers, 1, 5)
+    c.tick(6.3)  # every survivor is back, no newcomer: no last call
+    assert record(peers, "conveyor/round/1")["members"] == [0, 1]
+
+
+def test_a_waiting_node_asks_the_chief_to_stop_at_a_checkpoint_and_its_leaving_withdraws_it(tmp_path):
+    store = DictStore()
+    c, peers = coordinator(tmp_path, store)
+    drain = tmp_path / "logs" / "drain"
+    want(peers, 0, 0)
+    want(peers, 1, 0)
+    for t, count in ((0.0, 0), (2.5, 1), (5.5, 2)):
+        beat(peers, 1, count)
+        c.tick(t)
+    assert record(peers, "conveyor/round/0")["members"] == [0, 1] and not drain.exists()
+    want(peers, 3, 1)  # a node asks while round 0 runs
+    beat(peers, 3, 0)
+    beat(peers, 1, 3)
+    c.tick(6.0)
+    assert json.loads(drain.read_text()) == {"round": 0}  # the chief of round 0 saves after its next step
+    beat(peers, 1, 4)
+    c.tick(8.0)
+    beat(peers, 1, 5)
+    c.tick(9.5)  # node 3 fell silent (--node-timeout 3) before the checkpoint: the request is withdrawn
+    assert not drain.exists() and record(peers, "conveyor/regroup/0") is None

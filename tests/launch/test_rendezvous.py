@@ -334,6 +334,10 @@ def test_two_launchers_on_one_host_agree_and_restart_together(tmp_path):
     assert "worker:3 exited with status 5 on node 1" in results[0][2]  # node 0 restarted for node 1's task
     assert (tmp_path / "output1" / "logs" / "worker-3.log").exists()
     assert not (tmp_path / "output0" / "logs" / "worker-3.log").exists()
+    # the restart's record (summary.json's recovery): node 0 alone writes it, as an output folder may be shared
+    (record,) = json.loads((tmp_path / "output0" / "logs" / "restarts.json").read_text())
+    assert record["attempt"] == 1 and record["seen"] <= record["stopped"] <= record["started"], record
+    assert not (tmp_path / "output1" / "logs" / "restarts.json").exists()
 
 
 # -- two network namespaces -------------------------------------------------------------------------

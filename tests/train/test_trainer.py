@@ -785,3 +785,47 @@ def test_skip_drops_the_batch_with_a_nan_loss_and_trains_on(tmp_path, monkeypatc
 def test_the_nonfinite_policy_is_validated(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"nonfinite must be one of \['stop', 'skip'\]"):
         fit_with(tmp_path, monkeypatch, nn.functional.cross_entropy, nonfinite="ignore")
+
+
+SHORT_SHARD = r'''
+import os, sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+import conveyor
+from conveyor.data import Dataset
+from conveyor.train.trainer import Trainer
+
+out = Path(sys.argv[1])
+job = conveyor.init()
+rng = np.random.default_rng(0)
+n = 32 if job.rank == 0 else 8  # worker 1: 2 batches of 4, then zero-weight steps 3..8 (whole log windows)
+x = rng.normal(size=(n, 4)).astype(np.float32)
+y = (x[:, 1] > 0).astype(np.int64)
+torch.manual_seed(0)
+linear = nn.Linear(4, 2)
+model, opt = job.prepare(linear, torch.optim.SGD(linear.parameters(), lr=0.05))
+Trainer(job, model, opt, nn.functional.cross_entropy,
+        Dataset.from_tensor_slices((x, y)).batch(4), epochs=1, log_every_steps=2, progress=False).fit()
+job.shutdown()
+sys.stdout.flush()
+os._exit(0)
+'''
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_a_worker_with_zero_weight_steps_only_since_the_last_record_still_takes_part_in_it(tmp_path):
+    # Its log window was empty, so it skipped the record's all-reduce that the other worker made: the next
+    # collectives met out of order and gloo aborted the job ("16 vs 4"), every restart alike (issue 19's goodput
+    # run, after a loss left 3 workers over 8 files).
+    script = tmp_path / "worker.py"
+    script.write_text(SHORT_SHARD)
+    codes, logs = _two_workers(script, tmp_path)
+    assert codes == [0, 0], logs
+    train = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r["event"] == "train"]
+    assert [(r["step"], r["samples"], r["workers"]) for r in train] == [(2, 16, 2), (4, 8, 2), (6, 8, 2),
+                                                                           (8, 8, 2)]

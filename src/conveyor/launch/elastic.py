@@ -8,10 +8,11 @@
 Node 0 (``--node-rank 0``) hosts the store, keeps rank 0 for the whole job and runs the coordinator thread,
 which alone decides the rounds. Every other launcher takes a member id (a counter) and asks for a round with
 a signed ``want`` record. A round closes when MAX nodes want it, or when at least MIN do, every survivor
-of the last round is back and ``last_call`` seconds passed without a newcomer; with fewer than MIN after
-``timeout`` the job fails naming both counts. Node ranks are dense: node 0, the survivors in their old
-order, newcomers by arrival. While a round runs, a member silent for ``node_timeout`` makes the
-coordinator write ``regroup/<round>``: every supervisor stops its tasks and asks for the next round. A node
+of the last round is back and ``last_call`` seconds passed since the last newcomer asked (none since: at once);
+with fewer than MIN after ``timeout`` the job fails naming both counts. Node ranks are dense: node 0, the
+survivors in their old order, newcomers by arrival. While a round runs, a member silent for ``node_timeout``,
+or whose lifeline to node 0 closed (its launcher died: ``launch/liveness.py``), makes the coordinator write
+``regroup/<round>``: every supervisor stops its tasks and asks for the next round. A node
 that asks meanwhile waits, and joins when the job next re-forms: a new checkpoint, the restart after a
 failure, or a lost node. A joiner with other settings, or a node declared lost that speaks again, is
 refused naming why. Records are signed as in ``launch/rendezvous.py``. Why: docs/launcher.md, "Elastic
@@ -21,6 +22,8 @@ membership".
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import secrets
 import socket
 import sys
@@ -32,7 +35,8 @@ from typing import Any, Literal
 
 from conveyor.cluster import split_address
 from conveyor.errors import PeerError, RendezvousError
-from conveyor.launch.liveness import Heartbeat, beat_interval
+from conveyor.fileio import atomic_write
+from conveyor.launch.liveness import Heartbeat, Lifelines, beat_interval, farewell, lifeline
 from conveyor.launch.plan import NodeInfo
 from conveyor.launch.ports import free_ports
 from conveyor.launch.rendezvous import (
@@ -46,12 +50,14 @@ from conveyor.launch.rendezvous import (
     local_address,
     settings_difference,
 )
+from conveyor.recovery import drain_path
 from conveyor.stepfolders import CheckpointError, resume_step
 
 __all__ = ["JobEnded", "Membership", "NodeSpan", "Round", "RoundPeers", "parse_nnodes", "round_decision"]
 
 _P = "conveyor/"
 _POLL = 0.1
+_CHECKPOINT_LOOK = 1.0  # how often the coordinator looks for a new checkpoint while a node waits (no drain asked)
 _UNRANKED = "(elastic, not yet ranked)"  # how a joiner names itself before it has a node rank
 
 
@@ -166,14 +172,18 @@ class Membership:
         self._coordinator: Coordinator | None = None
         self._heart: Heartbeat | None = None
         self._last: RoundPeers | None = None
+        self._lifeline = None  # a member's connection to node 0 (launch/liveness.py): its close is its loss
         self.id = 0
         if host:
-            job = {"master_port": ports[-1], "run": secrets.token_hex(16)}
+            run = secrets.token_hex(16)
+            lifelines = Lifelines(self._address, secret=secret, run=run)
+            job = {"master_port": ports[-1], "run": run, "lifeline_port": lifelines.port}
             _call(self._store.set, endpoint, f"{_P}job", _seal(secret, f"{_P}job", job), timeout=timeout)
             self._io.run = job["run"]
             self._coordinator = Coordinator(self._peers(self._connect_twin(), 0), span=span, endpoint=endpoint,
                                             settings=self._mine["settings"], timeout=timeout, last_call=last_call,
-                                            node_timeout=node_timeout, checkpoint_dir=checkpoint_dir)
+                                            node_timeout=node_timeout, checkpoint_dir=checkpoint_dir,
+                                            lifelines=lifelines)
             self._coordinator.start()
         else:
             self._join()
@@ -196,9 +206,15 @@ class Membership:
                        self.endpoint)
 
     def _join(self) -> None:
-        """Take a member id, and beat from a thread of its own (node 0 drops a joiner that falls silent)."""
-        self._io.run = str(self._read_job()["run"])
+        """Take a member id, open the lifeline, and beat from a thread of its own (node 0 drops a joiner that falls
+        silent, or whose lifeline closes)."""
+        job = self._read_job()
+        self._io.run = str(job["run"])
         self.id = int(_call(self._store.add, self.endpoint, f"{_P}joins", 1, timeout=self.timeout))
+        if job.get("lifeline_port"):
+            host, _ = split_address(self.endpoint, "--rdzv")
+            self._lifeline = lifeline(host, int(job["lifeline_port"]), secret=self._secret, run=self._io.run,
+                                      member=self.id, timeout=min(5.0, self.timeout))
         beater = self._peers(self._connect_twin(), self.id, nnodes=2)
         beater.beat_key = f"{_P}alive/m{self.id}"
         self._heart = Heartbeat(beater, hosts=(), timeout=self.node_timeout)
@@ -284,6 +300,7 @@ class Membership:
                                    min(5.0, self.timeout))
         if self._heart is not None:
             self._heart.stop()
+        farewell(self._lifeline)  # leaving on purpose: no loss
         if self._last is not None:
             self._last.close()
 
@@ -311,10 +328,15 @@ class Coordinator:
     """
 
     def __init__(self, io: StorePeers, *, span: NodeSpan, endpoint: str, settings: Mapping[str, Any],
-                 timeout: float, last_call: float, node_timeout: float, checkpoint_dir: str) -> None:
+                 timeout: float, last_call: float, node_timeout: float, checkpoint_dir: str,
+                 lifelines: Lifelines | None = None) -> None:
         self._io, self.span, self.endpoint, self._settings = io, span, endpoint, dict(settings)
         self.timeout, self.last_call, self.node_timeout = timeout, last_call, node_timeout
         self._checkpoints = checkpoint_dir
+        self._drain = drain_path(os.path.dirname(os.path.abspath(checkpoint_dir)))  # <output>/logs/drain
+        self._drain_asked = False
+        self._lifelines = lifelines
+        self.closed: set[int] = set()  # members whose lifeline closed: lost at once, not after node_timeout
         self.round, self.collecting = 0, True
         self.opened = self.last_change = time.monotonic()
         self.members: list[int] = []  # the running round's member ids, in rank order
@@ -330,6 +352,7 @@ class Coordinator:
         self._thread = threading.Thread(target=self._run, name="conveyor-membership", daemon=True)
 
     def start(self) -> None:
+        self._withdraw(force=True)  # an earlier job's request in this output folder could name a round of this one
         self._put(f"{_P}open", {"round": 0})
         self._thread.start()
 
@@ -337,6 +360,9 @@ class Coordinator:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.timeout + 5.0)
+        if self._lifelines is not None:
+            self._lifelines.close()
+        self._withdraw(force=True)
         self._io.release()
 
     def _run(self) -> None:
@@ -375,7 +401,8 @@ class Coordinator:
                 continue
             if node in self.lost:
                 self._refuse(node, f"rendezvous at {self.endpoint}: this node ({_name(record)}) was declared lost "
-                                   f"(no heartbeat for {self.node_timeout:g} s) and the job went on without it; "
+                                   f"(no heartbeat for {self.node_timeout:g} s, or its launcher's connection to node 0 "
+                                   f"closed) and the job went on without it; "
                                    f"start its launcher again to join the next round")
                 continue
             why = settings_difference(self.endpoint, f"a joining node ({_name(record)})",
@@ -385,7 +412,8 @@ class Coordinator:
                 continue
             self.wants[node] = record
             self.heard.setdefault(node, (-1, now))
-            self.last_change = now
+            if node not in self.expected:  # the last call waits for newcomers; a survivor back closes at once
+                self.last_change = now
 
     def _refuse(self, node: int, why: str) -> None:
         self.refused.add(node)
@@ -393,14 +421,17 @@ class Coordinator:
         print(f"[conveyor] refused a node: {why}", file=sys.stderr, flush=True)
 
     def _watch(self, now: float) -> None:
-        """Beats of the members and of the nodes waiting; one silent for ``node_timeout`` is lost."""
+        """Beats of the members and of the nodes waiting; one silent for ``node_timeout``, or whose lifeline
+        closed, is lost."""
+        if self._lifelines is not None:
+            self.closed |= self._lifelines.poll()
         for node in sorted((set(self.members) | set(self.wants)) - {0} - self.lost):
             beat = self._io.beat_at(f"{_P}alive/m{node}")
             last, since = self.heard.get(node, (-1, now))
             if beat is not None and beat > last:
                 last, since = beat, now
             self.heard[node] = (last, since)
-            if now - since > self.node_timeout:
+            if now - since > self.node_timeout or node in self.closed:
                 self.lost.add(node)
                 if self.wants.pop(node, None) is not None:
                     self.last_change = now
@@ -430,11 +461,13 @@ class Coordinator:
             self._attempt, self._mark = attempt, None
 
     def _running(self, now: float) -> None:
-        gone = [self.members.index(n) for n in self.members if n in self.lost]
+        gone = [n for n in self.members if n in self.lost]
         if gone:
-            self._regroup(now, f"lost node(s) {', '.join(map(str, gone))} of round {self.round}: no heartbeat from "
-                               f"the launcher for {self.node_timeout:g} s; the job goes on without it, with "
-                               f"{len(self.members) - len(gone)} node(s) (--nnodes {self.span})")
+            why = ("its launcher's connection to node 0 closed (the process is gone)" if set(gone) <= self.closed
+                   else f"no heartbeat from the launcher for {self.node_timeout:g} s")
+            ranks = ", ".join(str(self.members.index(n)) for n in gone)
+            self._regroup(now, f"lost node(s) {ranks} of round {self.round}: {why}; the job goes on without it, "
+                               f"with {len(self.members) - len(gone)} node(s) (--nnodes {self.span})")
             return
         waiting = [n for n in self.wants if n not in self.members]
         failed = self._io.failure(self._attempt) is not None
@@ -442,7 +475,9 @@ class Coordinator:
             self._attempt += 1  # that attempt's restart: a waiting node joins there
         if not waiting or len(self.members) >= self.span.max:
             self._mark = None
+            self._withdraw()  # the node that waited left: the chief goes on
             return
+        self._ask_drain()
         step = self._new_checkpoint(now)
         if failed or step is not None:
             when = "the restart after a failure" if failed else f"checkpoint step {step}"
@@ -450,24 +485,43 @@ class Coordinator:
             self._regroup(now, f"{len(waiting)} node(s) wait to join ({names}); the job is re-formed at {when}")
 
     def _new_checkpoint(self, now: float) -> int | None:
-        """A checkpoint newer than the one there when a node began to wait (looked at once a second)."""
+        """A checkpoint newer than the one there when a node began to wait (looked at once a second, every tick while
+        a drain is asked)."""
         if self._mark is not None and now < self._mark[0]:
             return None
         try:
             step = resume_step(self._checkpoints, verify=False, warn=False)
         except (CheckpointError, OSError):
             step = None
+        look = now + (_POLL if self._drain_asked else _CHECKPOINT_LOOK)  # a drain's checkpoint comes soon
         if self._mark is None:
-            self._mark = (now + 1.0, step)
+            self._mark = (look, step)
             return None
-        self._mark = (now + 1.0, self._mark[1])
+        self._mark = (look, self._mark[1])
         return step if step is not None and step != self._mark[1] else None
 
+    def _ask_drain(self) -> None:
+        """Ask the chief of this round to save after its next step and stop there (train/drain.py): the job then
+        re-forms at that checkpoint with no step past it to undo."""
+        if not self._drain_asked:
+            with contextlib.suppress(OSError):  # (unwritable: the job re-forms at the next periodic checkpoint)
+                self._drain.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write(self._drain, json.dumps({"round": self.round}).encode())
+            self._drain_asked = True
+
+    def _withdraw(self, force: bool = False) -> None:
+        if self._drain_asked or force:
+            with contextlib.suppress(OSError):
+                self._drain.unlink(missing_ok=True)
+            self._drain_asked = False
+
     def _regroup(self, now: float, reason: str) -> None:
+        self._drain_asked = False  # (the request names the old round: the chief stays stopped until its SIGTERM)
         self._put(f"{_P}regroup/{self.round}", {"description": reason})
         self.expected = {0} | {n for n in self.members if n not in self.lost}
         self.round += 1
-        self.collecting, self.opened, self.last_change = True, now, now
+        # no newcomer since: the round closes as soon as every survivor is back (the last call is for newcomers)
+        self.collecting, self.opened, self.last_change = True, now, now - self.last_call
         self._put(f"{_P}open", {"round": self.round})
 
     def _fail(self, reason: str) -> None:

@@ -275,7 +275,9 @@ class Supervisor:
         pids = ", ".join(f"{r.name} pid {r.proc.pid}" for r in self._tasks)
         self._say(f"attempt {s.attempt}: started {pids}; logs in {self.plan.log_dir}")
         recovering, self._recovery = self._recovery, {}
-        if "stopped" in recovering:  # summary.json's recovery block (the chief of this attempt reads it)
+        # summary.json's recovery block: the chief (node 0's) reads it; one writer, as the output folder may be
+        # shared by every node (each appending made one entry per node)
+        if "stopped" in recovering and self.plan.node_rank == 0:
             note_restart(self.plan.log_dir, attempt=s.attempt, started=started, **recovering)
         self._next_peer_check = 0.0
         return Running(s.attempt, tuple(self._tasks), start_step)

@@ -88,6 +88,11 @@ class Coordinator:
         """Whether to checkpoint after ``step``; every worker gets the same answer when they save together."""
         return policy.should_save(step)
 
+    def request_save(self) -> bool:
+        """The chief asks every worker to save after the next step (an elastic job re-forming: train/drain.py);
+        False where the workers cannot be asked (they run apart)."""
+        return False
+
     def evaluation(self, final: bool) -> str | None:
         """How to evaluate now: ``"all"`` (a collective over every worker), ``"alone"`` (this worker's
         shard, no collective) or None (this worker skips)."""
@@ -130,6 +135,7 @@ class LockstepCoordinator(Coordinator):
         self.log_world = self.world
         self._save_request = False  # the chief's time-based decision, sent with the next step's agreement
         self._save_flag = False  # what the last agreement carried
+        self._asked = False  # request_save() since the last save (a world of one: no agreement carries it)
 
     def agree(self, have_batch: bool, can_shadow: bool = False) -> bool:
         if self.world == 1:
@@ -144,9 +150,15 @@ class LockstepCoordinator(Coordinator):
         self.holding = 0 if stuck_ranks > 0 else round(everyone)
         return everyone >= self.world
 
+    def request_save(self) -> bool:
+        self._save_request = self._save_request or self.chief
+        self._asked = True  # (one worker alone saves at its next step: nobody to tell)
+        return True
+
     def should_save(self, step: int, policy: _Policy) -> bool:
         if self.world == 1:
-            return policy.should_save(step)
+            asked, self._asked = self._asked, False
+            return policy.should_save(step) or asked
         every = policy.every_steps
         save = self._save_flag or bool(every and step % every == 0)
         if self.chief:

@@ -55,7 +55,7 @@ class LogWindow:
         if flops is not None:
             self.flops = (self.flops or 0.0) + flops
 
-    def record(self, job: Any, world: int, meter: Throughput | None = None) -> dict[str, Any]:
+    def record(self, job: Any, world: int, meter: Throughput | None = None) -> dict[str, Any] | None:
         elapsed = max(time.perf_counter() - self.t0, 1e-9)
         known = [self.tokens is not None, self.flops is not None]
         rest = torch.tensor([self.steps, self.samples, self.wait, elapsed, self.tokens or 0, self.flops or 0, *known],
@@ -64,6 +64,8 @@ class LogWindow:
         if world > 1:
             job.all_reduce(vec)
         loss, steps, samples, wait, elapsed_sum, tokens, flops, tokens_known, flops_known = vec.tolist()
+        if steps == 0:
+            return None  # no worker took a step with a batch since the last record
         seconds = elapsed_sum / world  # the ranks' mean window
         # samples (exact) and the workers summed: what goodput is counted from (benchmarks/elastic_goodput.py)
         record = {"loss": loss / max(steps, 1), "samples_per_second": samples / seconds,
@@ -107,9 +109,15 @@ class Reporter:
 
         ``shared``: the job's (step, total) where workers run apart and this worker's steps are a part of it.
         """
-        if self.window.steps == 0:
+        if self.window.steps == 0 and world <= 1:
             return None
+        # Over several workers the record is a collective: a worker whose window holds zero-weight steps only
+        # (its shard ran out first) must take part too, or the others' next collective meets its step's (a gloo
+        # abort, "16 vs 4").
         figures = self.window.record(self.job, world, self.throughput)
+        if figures is None:
+            self.window.reset()
+            return None
         record = {"event": "train", "step": step, "epoch": epoch, **figures, "lr": lr, "time": time.time()}
         if shared is not None:
             record["global_step"] = shared[0]

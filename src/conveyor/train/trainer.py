@@ -44,6 +44,7 @@ from conveyor.train.checkpoint import (
     StepWrite,
     stage_commit,
 )
+from conveyor.train.drain import Drain
 from conveyor.train.evaluation import Evaluator, accuracy, batch_size, evaluate, split_batch
 from conveyor.train.nonfinite import NonfiniteGuard, check_policy, params_finite
 from conveyor.train.position import DataPosition, TrainerPosition
@@ -248,6 +249,7 @@ class _Run:
         if trainer.scheduler is not None:
             self.items["scheduler"] = Stateful(trainer.scheduler)
         self.checkpointer = _Checkpointer(self)
+        self.drain = Drain.open(self.job, self.coord)  # an elastic job's chief: stop at a checkpoint when asked
         self.guard = NonfiniteGuard(self.cfg.nonfinite, self.job, trainer.module)
         self.loss_fn = self.guard.wrap(trainer.loss_fn)
         self.meter = Throughput(self.device, peak_tflops=self.cfg.peak_tflops,
@@ -285,6 +287,8 @@ class _Run:
         t.model.train()
         self.checkpointer.start(t.step)
         while self.batches.active and not self.coord.finished(t.step, self.batches.steps_per_epoch):
+            if self.drain is not None:
+                self.drain.look()  # before the step's agreement, which carries the request to save after it
             self.prof.begin_step()
             batch = self.batches.next()
             if batch is None:
@@ -317,6 +321,8 @@ class _Run:
                 self.checkpointer.save(t.step)
             for callback in () if shadow else t.callbacks:
                 callback(StepEnd(t.step, t.epoch, loss, inputs, targets, times))
+            if self.drain is not None and self.checkpointer.last_saved == t.step:
+                self.drain.park(self.checkpointer.saves)  # asked to stop here: the step's callbacks ran, it is saved
 
     def finish(self) -> None:
         self._log()
