@@ -226,6 +226,49 @@ def test_get_strategy_gives_fsdp() -> None:
     assert type(strategy).__name__ == "FSDPStrategy" and str(strategy) == "fsdp" and strategy.distributed
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_one_gpu_computes_in_bf16_keeps_fp32_shards_and_follows_an_fp32_process(tmp_path: Path) -> None:
+    """The issue's GPU check: fsdp on GPU 0 with NCCL at world size 1 applies the mixed-precision policy (the
+    blocks compute in bf16, the sharded parameters and Adam's state stay fp32) and ends its Adam steps within
+    bf16's tolerance of the same steps in fp32 on one plain process; its step rate is printed for the note."""
+    import time
+
+    import conveyor
+
+    steps = range(STEPS)
+    plain = make_model(seed=0)
+    train(plain, torch.optim.Adam(plain.parameters(), lr=LR), rank=0, world=1, batch=WORLD * BATCH, steps=steps)
+    with conveyor.init("fsdp", environ={"CONVEYOR_OUTPUT_DIR": str(tmp_path / "out")}) as job:
+        assert job.device.type == "cuda" and job.backend == "nccl"
+        model = make_model(seed=0)
+        model, optimizer = job.prepare(model, torch.optim.Adam(model.parameters(), lr=LR))
+        computed = []
+        model.layers[0].register_forward_hook(lambda module, args, out: computed.append(out.dtype))
+        x, y = (t.to(job.device) for t in make_data())
+        start = time.perf_counter()
+        for k in steps:
+            rows = slice(k * WORLD * BATCH, (k + 1) * WORLD * BATCH)
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x[rows]).float(), y[rows]).backward()
+            optimizer.step()
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        assert set(computed) == {torch.bfloat16}
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        assert all(v.dtype == torch.float32 for state in optimizer.state.values() for v in state.values()
+                   if torch.is_tensor(v) and v.is_floating_point())
+        trained = torch.tensor(full(model))
+    expected, initial = torch.tensor(full(plain)), torch.tensor(full(make_model(seed=0)))
+    assert torch.isfinite(trained).all()
+    # Adam moves a parameter by about LR a step whatever its gradient's size, so where bf16 flips a tiny
+    # gradient's sign the two may part by up to 2 * LR a step; on average they must move alike
+    assert (trained - expected).abs().max() <= 2 * LR * len(steps)
+    assert (trained - expected).abs().mean() <= 0.1 * (expected - initial).abs().mean()
+    print(f"fsdp, 1 GPU, bf16 compute: {len(steps) / seconds:.1f} steps/s (tiny model; start-up included in "
+          f"the first step); largest difference from fp32 {(trained - expected).abs().max():.2e}")
+
+
 # -- the worker side ------------------------------------------------------------------------------------------------
 
 
