@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conveyor.cluster.variables import FAST_EXIT_VAR, WARM_START_VAR
+from conveyor.cluster.variables import FAST_EXIT_VAR
 from conveyor.launch.ports import PORT_RANGE_VAR
 from conveyor.testing.hosts import Hosts, unavailable
 
@@ -26,13 +26,13 @@ def _ephemeral_low() -> int:
 
 def pytest_configure(config):
     """Every task a test starts leaves without the collector's passes over torch (conveyor.exiting, ~1 CPU-s a
-    task), and is forked from its launcher's template with torch imported (launch/warm.py: ~3.5 CPU-s less a
-    training task, and a restart's). Under pytest-xdist, give this worker (gw<i> of n) its own slice of the
-    ports below the ephemeral range: every free_ports() of its tests and of the launchers they start (the variable
-    is inherited) comes from it, so two workers never hand out one port, and no outgoing connection's source port
-    takes one meanwhile."""
+    task). Warm starts (launch/warm.py) stay off, as a user gets them, unless CONVEYOR_WARM_START is set: tests
+    find a job's tasks by their command line and environment, which a warm task shows as its template's
+    (docs/launcher.md, Warm starts); tests/launch/test_warm.py turns them on where it tests them. Under
+    pytest-xdist, give this worker (gw<i> of n) its own slice of the ports below the ephemeral range: every
+    free_ports() of its tests and of the launchers they start (the variable is inherited) comes from it, so two
+    workers never hand out one port, and no outgoing connection's source port takes one meanwhile."""
     os.environ.setdefault(FAST_EXIT_VAR, "1")
-    os.environ.setdefault(WARM_START_VAR, "1")
     worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
     if not worker.startswith("gw") or not count.isdigit() or PORT_RANGE_VAR in os.environ:
         return

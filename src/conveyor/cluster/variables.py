@@ -167,7 +167,7 @@ VARIABLES: tuple[Variable, ...] = (
              "conveyor.init (conveyor.train.job); a conveyor command that loads a data pipeline (conveyor.exiting)"),
     Variable(WARM_START_VAR, "1: the launcher forks each task from a template process with torch imported, 0: "
              "a new interpreter each (docs/launcher.md, Warm starts)", "the user (the default of conveyor run's "
-             "--warm-start); the test suite (tests/conftest.py)", f"{_RUN} (conveyor.launch.warm)"),
+             "--warm-start); tests/launch/test_warm.py", f"{_RUN} (conveyor.launch.warm)"),
 )
 
 #: The names alone, in the table's order.
