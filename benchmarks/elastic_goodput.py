@@ -49,7 +49,8 @@ WORKER_HOSTS = (1, 2, 3)
 PARTS = ("detect_s", "stop_s", "rendezvous_s", "start_up_s")
 GOAL = 0.80
 GOALS = (h.Goal("goodput >= 0.80 of the failure-free run", "goodput", GOAL, ">="),
-         h.Goal("the job never stops (every launcher exits 0, no gap > --max-gap)", "never_stops", 1.0, ">="))
+         h.Goal("the job never stops (node 0 runs to the end, no launcher fails, no gap > --max-gap)", "never_stops",
+                1.0, ">="))
 DEFAULTS = {"duration": (600.0, 90.0), "period": (60.0, 45.0), "down": (30.0, 20.0)}
 EPOCHS = 100000  # more than any window holds (the digits: ~30 steps an epoch); the benchmark ends the runs
 
