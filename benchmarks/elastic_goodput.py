@@ -2,12 +2,12 @@
 
 Four network-namespace hosts (conveyor.testing.hosts, needs root): host0 runs node 0 (`--node-rank 0`: the
 rendezvous store and the chief, never killed), host1..host3 are the 3 worker hosts; every host runs
-`conveyor run -n 1 --nnodes 2:4` of the digits example (allreduce, 1 thread per task). Two jobs, one after
-the other in the same invocation: the failure-free peer, ended by the benchmark after --duration s; then the
-same job where worker host ``1 + k % 3`` is killed at ``(k+1) x --period`` s (every process on it SIGKILLed:
-launcher and tasks, a machine losing power) and its launcher started again --down s later, for --duration s;
-it trains the peer's epochs x 0.8 (the goal), so it ends about when the window does at goodput 0.8, and is
-stopped --duration/5 s after the window if it still runs (no failure is injected after the window).
+`conveyor run -n 1 --nnodes 2:4 --warm-start` (--no-warm-start: new interpreters) of the digits example
+(allreduce, 1 thread per task). Two jobs, one after the other in the same invocation: the failure-free peer;
+then the same job where worker host ``1 + k % 3`` is killed at ``(k+1) x --period`` s (every process on it
+SIGKILLed: launcher and tasks, a machine losing power) and its launcher started again --down s later. Both
+train more epochs than any window holds, whatever the load, and the benchmark ends both the same way: at the
+window's end, once the chief has logged a record past it (or --max-gap s later), every launcher is SIGKILLed.
 
 Goodput. The chief logs every 5 steps (metrics.jsonl: the step, its time, the exact samples summed over the
 workers since the last record, and their count). A record is *undone* when a later attempt resumed from a
@@ -18,8 +18,9 @@ are timed from: start-up is no failure's cost); goodput = (that / duration) of t
 Goal >= 0.80 (TorchFT's 82 %). Per failure: the stall (the gap between the last record kept before the kill and
 the first after, less the run's median gap) split into detect / stop / rendezvous / start-up by node 0's
 logs/restarts.json (conveyor.recovery), steps undone, the same for the re-forming that takes the host back, and
-the workers over time. The job never stops: every launcher not killed exits 0 at the job's end, and no gap
-between records kept exceeds --max-gap (default --period).
+the workers over time; a failure with no record after it says so (``recovered`` false). The job never stops:
+node 0 runs until the benchmark ends it, no launcher ends by itself with a failure status, and no gap between
+records kept (nor from the last one to the end) exceeds --max-gap (default --period).
 """
 
 from __future__ import annotations
@@ -48,8 +49,10 @@ WORKER_HOSTS = (1, 2, 3)
 PARTS = ("detect_s", "stop_s", "rendezvous_s", "start_up_s")
 GOAL = 0.80
 GOALS = (h.Goal("goodput >= 0.80 of the failure-free run", "goodput", GOAL, ">="),
-         h.Goal("the job never stops (every launcher exits 0, no gap > --max-gap)", "never_stops", 1.0, ">="))
+         h.Goal("the job never stops (node 0 runs to the end, no launcher fails, no gap > --max-gap)", "never_stops",
+                1.0, ">="))
 DEFAULTS = {"duration": (600.0, 90.0), "period": (60.0, 45.0), "down": (30.0, 20.0)}
+EPOCHS = 100000  # more than any window holds (the digits: ~30 steps an epoch); the benchmark ends the runs
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,6 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node-timeout", type=float, default=5.0, help="goodput: conveyor run --node-timeout (default 5)")
     p.add_argument("--last-call", type=float, default=1.0, help="goodput: --rdzv-last-call (default 1)")
     p.add_argument("--keep", action="store_true", help="goodput: keep the jobs' folders (logs, records) in --dir")
+    p.add_argument("--no-warm-start", dest="warm_start", action="store_false",
+                   help="goodput: start tasks as new interpreters, not forked from a warm template (conveyor run "
+                        "--warm-start, the default here; docs/launcher.md, Warm starts): for comparison")
 
 
 def settle(args: argparse.Namespace) -> None:
@@ -141,6 +147,7 @@ def failure_rows(kept: list[dict[str, Any]], events: list[dict[str, Any]], pace:
         after = next((i for i, r in enumerate(kept) if r["time"] > ev["killed"]), None)
         row: dict[str, Any] = {"host": ev["host"], "killed_s": ev["killed_rel"], "back_s": ev.get("back_rel"),
                                **parts(ev["killed"], list(restarts), kept)}
+        row["recovered"] = after is not None  # (none after: the job stopped or stalled until the benchmark ended it)
         if after is not None and after > 0:
             row["stall_s"] = kept[after]["time"] - kept[after - 1]["time"] - pace
             row["undone_steps"] = kept[after]["undone"] * LOG_EVERY
@@ -162,9 +169,11 @@ def summarize_run(records: list[dict[str, Any]], t0: float, duration: float) -> 
     kept = kept_records(records)
     inside = [r for r in kept if 0 < r["time"] - t0 <= duration]  # (the first record's samples: before the window)
     samples = sum(r["samples"] for r in inside)
-    span = inside[-1]["time"] - t0 if inside else duration  # to the last record counted (the job may end sooner)
+    # the window, the same for both runs; only a run that did not outlast it (it stopped) is counted to its last record
+    outlasted = any(r["time"] - t0 > duration for r in kept)
+    span = duration if outlasted or not inside else inside[-1]["time"] - t0
     spans = [g for t, g in gaps(kept) if 0 < t - t0 <= duration]
-    return {"samples_kept": samples, "rate": samples / span, "span_s": span,
+    return {"samples_kept": samples, "rate": samples / span, "span_s": span, "outlasted_window": outlasted,
             "pace_s": statistics.median(spans) if spans else None,
             "max_gap_s": max((g for _, g in gaps(kept)), default=None),
             "records": len(records), "records_kept": len(kept),
@@ -179,7 +188,7 @@ def summarize_run(records: list[dict[str, Any]], t0: float, duration: float) -> 
 class Job:
     """One elastic job's launchers on the hosts: node 0 on host0, a worker node on each worker host."""
 
-    def __init__(self, hosts: Any, folder: Path, data: Path, args: argparse.Namespace, epochs: int) -> None:
+    def __init__(self, hosts: Any, folder: Path, data: Path, args: argparse.Namespace, epochs: int = EPOCHS) -> None:
         self.hosts, self.folder, self.out = hosts, folder, folder / "out"
         folder.mkdir(parents=True)
         secret = folder / "job.secret"
@@ -188,14 +197,16 @@ class Job:
         self.common = ["-n", "1", "--nnodes", f"2:{1 + len(WORKER_HOSTS)}", "--rdzv", f"host0:{PORT}",
                        "--job-secret-file", str(secret), "--timeout", "120", "--node-timeout", f"{args.node_timeout:g}",
                        "--rdzv-last-call", f"{args.last_call:g}", "--max-restarts", "1000", "--restart-delay", "0",
+                       "--warm-start" if args.warm_start else "--no-warm-start",
                        "--data-dir", str(data), "--output-dir", str(self.out), str(DIGITS), "--epochs", str(epochs),
                        "--batch-size", str(args.batch_size), "--checkpoint-every", str(args.checkpoint_every)]
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         self.procs: dict[int, subprocess.Popen] = {}
-        self.exits: list[dict[str, Any]] = []  # launchers that ended: host, exit status, killed by us or not
+        self.exits: list[dict[str, Any]] = []  # launchers that ended in the run: host, exit status, killed by us or not
         self.starts = 0
-        self.procs_at_end: set[int] = set()  # the launchers the benchmark stopped at the end
+        self.stopped_at_end: list[int] = []  # the hosts whose launchers still ran when the benchmark ended the job
         self.t0 = 0.0
+        self.ended_at = 0.0
 
     def start(self, host: int) -> None:
         argv = [sys.executable, "-m", "conveyor.cli.main", "run", *(["--node-rank", "0"] if host == 0 else []),
@@ -205,11 +216,16 @@ class Job:
             self.procs[host] = self.hosts.popen(self.hosts[host], argv, cwd=self.folder, stdout=log,
                                                 stderr=subprocess.STDOUT, env=self.env)
 
-    def kill(self, host: int) -> None:
-        """Every process on ``host``, launcher and tasks, SIGKILLed (conveyor.testing.hosts.Hosts.kill_host)."""
+    def kill(self, host: int, at_end: bool = False) -> None:
+        """Every process on ``host``, launcher and tasks, SIGKILLed (conveyor.testing.hosts.Hosts.kill_host): a
+        failure, or (``at_end``) the benchmark ending the job, which is no exit of the run's."""
         self.hosts.kill_host(self.hosts[host])
         proc = self.procs.pop(host)
-        self.exits.append({"host": host, "status": proc.wait(timeout=30), "killed": True})
+        status = proc.wait(timeout=30)
+        if at_end:
+            self.stopped_at_end.append(host)
+        else:
+            self.exits.append({"host": host, "status": status, "killed": True})
 
     def ended(self) -> list[dict[str, Any]]:
         """Launchers that ended on their own since the last look (they are taken off the running ones)."""
@@ -219,18 +235,22 @@ class Job:
             self.exits.append({"host": host, "status": status, "killed": False})
         return [e for e in self.exits[len(self.exits) - len(done):]] if done else []
 
-    def wait(self, timeout: float) -> bool:
-        """Wait for every launcher to end on its own; False when some still run after ``timeout`` s."""
+    def finish(self, window_end: float, timeout: float) -> None:
+        """End the job after the window: once the chief logged a record past ``window_end`` (so every record of
+        the window is on disk), or ``timeout`` s later when none comes (the trailing gap then shows it)."""
         deadline = time.monotonic() + timeout
-        while self.procs and time.monotonic() < deadline:
+        while 0 in self.procs and time.monotonic() < deadline:
+            if any(r.get("event") == "train" and r["time"] > window_end for r in self.records()):
+                break
             self.ended()
-            time.sleep(0.5)
-        self.ended()
-        return not self.procs
+            time.sleep(0.2)
+        self.stop()
 
     def stop(self) -> None:
+        self.ended()  # (a launcher that ended by itself meanwhile is the run's exit, not the benchmark's stop)
+        self.ended_at = time.time()
         for host in list(self.procs):
-            self.kill(host)
+            self.kill(host, at_end=True)
 
     def first_record(self, timeout: float) -> float:
         """The time of the chief's first train record: the window starts there (start-up is no failure's cost)."""
@@ -283,7 +303,7 @@ def drive(job: Job, args: argparse.Namespace, failures: bool, log: Any = print) 
                 log(f"    a launcher ended at {time.time() - job.t0:.0f} s: {job.exits[-1]}")
             time.sleep(0.2)
         now = time.time()
-        if 0 not in job.procs:  # node 0 ended: the job is over (it finished its epochs), nothing left to fail
+        if 0 not in job.procs:  # node 0 ended inside the window: the job stopped (never_stops says so)
             break
         if what == "kill":
             job.kill(host)
@@ -309,26 +329,26 @@ def write_data(folder: Path) -> Path:
     return folder
 
 
-def one_run(hosts: Any, folder: Path, data: Path, args: argparse.Namespace, failures: bool, epochs: int,
+def one_run(hosts: Any, folder: Path, data: Path, args: argparse.Namespace, failures: bool,
             log: Any = print) -> dict[str, Any]:
-    """One job: driven for --duration s; the peer is then stopped, the failure run let run to its own end."""
-    job = Job(hosts, folder, data, args, epochs)
+    """One job, driven for --duration s and then ended by the benchmark (:meth:`Job.finish`), either run alike."""
+    job = Job(hosts, folder, data, args)
     try:
         events = drive(job, args, failures, log)
-        stopped_early = [e for e in job.exits if not e["killed"]]
-        if failures:
-            ended = job.wait(timeout=args.duration / 5)  # (the peer's epochs x the goal: longer, goodput is lower)
-            log(f"    {'ended on its own' if ended else 'stopped by the benchmark'} {time.time() - job.t0:.0f} s "
-                f"after its first record")
-        else:
-            ended = None
+        job.finish(job.t0 + args.duration, timeout=args.max_gap)
     finally:
-        job.procs_at_end = set(job.procs)
-        job.stop()
+        if job.procs:  # (an error before the end: nothing may keep running)
+            job.stop()
     run = summarize_run(job.records(), job.t0, args.duration)
     own = [e for e in job.exits if not e["killed"]]
-    run.update(events=events, exits=job.exits, ended_on_its_own=ended, stopped_in_window=stopped_early,
-               epochs=epochs, wall_s=time.time() - job.t0)
+    last = run["kept"][-1]["time"] if run["kept"] else job.t0
+    run.update(events=events, exits=job.exits, stopped_at_end=sorted(job.stopped_at_end),
+               tail_gap_s=job.ended_at - last, wall_s=job.ended_at - job.t0)
+    # the job never stops: node 0 ran until the benchmark ended it, no launcher failed by itself, no long gap
+    run["never_stops"] = bool(0 in job.stopped_at_end and all(e["status"] == 0 for e in own)
+                              and max(run["max_gap_s"] or 0.0, run["tail_gap_s"]) <= args.max_gap)
+    if not run["never_stops"]:
+        run["node0_tail"] = job.tail(0)
     if failures:
         restarts: list[dict[str, Any]] = []
         with contextlib.suppress(OSError, ValueError):
@@ -337,10 +357,6 @@ def one_run(hosts: Any, folder: Path, data: Path, args: argparse.Namespace, fail
         run["world"] = world_timeline(run["kept"], job.t0)
         with contextlib.suppress(OSError, ValueError):
             run["recovery"] = json.loads((job.out / "summary.json").read_text()).get("recovery")
-        run["never_stops"] = bool(all(e["status"] == 0 for e in own) and (run["max_gap_s"] or 1e9) <= args.max_gap
-                                  and (ended or 0 in job.procs_at_end))
-        if not run["never_stops"]:
-            run["node0_tail"] = job.tail(0)
     del run["kept"]
     return run
 
@@ -351,7 +367,7 @@ def goodput(args: argparse.Namespace) -> dict[str, Any]:
 
     settle(args)
     config = {k: getattr(args, k) for k in ("duration", "period", "down", "max_gap", "batch_size", "checkpoint_every",
-                                            "node_timeout", "last_call")}
+                                            "node_timeout", "last_call", "warm_start")}
     reason = unavailable()
     if reason:
         return {"config": config, "runs": {}, "errors": [f"not run: {reason}"], "derived": {},
@@ -364,19 +380,24 @@ def goodput(args: argparse.Namespace) -> dict[str, Any]:
             prefix="conveyor-elastic-goodput-", dir=args.dir)) as tmp, Hosts(1 + len(WORKER_HOSTS)) as hosts:
         data = write_data(Path(tmp) / "data")
         print("  failure-free run", flush=True)
-        runs["failure_free"] = one_run(hosts, Path(tmp) / "free", data, args, False, 100000)
+        runs["failure_free"] = one_run(hosts, Path(tmp) / "free", data, args, False)
         load.append(os.getloadavg())
-        epochs = int(GOAL * (runs["failure_free"]["last_epoch_in_window"] or 0)) + 1
-        print(f"  failure run ({epochs} epochs: the peer's at {args.duration:g} s x {GOAL:g})", flush=True)
-        runs["failures"] = one_run(hosts, Path(tmp) / "failures", data, args, True, epochs)
+        print("  failure run", flush=True)
+        runs["failures"] = one_run(hosts, Path(tmp) / "failures", data, args, True)
         load.append(os.getloadavg())
     free, fail = runs["failure_free"], runs["failures"]
     derived = {"goodput": h.ratio(fail["rate"], free["rate"]), "never_stops": float(fail["never_stops"]),
                "stall_s_median": h.median([f.get("stall_s") for f in fail["failures"]]),
                "rejoin_stall_s_median": h.median([f.get("rejoin_stall_s") for f in fail["failures"]]),
                "loadavg": load}
-    if not fail["never_stops"]:
-        errors.append(f"the failure run stopped or stalled (exits {fail['exits']}, longest gap {fail['max_gap_s']})")
+    for name, run in runs.items():
+        if not run["never_stops"]:
+            errors.append(f"the {name} run stopped or stalled (exits {run['exits']}, node 0 ran to the end: "
+                          f"{0 in run['stopped_at_end']}, longest gap {h.fmt(run['max_gap_s'], '.1f')} s, from the "
+                          f"last record to the end {run['tail_gap_s']:.1f} s)")
+    lost = [i for i, f in enumerate(fail["failures"], 1) if not f["recovered"]]
+    if lost:
+        errors.append(f"failure(s) {lost}: no record after the kill (the job did not recover before the end)")
     return {"config": config, "runs": runs, "errors": errors, "derived": derived,
             "goals": h.evaluate_goals(GOALS, derived), "table": table(args, runs, derived)}
 
@@ -384,28 +405,31 @@ def goodput(args: argparse.Namespace) -> dict[str, Any]:
 def table(args: argparse.Namespace, runs: dict[str, Any], derived: dict[str, Any]) -> str:
     free, fail = runs["failure_free"], runs["failures"]
     loads = " / ".join(" ".join(f"{x:.1f}" for x in la) for la in derived["loadavg"])
+    starts = "--warm-start (tasks forked from a template)" if args.warm_start else "--no-warm-start (new interpreters)"
     head = (f"goodput: digits (allreduce, batch {args.batch_size} per worker, 1 thread per task, checkpoint every "
             f"{args.checkpoint_every} steps), node 0 on host0 + {len(WORKER_HOSTS)} worker hosts, 1 task each, "
-            f"--nnodes 2:{1 + len(WORKER_HOSTS)} --node-timeout {args.node_timeout:g} --rdzv-last-call "
+            f"{starts}, --nnodes 2:{1 + len(WORKER_HOSTS)} --node-timeout {args.node_timeout:g} --rdzv-last-call "
             f"{args.last_call:g}; a worker host killed every {args.period:g} s, back {args.down:g} s later, "
-            f"{args.duration:g} s per run; load average (1/5/15 min) before / between / after: {loads} on "
-            f"{os.cpu_count()} CPU(s)")
-    rows = [["run", "samples kept", "samples/s", "samples undone", "pace s", "longest gap s", "launchers' exits"]]
+            f"{args.duration:g} s per run, both ended by the benchmark after it; load average (1/5/15 min) before / "
+            f"between / after: {loads} on {os.cpu_count()} CPU(s)")
+    rows = [["run", "samples kept", "samples/s", "samples undone", "pace s", "longest gap s", "last record to end s",
+             "launchers' exits in the run", "running at the end"]]
     for name, run in (("failure-free", free), ("failures", fail)):
-        exits = ", ".join(f"host{e['host']}:{'killed' if e['killed'] else e['status']}" for e in run["exits"])
+        exits = ", ".join(f"host{e['host']}:{'killed' if e['killed'] else e['status']}" for e in run["exits"]) or "-"
         rows.append([name, str(run["samples_kept"]), h.fmt(run["rate"], ".1f"), str(run["undone_samples"]),
-                     h.fmt(run["pace_s"], ".2f"), h.fmt(run["max_gap_s"], ".1f"), exits])
+                     h.fmt(run["pace_s"], ".2f"), h.fmt(run["max_gap_s"], ".1f"), h.fmt(run["tail_gap_s"], ".1f"),
+                     exits, ",".join(f"host{x}" for x in run["stopped_at_end"]) or "none"])
     per = [["failure", "host", "killed s", "stall s", "(detect", "stop", "rdzv", "start-up)", "steps undone",
             "workers after", "back s", "rejoined s", "rejoin stall s", "(detect", "stop", "rdzv", "start-up)"]]
     for i, f in enumerate(fail["failures"], 1):
         per.append([str(i), f["host"], h.fmt(f["killed_s"], ".0f"), h.fmt(f.get("stall_s"), ".1f"),
                     *(h.fmt(f.get(k), ".1f") for k in PARTS), str(f.get("undone_steps", "-")),
-                    str(f.get("workers_after", "-")), h.fmt(f.get("back_s"), ".0f"), h.fmt(f.get("rejoined_s"), ".0f"),
+                    str(f.get("workers_after", "-" if f["recovered"] else "no record after")),
+                    h.fmt(f.get("back_s"), ".0f"), h.fmt(f.get("rejoined_s"), ".0f"),
                     h.fmt(f.get("rejoin_stall_s"), ".1f"), *(h.fmt(f.get(f"rejoin_{k}"), ".1f") for k in PARTS)])
     world = ", ".join(f"{t:g} s: {w}" for t, w in fail["world"])
     return "\n".join([head, h.format_rows(rows, underline=True),
                       f"goodput (samples kept per second, failures / failure-free): {h.fmt(derived['goodput'], '.3f')}"
-                      f"; the job never stops: {bool(derived['never_stops'])} ("
-                      f"{'ended on its own' if fail['ended_on_its_own'] else 'running, stopped by the benchmark'} "
-                      f"{fail['wall_s']:.0f} s after its first record; {fail['epochs']} epochs: the peer's x {GOAL:g})",
+                      f"; the job never stops: {bool(derived['never_stops'])} (ended by the benchmark "
+                      f"{fail['wall_s']:.0f} s after its first record)",
                       h.format_rows(per, underline=True), f"workers over time (failure run): {world}"])
