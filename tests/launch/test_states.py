@@ -89,7 +89,7 @@ class Peers:
 def plan(tmp_path):
     logs = tmp_path / "logs"
     tasks = tuple(SimpleNamespace(task=TaskId("worker", i), log_path=str(logs / f"worker-{i}.log")) for i in (0, 1))
-    return SimpleNamespace(tasks=tasks, log_dir=str(logs), node_rank=0,
+    return SimpleNamespace(tasks=tasks, log_dir=str(logs), node_rank=0, strategy="",  # the default, allreduce
                            checkpoint_dir=str(tmp_path / "checkpoints"))
 
 
